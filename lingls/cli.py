@@ -1,0 +1,79 @@
+"""The `lingls` command: the language server (default), `serve`, `complete`, `bench`.
+
+Each subcommand's work lives in its room; this module only parses arguments and imports the room lazily, so
+`lingls --help` and the language server start without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lingls import __version__
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="model directory (default: the embedded ling-nano)")
+    p.add_argument("--device", default=None, help="torch device for an in-process model (default: cuda if present, else cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lingls",
+        description="Inline code completion language server backed by a batch-1 Ling-3.0 runtime.",
+    )
+    parser.add_argument("--version", action="version", version=f"lingls {__version__}")
+    transport = parser.add_mutually_exclusive_group()
+    transport.add_argument("--stdio", action="store_true", help="run the language server over stdin/stdout (default)")
+    transport.add_argument("--tcp", action="store_true", help="run the language server on a TCP port")
+    parser.add_argument("--host", default="127.0.0.1", help="--tcp: address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=2087, help="--tcp: port (default 2087)")
+    parser.add_argument("--endpoint", metavar="URL", help="use a remote /v1/completions server instead of an in-process model")
+    parser.add_argument("--log-file", metavar="PATH", help="write the server log to this file")
+    _add_model_args(parser)
+
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve a Ling-3.0 model over an OpenAI-compatible HTTP API (batch 1)")
+    _add_model_args(serve)
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one process per GPU")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
+    serve.add_argument("--draft", default="none", help="speculative drafter(s): none, mtp, lookup, a directory, or a+b")
+    serve.add_argument("--dtype", default=None, help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+    complete = sub.add_parser("complete", help="print the completion at PATH:LINE:COL (1-based)")
+    complete.add_argument("location", metavar="PATH:LINE:COL")
+    _add_model_args(complete)
+    complete.add_argument("--endpoint", metavar="URL", help="ask a remote /v1/completions server")
+    complete.add_argument("--max-tokens", type=int, default=64)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
+    bench.add_argument("what", choices=["step", "prefix", "lsp", "spec"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see lingls bench WHAT --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from lingls.runtime.server import main as serve_main
+
+        return serve_main(args) or 0
+    if args.command == "complete":
+        from lingls.lsp.oneshot import main as complete_main
+
+        return complete_main(args) or 0
+    if args.command == "bench":
+        import importlib
+
+        module = importlib.import_module(f"lingls.bench.{args.what}")
+        return module.main(args.rest) or 0
+    from lingls.lsp.server import main as lsp_main
+
+    return lsp_main(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
