@@ -1,0 +1,59 @@
+/**
+ * The extension's settings (`lingls.*`) and the server settings derived from them.
+ *
+ * VS Code keeps per-language switches as an object (`{"*": true, "markdown": false}`); the server receives the
+ * same object so that both sides agree on what is enabled, and the client also skips requests for disabled
+ * languages so that no keystroke in them costs a round trip.
+ */
+import * as vscode from 'vscode';
+
+export interface ExtensionSettings {
+  path: string;
+  endpoint: string;
+  model: string;
+  maxTokens: number;
+  debounceMs: number;
+  enable: Record<string, boolean>;
+}
+
+export function readSettings(): ExtensionSettings {
+  const cfg = vscode.workspace.getConfiguration('lingls');
+  return {
+    path: cfg.get<string>('path', 'lingls').trim() || 'lingls',
+    endpoint: cfg.get<string>('endpoint', '').trim(),
+    model: cfg.get<string>('model', '').trim(),
+    maxTokens: cfg.get<number>('maxTokens', 64),
+    debounceMs: cfg.get<number>('debounceMs', 75),
+    enable: { ...cfg.get<Record<string, boolean>>('enable', { '*': true }) },
+  };
+}
+
+/** What the server reads from initializationOptions and workspace/didChangeConfiguration. Empty strings mean
+ * "the server's default", so they are left out rather than sent. */
+export function serverSettings(s: ExtensionSettings): Record<string, unknown> {
+  const out: Record<string, unknown> = {
+    maxTokens: s.maxTokens,
+    debounceMs: s.debounceMs,
+    enable: s.enable,
+  };
+  if (s.endpoint) {
+    out.endpoint = s.endpoint;
+  }
+  if (s.model) {
+    out.model = s.model;
+  }
+  return out;
+}
+
+export function isEnabledFor(s: ExtensionSettings, languageId: string): boolean {
+  return s.enable[languageId] ?? s.enable['*'] ?? true;
+}
+
+/** Flip the `*` switch (every language not listed by name), in the user's global settings. */
+export async function toggleAll(): Promise<boolean> {
+  const cfg = vscode.workspace.getConfiguration('lingls');
+  const enable = { ...cfg.get<Record<string, boolean>>('enable', { '*': true }) };
+  enable['*'] = !(enable['*'] ?? true);
+  await cfg.update('enable', enable, vscode.ConfigurationTarget.Global);
+  return enable['*'];
+}
