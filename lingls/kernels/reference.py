@@ -1,0 +1,158 @@
+"""Plain-torch references of every op in a Ling-3.0 step.
+
+These are the definitions: the model uses them on CPU and whenever no fused kernel applies, and every fast
+kernel in this package is tested against them. Shapes use B (batch), T (tokens), H (heads), D (head size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back before the weight multiply (as the checkpoint was trained)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA output norm: RMSNorm over each head's D channels, times sigmoid(gate), all in fp32."""
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (of * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (eps inside the sqrt, as fla and the checkpoint use)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+             safe_gate: bool = True) -> torch.Tensor:
+    """Per-channel log decay g in (lower_bound, 0), fp32. f: [..., H, D]; a_log: [H]; dt_bias: [H*D]."""
+    h, d = f.shape[-2:]
+    x = f.float() + dt_bias.float().view(h, d)
+    rate = a_log.float().exp().view(h, 1)
+    if safe_gate:
+        return lower_bound * torch.sigmoid(rate * x)
+    return -rate * F.softplus(x)
+
+
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+    """Depthwise causal conv + SiLU over time.
+
+    x: [B, T, C]; weight: [C, K]; state: [B, C, K-1] (the K-1 inputs before x) or None for zeros.
+    Returns (y [B, T, C], new_state [B, C, K-1]).
+    """
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    xt = x.transpose(1, 2)
+    if state is None:
+        state = xt.new_zeros(b, c, k - 1)
+    ext = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
+    y = F.conv1d(ext.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
+    return F.silu(y).to(x.dtype).transpose(1, 2), ext[..., ext.shape[-1] - (k - 1):]
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """The delta rule with per-channel decay, one token at a time (the definition).
+
+    q, k: [B, T, H, Dk] already L2-normalised, q already scaled; v: [B, T, H, Dv]; g: [B, T, H, Dk] log decay;
+    beta: [B, T, H]; state: [B, H, Dk, Dv] fp32. Returns (o [B, T, H, Dv] fp32, final state).
+    """
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = state.float()
+    out = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp().unsqueeze(-1)
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, t], err * beta[:, t].unsqueeze(-1))
+        out.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    return torch.stack(out, dim=1), s
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 32):
+    """The same function as `kda_recurrent`, computed a chunk at a time (for long prefills).
+
+    Within a chunk, with G_t the cumulative log decay, the state's corrections u_t solve a unit lower-triangular
+    system (I + A) U = beta * (V - (k * e^G) S0), A[t, s] = beta_t <k_t, k_s e^(G_t - G_s)> for s < t; outputs are
+    (q * e^G) S0 + M U with M[t, s] = <q_t, k_s e^(G_t - G_s)> for s <= t. Every exponent is <= 0.
+    """
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    b, t_len, h, dk = k.shape
+    s = state.float()
+    outs = []
+    for start in range(0, t_len, chunk):
+        sl = slice(start, min(start + chunk, t_len))
+        qc, kc, vc, bc = (x[:, sl].transpose(1, 2) for x in (q, k, v, beta))  # [B, H, C, *]
+        gc = g[:, sl].transpose(1, 2).cumsum(dim=2)  # [B, H, C, Dk]
+        c = qc.shape[2]
+        diff = gc.unsqueeze(3) - gc.unsqueeze(2)  # [B, H, C(t), C(s), Dk] = G_t - G_s
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+        a = torch.einsum("bhtd,bhsd,bhtsd->bhts", kc, kc, decay) * bc.unsqueeze(-1)
+        a = a.masked_fill(~causal.tril(-1), 0.0)  # strictly lower
+        m = torch.einsum("bhtd,bhsd,bhtsd->bhts", qc, kc, decay)
+        rhs = bc.unsqueeze(-1) * (vc - (kc * gc.exp()) @ s)
+        eye = torch.eye(c, dtype=a.dtype, device=a.device)
+        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        outs.append(((qc * gc.exp()) @ s + m @ u).transpose(1, 2))
+        g_last = gc[:, :, -1:]  # [B, H, 1, Dk]
+        s = s * g_last.transpose(2, 3).exp() + (kc * (g_last - gc).exp()).transpose(2, 3) @ u
+    return torch.cat(outs, dim=1), s
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
+    """cos, sin of each rotated pair's angle: [T, dim/2] fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True,
+               heads: bool = False) -> torch.Tensor:
+    """Rotate x [..., T, dim] (or [..., T, H, dim] with heads=True) by per-token angles cos/sin [T, dim/2].
+
+    Interleaved pairs (x0, x1), (x2, x3), ... are rotated and written out as [evens | odds]: the layout is
+    immaterial to q.k as long as queries and keys share it, and it matches the reference implementation.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    if heads:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def route_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                       normalize: bool, scale: float):
+    """Ling's sigmoid router: choose with score + bias inside the best groups, weigh with the unbiased score.
+
+    logits: [N, E] fp32. Returns (weights [N, top_k] fp32, indices [N, top_k]).
+    """
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    n, e = choice.shape
+    grouped = choice.view(n, n_group, e // n_group)
+    group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    idx = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if normalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up, with Ling's optional clamp min(silu(gate), L) * clamp(up, -L, L) when limit > 0."""
+    act = F.silu(gate)
+    if limit > 0:
+        act = act.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return act * up

@@ -1,0 +1,473 @@
+"""Ling-3.0 (`bailing_hybrid`) in PyTorch: embedding, KDA and gated-MLA layers, dense and MoE MLPs, MTP, lm_head.
+
+Two ways to run it:
+- `hidden(input_ids[B, T])`: the full causal sequence, batched (training, parity tests).
+- `step(input_ids[T], state, positions[T])`: batch 1 over an explicit `InferenceState` (KDA recurrent + conv
+  state, MLA latent KV). Prefill P tokens, then steps of T >= 1; long inputs use the chunked KDA form.
+
+Tensor parallelism: built with `Parallel(rank, size)`, a module holds rank r's slice (heads of KDA and MLA,
+the intermediate dim of dense MLPs and experts, the vocab of lm_head) and its row-parallel outputs are partial
+sums that `Parallel.all_reduce` completes (identity at size 1). Parameter names are the official checkpoint
+names, except the routed experts, which are stacked per layer (`mlp.experts.gate_up_proj` [E, 2I, H] with gate
+rows first, `mlp.experts.down_proj` [E, H, I]) so a step gathers the chosen experts without a host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingls.kernels import reference as ref
+from lingls.model.config import KDA, LingConfig
+
+CHUNKED_KDA_MIN_TOKENS = 64  # below this a step runs the recurrent form; above, the chunked form
+GATHER_EXPERTS_MAX_TOKENS = 16  # up to this many tokens, experts are gathered by index (graph-capturable)
+
+
+@dataclass
+class Parallel:
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    all_gather_last: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # concatenates shards on the last dim
+
+    def split(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {self.size}")
+        return n // self.size
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return ref.rms_norm(x, self.weight, self.eps)
+
+
+class ConvWeight(nn.Module):
+    """Holds a depthwise conv's weight [C, 1, K] under the checkpoint's name `*_conv1d.weight`."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class InferenceState:
+    """One sequence's state (batch 1). Stacked per layer kind so a snapshot is three tensor copies."""
+
+    kda: torch.Tensor  # [n_kda, H, Dk, Dv] fp32 recurrent state
+    conv: torch.Tensor  # [n_kda, 3, C, K-1] last K-1 projected q, k, v inputs
+    latent: torch.Tensor  # [n_mla, capacity, kv_lora_rank + rope] MLA latent KV (rope already applied)
+
+    @property
+    def capacity(self) -> int:
+        return self.latent.shape[1]
+
+    def clone(self) -> "InferenceState":
+        return InferenceState(self.kda.clone(), self.conv.clone(), self.latent.clone())
+
+    def copy_(self, other: "InferenceState", kv_len: int | None = None) -> None:
+        """Copy `other` into this state in place (CUDA-graph inputs keep their addresses)."""
+        self.kda.copy_(other.kda)
+        self.conv.copy_(other.conv)
+        n = other.latent.shape[1] if kv_len is None else kv_len
+        self.latent[:, :n].copy_(other.latent[:, :n])
+
+
+# ---------------------------------------------------------------------------------------------------------
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: LingConfig, par: Parallel):
+        super().__init__()
+        self.heads = par.split(cfg.num_attention_heads, "num_attention_heads")
+        self.d = cfg.head_dim
+        c = self.heads * self.d
+        hid = cfg.hidden_size
+        self.q_proj, self.k_proj, self.v_proj = _linear(hid, c), _linear(hid, c), _linear(hid, c)
+        self.f_proj, self.g_proj = _linear(hid, c), _linear(hid, c)
+        self.b_proj = _linear(hid, self.heads)
+        k = cfg.short_conv_kernel_size
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = ConvWeight(c, k), ConvWeight(c, k), ConvWeight(c, k)
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))
+        self.o_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.dense = _linear(c, hid)
+        self.lower_bound, self.safe_gate, self.eps = cfg.kda_lower_bound, cfg.kda_safe_gate, cfg.rms_norm_eps
+        self.par = par
+
+    def forward(self, x, conv_state=None, state=None):
+        """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None.
+
+        Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
+        b, t, _ = x.shape
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        qkv, new_conv = [], []
+        for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
+            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i])
+            qkv.append(y.view(b, t, self.heads, self.d))
+            new_conv.append(cs)
+        q, k, v = qkv
+        q = ref.l2_normalize(q.float()) * self.d ** -0.5
+        k = ref.l2_normalize(k.float())
+        g = ref.kda_gate(self.f_proj(x).view(b, t, self.heads, self.d), self.A_log, self.dt_bias,
+                         self.lower_bound, self.safe_gate)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if state is None:
+            state = x.new_zeros(b, self.heads, self.d, self.d, dtype=torch.float32)
+        o, state = delta_rule(q, k, v, g, beta, state)
+        o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)
+        return self.dense(o.to(x.dtype).reshape(b, t, -1)), torch.stack(new_conv, 1), state
+
+
+def delta_rule(q, k, v, g, beta, state):
+    """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms."""
+    t = q.shape[1]
+    if t >= CHUNKED_KDA_MIN_TOKENS:
+        if q.is_cuda and _fla_chunk_kda() is not None:
+            o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=False)
+            return o, s
+        return ref.kda_chunked(q, k, v, g, beta, state)
+    return ref.kda_recurrent(q, k, v, g, beta, state)
+
+
+_FLA = []
+
+
+def _fla_chunk_kda():
+    if not _FLA:
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception:  # fla-core absent or without a GPU toolchain: the torch forms serve
+            chunk_kda = None
+        _FLA.append(chunk_kda)
+    return _FLA[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+class GatedMLA(nn.Module):
+    """Multi-head latent attention with a sigmoid gate per head on its output."""
+
+    def __init__(self, cfg: LingConfig, par: Parallel):
+        super().__init__()
+        self.heads = par.split(cfg.num_attention_heads, "num_attention_heads")
+        hid = cfg.hidden_size
+        self.nope, self.rope, self.vdim, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        qdim = self.heads * cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = _linear(hid, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = _linear(cfg.q_lora_rank, qdim)
+        else:
+            self.q_proj = _linear(hid, qdim)
+        self.kv_a_proj_with_mqa = _linear(hid, self.rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = _linear(self.rank, self.heads * (self.nope + self.vdim))
+        self.g_proj = _linear(hid, self.heads)
+        self.dense = _linear(self.heads * self.vdim, hid)
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
+
+    def _query(self, x):
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        return q.view(*x.shape[:-1], self.heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+
+    def latent(self, x, positions):
+        """The cache row of each token: [c = RMSNorm(kv_a[:rank]) | rope(k_rope)], shape [..., T, rank + rope]."""
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        cos, sin = ref.rope_cos_sin(positions, self.rope, self.theta)
+        return torch.cat([self.kv_a_layernorm(c), ref.apply_rope(k_rope, cos, sin, self.interleave)], dim=-1)
+
+    def forward(self, x, positions):
+        """Full causal attention over x [B, T, hidden] with the expanded keys and values (the reference form)."""
+        b, t, _ = x.shape
+        q_nope, q_rope = self._query(x)
+        cos, sin = ref.rope_cos_sin(positions, self.rope, self.theta)
+        q_rope = ref.apply_rope(q_rope, cos, sin, self.interleave, heads=True)
+        lat = self.latent(x, positions)
+        kv = self.kv_b_proj(lat[..., : self.rank]).view(b, t, self.heads, self.nope + self.vdim)
+        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
+        k_rope = lat[..., self.rank:].unsqueeze(2).expand(b, t, self.heads, self.rope)
+        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)
+        k = torch.cat([k_nope, k_rope], -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return self._out(x, o.transpose(1, 2))
+
+    def attend_latent(self, x, positions, cache, kv_len: int):
+        """Absorbed-weight attention for batch 1 over the latent cache.
+
+        x: [T, hidden]; positions: [T] (device); cache: [capacity, rank + rope], already holding these tokens'
+        rows. Keys at cache rows j > position are masked, so rows past the sequence never contribute.
+        """
+        t = x.shape[0]
+        q_nope, q_rope = self._query(x)  # [T, H, nope], [T, H, rope]
+        cos, sin = ref.rope_cos_sin(positions, self.rope, self.theta)
+        q_rope = ref.apply_rope(q_rope, cos, sin, self.interleave, heads=True)
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope:]  # [H, nope, rank], [H, v, rank]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_k)  # absorb W_k into the query
+        keys = cache[:kv_len]
+        scores = (torch.einsum("thr,jr->thj", q_lat, keys[:, : self.rank])
+                  + torch.einsum("thp,jp->thj", q_rope, keys[:, self.rank:])).float() * self.scale
+        visible = torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None]  # [T, J]
+        probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1).to(x.dtype)
+        o_lat = torch.einsum("thj,jr->thr", probs, keys[:, : self.rank])
+        o = torch.einsum("thr,hvr->thv", o_lat, w_v)  # absorb W_v into the output
+        return self._out(x, o.reshape(t, self.heads, self.vdim))
+
+    def _out(self, x, o):
+        gate = torch.sigmoid(self.g_proj(x).float()).to(o.dtype)
+        return self.dense((o * gate.unsqueeze(-1)).flatten(-2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float = 0.0):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.limit = limit
+
+    def forward(self, x):
+        return self.down_proj(ref.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    """`mlp.gate`: sigmoid scores with a per-expert selection bias (aux-loss-free balancing)."""
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.normalize, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x):
+        """x: [N, hidden] -> (weights [N, k] fp32, indices [N, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        return ref.route_grouped_topk(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group,
+                                      self.normalize, self.scale)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: LingConfig, inter: int, limit: float):
+        super().__init__()
+        self.inter, self.limit = inter, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, inter))
+
+    def forward(self, x, weights, idx):
+        """x: [N, hidden]; weights, idx: [N, k]. Sum over the chosen experts of weight * expert(x)."""
+        n, k = idx.shape
+        if n <= GATHER_EXPERTS_MAX_TOKENS:
+            gu = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[idx])
+            act = ref.swiglu(gu[..., : self.inter], gu[..., self.inter:], self.limit)
+            y = torch.einsum("nki,nkhi->nkh", act, self.down_proj[idx])
+            return (y.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
+        flat = idx.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        tokens, slots = order // k, order
+        start = 0
+        for e, cnt in enumerate(counts):
+            if cnt == 0:
+                continue
+            tok, slot = tokens[start:start + cnt], slots[start:start + cnt]
+            start += cnt
+            gu = x[tok] @ self.gate_up_proj[e].t()
+            y = ref.swiglu(gu[:, : self.inter], gu[:, self.inter:], self.limit) @ self.down_proj[e].t()
+            out.index_add_(0, tok, y.float() * weights.flatten()[slot, None])
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: LingConfig, par: Parallel, layer: int):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, par.split(cfg.moe_intermediate_size, "moe_intermediate_size"), cfg.expert_limit(layer))
+        self.shared_experts = SwiGLU(cfg.hidden_size, par.split(cfg.shared_intermediate, "shared expert intermediate size"),
+                                     cfg.shared_limit(layer)) if cfg.num_shared_experts else None
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = self.gate(flat)
+        y = self.experts(flat, weights, idx).view_as(x)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+# ---------------------------------------------------------------------------------------------------------
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LingConfig, par: Parallel, layer: int, kind: str, mlp: str):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = KimiDeltaAttention(cfg, par) if kind == KDA else GatedMLA(cfg, par)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        inter = par.split(cfg.intermediate_size, "intermediate_size") if mlp == "dense" else 0
+        self.mlp = SwiGLU(cfg.hidden_size, inter) if mlp == "dense" else MoE(cfg, par, layer)
+        self.par = par
+
+    def _mlp(self, h):
+        return h + self.par.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction: from h_t and the embedding of token t+1, predict token t+2."""
+
+    def __init__(self, cfg: LingConfig, par: Parallel, layer: int):
+        super().__init__(cfg, par, layer, "mla", "moe")
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = _linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def mix(self, emb, h):
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+
+
+class LingModel(nn.Module):
+    def __init__(self, cfg: LingConfig, par: Parallel):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        n = cfg.num_hidden_layers
+        layers = [DecoderLayer(cfg, par, i, cfg.layer_types[i], cfg.mlp_types[i]) for i in range(n)]
+        layers += [MTPLayer(cfg, par, n + j) for j in range(cfg.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LingForCausalLM(nn.Module):
+    def __init__(self, cfg: LingConfig, par: Parallel | None = None):
+        super().__init__()
+        self.config, self.par = cfg, par or Parallel()
+        self.model = LingModel(cfg, self.par)
+        self.lm_head = _linear(cfg.hidden_size, self.par.split(cfg.vocab_size, "vocab_size"))
+        self.n_layers = cfg.num_hidden_layers
+        # slot of each layer in the stacked InferenceState tensors
+        self.kda_slot = {i: s for s, i in enumerate(cfg.kda_layers)}
+        mla = cfg.mla_layers + list(range(self.n_layers, self.n_layers + cfg.num_nextn_predict_layers))
+        self.mla_slot = {i: s for s, i in enumerate(mla)}
+
+    @property
+    def decoder_layers(self):
+        return self.model.layers[: self.n_layers]
+
+    @property
+    def mtp_layers(self):
+        return self.model.layers[self.n_layers:]
+
+    # ---- full sequence --------------------------------------------------------------------------------
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, hidden], the residual stream after the last layer (before the final norm)."""
+        h = self.model.word_embeddings(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        for layer in self.decoder_layers:
+            h = self._layer_full(layer, h, positions)
+        return h
+
+    def _layer_full(self, layer: DecoderLayer, h, positions):
+        x = layer.input_layernorm(h)
+        a = layer.attention(x)[0] if layer.kind == KDA else layer.attention(x, positions)
+        return layer._mlp(h + self.par.all_reduce(a))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: this rank's vocab shard of the logits."""
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(input_ids))
+
+    def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Full-sequence MTP: h [B, T, hidden] at positions t, next_ids [B, T] = tokens t+1 -> logits for t+2."""
+        layer = self.mtp_layers[depth]
+        x = layer.mix(self.model.word_embeddings(next_ids), h)
+        positions = torch.arange(next_ids.shape[1], device=next_ids.device)
+        x = self._layer_full(layer, x, positions)
+        return self.lm_head(layer.final_layernorm(x))
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1-D ids [T] -> float logits [T, vocab] (the whole vocab, gathered across TP ranks)."""
+        return self.par.all_gather_last(self(input_ids.view(1, -1))[0]).float()
+
+    # ---- batch 1 with state ---------------------------------------------------------------------------
+    def new_state(self, capacity: int, device=None, dtype=None) -> InferenceState:
+        cfg = self.config
+        device = device or self.lm_head.weight.device
+        dtype = dtype or self.lm_head.weight.dtype
+        heads = cfg.num_attention_heads // self.par.size
+        n_kda, n_mla = len(self.kda_slot), len(self.mla_slot)
+        return InferenceState(
+            kda=torch.zeros(n_kda, heads, cfg.head_dim, cfg.head_dim, device=device, dtype=torch.float32),
+            conv=torch.zeros(n_kda, 3, heads * cfg.head_dim, cfg.short_conv_kernel_size - 1, device=device, dtype=dtype),
+            latent=torch.zeros(n_mla, capacity, cfg.latent_dim, device=device, dtype=dtype),
+        )
+
+    def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
+             kv_len: int | None = None) -> torch.Tensor:
+        """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm).
+
+        `kv_len` bounds the MLA keys read (the last position + 1, when the caller knows it on the host);
+        None reads the whole cache, masked on device (the fixed-shape form CUDA graphs capture).
+        """
+        h = self.model.word_embeddings(input_ids)
+        kv_len = state.capacity if kv_len is None else kv_len
+        for i, layer in enumerate(self.decoder_layers):
+            h = self._layer_step(i, layer, h, state, positions, kv_len)
+        return h
+
+    def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len):
+        x = layer.input_layernorm(h)
+        if layer.kind == KDA:
+            s = self.kda_slot[i]
+            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1])
+            state.conv[s].copy_(conv[0])
+            state.kda[s].copy_(rec[0])
+            a = a[0]
+        else:
+            cache = state.latent[self.mla_slot[i]]
+            cache.index_copy_(0, positions, layer.attention.latent(x, positions))
+            a = layer.attention.attend_latent(x, positions, cache, kv_len)
+        return layer._mlp(h + self.par.all_reduce(a))
+
+    def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
+                 kv_len: int | None = None, depth: int = 0) -> torch.Tensor:
+        """MTP over the state: h [T, hidden] at `positions`, next_ids [T] -> the MTP layer's output [T, hidden]
+        (apply `mtp_head` for logits). Its latent cache rows are indexed by the same positions."""
+        layer = self.mtp_layers[depth]
+        x = layer.mix(self.model.word_embeddings(next_ids), h)
+        kv_len = state.capacity if kv_len is None else kv_len
+        return self._layer_step(self.n_layers + depth, layer, x, state, positions, kv_len)
+
+    def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.lm_head(self.mtp_layers[depth].final_layernorm(x))
+
+    # ---- initialisation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random weights for training from scratch and for generated test checkpoints."""
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.empty_like(p).uniform_(-6.9, -2.3, generator=generator).exp().clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("expert_bias"):
+                p.zero_()
+            elif leaf == "weight" and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
