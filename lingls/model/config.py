@@ -292,10 +292,10 @@ def flash_config(num_hidden_layers: int = 42) -> LingConfig:
     })
 
 
-def tiny_config() -> LingConfig:
+def tiny_config(num_hidden_layers: int = 24) -> LingConfig:
     """Ling-3.0-tiny's shapes: q_lora_rank set, 128 experts, no MTP."""
     return LingConfig.from_dict({
-        "vocab_size": 157184, "hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "vocab_size": 157184, "hidden_size": 1536, "num_hidden_layers": num_hidden_layers, "num_attention_heads": 16,
         "head_dim": 128, "layer_group_size": 4, "first_k_dense_replace": 1, "intermediate_size": 4608,
         "moe_intermediate_size": 512, "num_experts": 128, "num_experts_per_tok": 8, "num_shared_experts": 1,
         "n_group": 8, "topk_group": 4, "q_lora_rank": 256, "kv_lora_rank": 512, "qk_nope_head_dim": 128,

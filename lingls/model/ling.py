@@ -454,6 +454,22 @@ class LingForCausalLM(nn.Module):
     def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
         return self.lm_head(self.mtp_layers[depth].final_layernorm(x))
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameters, MTP layers excluded.
+
+        Active counts what one token computes with: the chosen experts instead of all, and no embedding table
+        (a lookup reads one row). For Ling-3.0-flash: 124.4B total, 5.10B active."""
+        cfg, total, routed = self.config, 0, 0
+        for name, p in self.named_parameters():
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= self.n_layers:
+                continue
+            total += p.numel()
+            if ".mlp.experts." in name:
+                routed += p.numel()
+        embedding = self.model.word_embeddings.weight.numel()
+        active = total - embedding - routed + routed * cfg.num_experts_per_tok // cfg.num_experts
+        return total, active
+
     # ---- initialisation -------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

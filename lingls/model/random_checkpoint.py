@@ -1,0 +1,85 @@
+"""Random Ling-3.0 checkpoints in the official layout, at any config (Ling-3.0-flash shapes included).
+
+The real checkpoint cannot be downloaded here, so tests and benchmarks load these instead: the same tensor
+names, shapes and dtypes (bf16 matrices; fp32 A_log, dt_bias, expert_bias), written tensor by tensor into
+safetensors shards with an index, as the real one is. Nothing is built in memory beyond one shard.
+
+    python -m lingls.model.random_checkpoint OUT_DIR --flash --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from lingls.model.config import LingConfig, flash_config, tiny_config
+from lingls.model.ling import LingForCausalLM
+from lingls.model.loader import FP32_TENSORS, official_tensors, write_shards
+
+
+def random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, std: float) -> torch.Tensor:
+    """A plausible value for tensor `name`: norms near 1, KDA decay parameters in their trained ranges."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+    if leaf == "dt_bias":
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        return dt + torch.log(-torch.expm1(-dt))
+    if leaf == "expert_bias":
+        return torch.randn(shape, generator=gen) * 0.01
+    if len(shape) == 1:
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
+def random_tensors(cfg: LingConfig, dtype: torch.dtype, seed: int, std: float) -> Iterator[tuple[str, torch.Tensor]]:
+    with torch.device("meta"):
+        layout = LingForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in official_tensors(layout):
+        fp32 = name.rsplit(".", 1)[-1] in FP32_TENSORS
+        yield name, random_tensor(name, shape, torch.float32 if fp32 else dtype, gen, std)
+
+
+def write_random_checkpoint(cfg: LingConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                            std: float = 0.02, max_shard_bytes: int = 5 * 2**30) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(out_dir / "config.json")
+    write_shards(random_tensors(cfg, dtype, seed, std), out_dir, max_shard_bytes)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    shape = p.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--flash", action="store_true", help="Ling-3.0-flash shapes")
+    shape.add_argument("--tiny", action="store_true", help="Ling-3.0-tiny shapes")
+    shape.add_argument("--config", metavar="JSON", help="any config.json")
+    p.add_argument("--layers", type=int, help="number of decoder layers (keeps the layer pattern)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gb", type=float, default=5.0)
+    a = p.parse_args(argv)
+    if a.config:
+        raw = json.loads(Path(a.config).read_text())
+        if a.layers:
+            raw["num_hidden_layers"] = a.layers
+            raw.pop("layer_types", None), raw.pop("mlp_layer_types", None)
+        cfg = LingConfig.from_dict(raw)
+    elif a.flash:
+        cfg = flash_config(a.layers or 42)
+    else:
+        cfg = tiny_config(a.layers or 24)
+    write_random_checkpoint(cfg, a.out_dir, seed=a.seed, max_shard_bytes=int(a.shard_gb * 2**30))
+    print(f"wrote {a.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
