@@ -1,0 +1,144 @@
+"""Loading: official and transformers names, shards, dtypes, tensor-parallel slices, and clear errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lingls.model import CheckpointError, load_model, save_checkpoint
+from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.model.loader import official_state_dict
+from lingls.model.random_checkpoint import write_random_checkpoint
+
+from .conftest import randomize, small_config
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    m = LingForCausalLM(small_config(num_nextn_predict_layers=1))
+    m.init_weights()
+    randomize(m, 0)
+    return m.eval()
+
+
+def ids():
+    return torch.randint(0, 96, (25,), generator=torch.Generator().manual_seed(1))
+
+
+def test_save_then_load_in_shards_with_index(tmp_path, model):
+    save_checkpoint(model, tmp_path, dtype=torch.float32, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert "model.layers.4.eh_proj.weight" in index["weight_map"]  # the MTP layer, official name
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in index["weight_map"]
+    loaded = load_model(tmp_path)
+    assert (loaded.logits(ids()) - model.logits(ids())).abs().max().item() == 0.0
+
+
+def test_bf16_load_keeps_decay_and_bias_in_fp32(tmp_path, model):
+    save_checkpoint(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["model.layers.0.attention.A_log"].dtype == torch.float32
+    assert tensors["model.layers.2.mlp.gate.expert_bias"].dtype == torch.float32
+    assert tensors["model.layers.0.attention.q_proj.weight"].dtype == torch.bfloat16
+    loaded = load_model(tmp_path, dtype=torch.bfloat16)
+    params = dict(loaded.named_parameters())
+    assert params["model.layers.0.attention.dt_bias"].dtype == torch.float32
+    assert params["model.layers.0.attention.q_proj.weight"].dtype == torch.bfloat16
+
+
+def test_transformers_in_memory_names_are_accepted(tmp_path, model):
+    """Packed convs and experts, forget_gate.*, self_attn, o_proj, embed_tokens, e_score_correction_bias."""
+    official = official_state_dict(model, torch.float32)
+    renamed = {}
+    for name, t in official.items():
+        if any(f".{w}_conv1d." in name for w in "kv"):
+            continue
+        if ".q_conv1d." in name:
+            parts = [official[name.replace(".q_conv1d.", f".{w}_conv1d.")] for w in "qkv"]
+            renamed[name.replace(".q_conv1d.", ".conv1d.")] = torch.cat(parts)
+            continue
+        if ".mlp.experts." in name:
+            continue
+        new = (name.replace("model.word_embeddings.", "model.embed_tokens.").replace(".attention.", ".self_attn.")
+               .replace(".self_attn.dense.", ".self_attn.o_proj.").replace("expert_bias", "e_score_correction_bias"))
+        for leaf in (".f_proj.", ".A_log", ".dt_bias"):
+            new = new.replace(f".self_attn{leaf}", f".self_attn.forget_gate{leaf}")
+        renamed[new] = t
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            renamed[f"model.layers.{i}.mlp.experts.gate_up_proj"] = layer.mlp.experts.gate_up_proj.clone()
+            renamed[f"model.layers.{i}.mlp.experts.down_proj"] = layer.mlp.experts.down_proj.clone()
+    save_file(renamed, tmp_path / "model.safetensors")
+    model.config.save(tmp_path / "config.json")
+    loaded = load_model(tmp_path)
+    assert (loaded.logits(ids()) - model.logits(ids())).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_slices_are_the_right_parts(tmp_path, model, size):
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    shards = [load_model(tmp_path, par=Parallel(rank=r, size=size)) for r in range(size)]
+    full = dict(model.named_parameters())
+    for name, p in shards[0].named_parameters():
+        parts = [dict(s.named_parameters())[name] for s in shards]
+        if p.shape == full[name].shape:
+            assert all(torch.equal(q, full[name]) for q in parts), name
+        elif name.endswith("experts.gate_up_proj"):  # each rank stacks its gate rows, then its up rows
+            gates, ups = zip(*(q.chunk(2, dim=1) for q in parts))
+            assert torch.equal(torch.cat(gates + ups, 1), full[name]), name
+        else:
+            dim = next(d for d in range(p.dim()) if p.shape[d] != full[name].shape[d])
+            assert torch.equal(torch.cat(parts, dim), full[name]), name
+
+
+def test_random_checkpoint_generator_writes_the_official_layout(tmp_path):
+    cfg = small_config(num_nextn_predict_layers=1)
+    write_random_checkpoint(cfg, tmp_path, seed=3, max_shard_bytes=30_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    m = load_model(tmp_path, dtype=torch.bfloat16)
+    assert torch.isfinite(m.logits(ids())).all()
+
+
+def _broken(tmp_path, model, edit):
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    tensors = load_file(tmp_path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path, model):
+    _broken(tmp_path, model, lambda t: t.pop("model.layers.1.attention.kv_b_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.attention\.kv_b_proj\.weight is missing"):
+        load_model(tmp_path)
+
+
+def test_unexpected_tensor_is_named(tmp_path, model):
+    _broken(tmp_path, model, lambda t: t.__setitem__("model.layers.0.attention.surprise", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match="unexpected tensor model.layers.0.attention.surprise"):
+        load_model(tmp_path)
+
+
+def test_misshaped_tensor_is_named(tmp_path, model):
+    _broken(tmp_path, model, lambda t: t.__setitem__("lm_head.weight", torch.zeros(95, 32)))
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight has shape \[95, 32\]"):
+        load_model(tmp_path)
+
+
+def test_directory_without_safetensors_is_refused_and_no_code_runs(tmp_path, model):
+    model.config.save(tmp_path / "config.json")
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "modeling_ling.py").write_text("raise SystemExit('code from the model directory ran')\n")
+    with pytest.raises(CheckpointError, match="only safetensors"):
+        load_model(tmp_path)
+
+
+def test_index_naming_a_missing_shard(tmp_path, model):
+    save_checkpoint(model, tmp_path, dtype=torch.float32, max_shard_bytes=40_000)
+    next(tmp_path.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="do not exist"):
+        load_model(tmp_path)
