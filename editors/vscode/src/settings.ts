@@ -1,9 +1,9 @@
 /**
  * The extension's settings (`lingls.*`) and the server settings derived from them.
  *
- * VS Code keeps per-language switches as an object (`{"*": true, "markdown": false}`); the server receives the
- * same object so that both sides agree on what is enabled, and the client also skips requests for disabled
- * languages so that no keystroke in them costs a round trip.
+ * VS Code keeps per-language switches as an object (`{"*": true, "markdown": false}`), the convention of other
+ * completion extensions; the client skips requests for disabled languages so that no keystroke in them costs a
+ * round trip.
  */
 import * as vscode from 'vscode';
 
@@ -23,19 +23,22 @@ export function readSettings(): ExtensionSettings {
     endpoint: cfg.get<string>('endpoint', '').trim(),
     model: cfg.get<string>('model', '').trim(),
     maxTokens: cfg.get<number>('maxTokens', 64),
-    debounceMs: cfg.get<number>('debounceMs', 75),
+    debounceMs: cfg.get<number>('debounceMs', 50),
     enable: { ...cfg.get<Record<string, boolean>>('enable', { '*': true }) },
   };
 }
 
-/** What the server reads from initializationOptions and workspace/didChangeConfiguration. Empty strings mean
- * "the server's default", so they are left out rather than sent. */
+/** What the server reads from initializationOptions and workspace/didChangeConfiguration. The server knows a
+ * list of enabled language ids ("*": all); exceptions to "*" are enforced by the client, which never asks for
+ * completions in a disabled language. Empty strings mean "the server's default" and are left out. */
 export function serverSettings(s: ExtensionSettings): Record<string, unknown> {
-  const out: Record<string, unknown> = {
-    maxTokens: s.maxTokens,
-    debounceMs: s.debounceMs,
-    enable: s.enable,
-  };
+  const languages =
+    s.enable['*'] === false
+      ? Object.keys(s.enable)
+          .filter((id) => id !== '*' && s.enable[id])
+          .sort()
+      : ['*'];
+  const out: Record<string, unknown> = { maxTokens: s.maxTokens, debounceMs: s.debounceMs, languages };
   if (s.endpoint) {
     out.endpoint = s.endpoint;
   }
