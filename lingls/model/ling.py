@@ -333,8 +333,10 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = _linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def mix(self, emb, h):
-        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+    def mix(self, emb, h_final):
+        """eh_proj([enorm(embed(t+1)); hnorm(h_t)]), h_t being the target's final-normed hidden state (what
+        SGLang and vLLM hand their MTP layers: the output of the model's last norm)."""
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_final)], dim=-1))
 
 
 class LingModel(nn.Module):
@@ -390,9 +392,10 @@ class LingForCausalLM(nn.Module):
         return self.head(self.hidden(input_ids))
 
     def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
-        """Full-sequence MTP: h [B, T, hidden] at positions t, next_ids [B, T] = tokens t+1 -> logits for t+2."""
+        """Full-sequence MTP: h [B, T, hidden] (pre-norm, from `hidden`) at positions t, next_ids [B, T] = tokens
+        t+1 -> logits for t+2."""
         layer = self.mtp_layers[depth]
-        x = layer.mix(self.model.word_embeddings(next_ids), h)
+        x = layer.mix(self.model.word_embeddings(next_ids), self.model.norm(h))
         positions = torch.arange(next_ids.shape[1], device=next_ids.device)
         x = self._layer_full(layer, x, positions)
         return self.lm_head(layer.final_layernorm(x))
@@ -447,7 +450,7 @@ class LingForCausalLM(nn.Module):
         """MTP over the state: h [T, hidden] at `positions`, next_ids [T] -> the MTP layer's output [T, hidden]
         (apply `mtp_head` for logits). Its latent cache rows are indexed by the same positions."""
         layer = self.mtp_layers[depth]
-        x = layer.mix(self.model.word_embeddings(next_ids), h)
+        x = layer.mix(self.model.word_embeddings(next_ids), self.model.norm(h))
         kv_len = state.capacity if kv_len is None else kv_len
         return self._layer_step(self.n_layers + depth, layer, x, state, positions, kv_len)
 
