@@ -30,13 +30,24 @@ class FimTemplate:
 
 
 @dataclass(frozen=True)
+class FimParts:
+    """The pieces a prompt was built from, for servers that apply a FIM template themselves (llama.cpp's
+    /infill): the text before and after the cursor, and context chunks (path, text) from other files."""
+
+    prefix: str
+    suffix: str
+    context: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str
+    prompt: str  # rendered in the engine's `fim` template (or left to right when it has none)
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    parts: FimParts | None = None
 
 
 @dataclass
