@@ -25,6 +25,7 @@ class Document:
     text: str
     language_id: str = ""
     version: int = 0
+    edits: int = 0  # bumped by every change; the client's `version` cannot be trusted to move
     _starts: list[int] | None = field(default=None, repr=False)
 
     def line_starts(self) -> list[int]:
@@ -93,3 +94,4 @@ class Document:
             b = max(a, self.offset_at(*end, encoding))
             self.text = self.text[:a] + text + self.text[b:]
         self._starts = None
+        self.edits += 1

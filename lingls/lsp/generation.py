@@ -1,0 +1,89 @@
+"""One engine stream for one cursor position, readable by several requests.
+
+A generation keeps running after the request that started it has its answer (up to the end of the block
+the cursor is in, or the end of the line when the cursor is mid-line), so the next requests at the same
+place — the user typing the suggestion's first characters, accepting it, pressing Enter — read it instead of
+asking the model again. It is tied to its place by the text just before and after the cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from lingls.lsp.postprocess import Site, clean
+from lingls.runtime.engine import Engine, GenerateRequest
+
+WINDOW = 256  # characters each side of the anchor that must be unchanged for a generation to still apply
+_ids = itertools.count(1)
+
+
+class Generation:
+    def __init__(self, uri: str, text: str, anchor: int, site: Site, specials: tuple[str, ...]):
+        self.id = next(_ids)
+        self.uri = uri
+        self.anchor = anchor
+        self.before = text[max(0, anchor - WINDOW) : anchor]
+        self.after = text[anchor : anchor + WINDOW]
+        self.site = site
+        self.specials = specials
+        self.text = ""  # raw model output so far
+        self.done = False
+        self.error: BaseException | None = None
+        self.readers = 0  # requests waiting on it now
+        self.started = time.perf_counter()
+        self._progress = asyncio.get_running_loop().create_future()
+        self._task: asyncio.Task | None = None
+
+    def start(self, engine: Engine, request: GenerateRequest) -> None:
+        self._task = asyncio.ensure_future(self._run(engine, request))
+
+    def stop(self) -> None:
+        """Stop the engine's work for this generation (it ends within one decode step)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def progress(self) -> asyncio.Future:
+        """A future resolved when the text grows or the generation ends."""
+        return self._progress
+
+    def match(self, text: str, offset: int) -> str | None:
+        """What was typed since the anchor, if this generation still applies at `offset` of `text`: the place
+        is unchanged and the typed characters agree with what the model wrote (or it may still write)."""
+        a = self.anchor
+        if offset < a or a > len(text):
+            return None
+        if text[max(0, a - WINDOW) : a] != self.before or text[offset : offset + WINDOW] != self.after:
+            return None
+        typed = text[a:offset]
+        if self.text.startswith(typed) or (not self.done and typed.startswith(self.text)):
+            return typed
+        return None
+
+    async def _run(self, engine: Engine, request: GenerateRequest) -> None:
+        stream = engine.generate(request)
+        try:
+            async for chunk in stream:
+                self.text += chunk
+                self._wake()
+                # Enough: the block (or, mid-line, the line) is over.
+                if clean(self.text, self.site, self.specials, block=not self.site.mid_line).complete:
+                    break
+        except asyncio.CancelledError:
+            pass  # stopped on purpose; the readers see `done`
+        except Exception as exc:  # an engine failure must not escape into the event loop
+            self.error = exc
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    pass
+            self.done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        done, self._progress = self._progress, asyncio.get_running_loop().create_future()
+        done.set_result(None)

@@ -1,0 +1,214 @@
+"""Turn a model's raw stream into the text a user will accept.
+
+Rules, in order: cut at the first special token (and hold back a half-streamed one); one line when the
+cursor is mid-line or in a comment, a block when the line is blank or ends in a block opener (stop at a
+line that dedents below the cursor's scope, at a stop line such as a new top-level `def`, at two blank
+lines, at a line that repeats the document's next line, at `max_lines`); then drop trailing blanks, the
+tail that repeats the text after the cursor, and a closing bracket the text after the cursor already has.
+Python rules come first; other languages get brace-aware defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_CLOSE = {")": "(", "]": "[", "}": "{"}
+_OPEN = set(_CLOSE.values())
+_QUOTES = "\"'`"
+
+
+@dataclass(frozen=True)
+class Lang:
+    comments: tuple[str, ...] = ()
+    openers: tuple[str, ...] = ("{", "(", "[", ":")  # a line ending in one of these opens a block
+    stop_lines: tuple[str, ...] = ()  # a block never continues past a sibling line starting with one
+
+
+PYTHON = Lang(("#",), (":", "(", "[", "{"), ("def ", "async def ", "class ", "if __name__", "@"))
+_C_LIKE = Lang(("//",), ("{", "(", "[", "=>"))
+_HASH = Lang(("#",), ("{", "(", "[", ":", " do", " then"))
+_DASH = Lang(("--",), ("{", "(", "[", " then", " do", "="))
+LANGUAGES = {
+    "python": PYTHON,
+    **dict.fromkeys(
+        "c cpp csharp java javascript javascriptreact typescript typescriptreact rust go kotlin swift "
+        "scala dart php zig".split(),
+        _C_LIKE,
+    ),
+    **dict.fromkeys("shellscript ruby perl r yaml toml makefile dockerfile elixir".split(), _HASH),
+    **dict.fromkeys("lua sql haskell".split(), _DASH),
+}
+DEFAULT = Lang()
+
+
+def lang_for(language_id: str) -> Lang:
+    return LANGUAGES.get(language_id, DEFAULT)
+
+
+def indent_of(line: str) -> int:
+    body = line.lstrip(" \t")
+    return len(line[: len(line) - len(body)].expandtabs(4))
+
+
+def in_comment(line_prefix: str, lang: Lang) -> bool:
+    """Whether the cursor is in a line comment (a comment marker outside string quotes)."""
+    if not lang.comments:
+        return False
+    quote = None
+    i = 0
+    while i < len(line_prefix):
+        ch = line_prefix[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in _QUOTES:
+            quote = ch
+        elif any(line_prefix.startswith(m, i) for m in lang.comments):
+            return True
+        i += 1
+    return False
+
+
+@dataclass(frozen=True)
+class Site:
+    """What the rules need to know about the cursor."""
+
+    line_prefix: str  # the cursor's line before the cursor
+    line_suffix: str  # the cursor's line after the cursor
+    next_line: str = ""  # the first non-blank line after the cursor's line
+    lang: Lang = DEFAULT
+    max_lines: int = 12
+
+    @property
+    def mid_line(self) -> bool:
+        return bool(self.line_suffix.strip())
+
+    @property
+    def multiline(self) -> bool:
+        if self.mid_line or in_comment(self.line_prefix, self.lang):
+            return False
+        head = self.line_prefix.rstrip()
+        return not head or head.endswith(self.lang.openers)
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    text: str
+    complete: bool  # more model output cannot change `text`: answer now
+
+
+def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = False,
+          block: bool | None = None) -> Cleaned:
+    """The completion to show for the raw model output `raw` at `site`; `final`: the stream has ended;
+    `block`: force block (True) or one-line (False) rules instead of the site's own choice."""
+    text, complete = cut_specials(raw, specials, final)
+    if site.multiline if block is None else block:
+        text, stopped = _cut_block(text, site)
+    else:
+        stopped = "\n" in text
+        text = text.split("\n", 1)[0].rstrip("\r")
+    text = _trim(text, site)
+    return Cleaned(text, complete or stopped or final)
+
+
+def cut_specials(raw: str, specials: tuple[str, ...], final: bool = False) -> tuple[str, bool]:
+    """Text before the first special token (True if one was found); a trailing half-streamed one is held
+    back (while streaming, any length; at the end, two characters or more, so a real trailing `<` stays)."""
+    cut = min((i for i in (raw.find(s) for s in specials) if i >= 0), default=-1)
+    if cut >= 0:
+        return raw[:cut], True
+    shortest = 2 if final else 1
+    for special in specials:
+        for n in range(len(special) - 1, shortest - 1, -1):
+            if raw.endswith(special[:n]):
+                return raw[:-n], False
+    return raw, False
+
+
+def _cut_block(text: str, site: Site) -> tuple[str, bool]:
+    lines = text.split("\n")
+    base = indent_of(site.line_prefix)
+    head = site.line_prefix.rstrip()
+    opener = head != ""
+    bracket = head[-1:] in _OPEN  # then a closing line at the opener's indentation ends the block, kept
+    scope = base + 1 if opener else base  # a non-blank line indented less than this leaves the block
+    nxt = site.next_line.strip()
+    if not opener and nxt and (site.line_prefix + lines[0]).strip() == nxt:
+        return "", True
+    kept = [lines[0]]
+    blanks = 0
+    for line in lines[1:]:
+        body = line.strip()
+        if not body:
+            blanks += 1
+            if blanks >= 2:
+                return "\n".join(kept), True
+            kept.append(line)
+            continue
+        blanks = 0
+        indent = indent_of(line)
+        if indent < scope:
+            if bracket and indent == base and body[0] in _CLOSE and body != nxt:
+                kept.append(line)
+            return "\n".join(kept), True
+        if indent <= base and body.startswith(site.lang.stop_lines):
+            return "\n".join(kept), True
+        if body == nxt or len(kept) >= site.max_lines:
+            return "\n".join(kept), True
+        kept.append(line)
+    return "\n".join(kept), False
+
+
+def _trim(text: str, site: Site) -> str:
+    text = text.rstrip()
+    if not text:
+        return ""
+    suffix = site.line_suffix.strip()
+    if suffix and not site.multiline:
+        text = _drop_suffix_overlap(text, suffix)
+    return _drop_supplied_closer(text, suffix)
+
+
+def _drop_suffix_overlap(text: str, suffix: str) -> str:
+    """Remove the end of `text` that the text after the cursor already has (`foo(a)` before `)` -> `foo(a`).
+
+    An overlap made only of identifier characters counts only when it is the whole suffix: `max` before
+    `x` is a word, not a repeat."""
+    for k in range(min(len(text), len(suffix)), 0, -1):
+        head = suffix[:k]
+        if text.endswith(head) and (k == len(suffix) or not head.replace("_", "a").isalnum()):
+            return text[:-k].rstrip()
+    return text
+
+
+def _drop_supplied_closer(text: str, suffix: str) -> str:
+    """Cut `text` at its first closing bracket that closes something opened before the cursor when the text
+    after the cursor starts with that same bracket (an auto-paired `)` would otherwise be doubled)."""
+    supplied = suffix[:1]
+    if supplied not in _CLOSE:
+        return text
+    stack: list[str] = []
+    quote = None
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote or ch == "\n":
+                quote = None
+        elif ch in _QUOTES:
+            quote = ch
+        elif ch in _OPEN:
+            stack.append(ch)
+        elif ch in _CLOSE:
+            if stack:
+                stack.pop()
+            elif ch == supplied:
+                return text[:i].rstrip()
+            else:
+                return text
+        i += 1
+    return text

@@ -1,0 +1,138 @@
+"""The prompt for one cursor: the model's FIM template around prefix and suffix windows, plus context chunks
+from other documents, within a token budget. Models without FIM tokens get the prefix alone (left to right).
+
+Budget: the suffix may take a fifth and the context chunks a quarter; the prefix gets the rest, including
+whatever those two left unused. Windows grow a whole line at a time, so a model never sees half a line
+except the cursor's own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from lingls.lsp.context import Chunk
+from lingls.runtime.engine import FimTemplate
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_SUFFIX_LINES = 64
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    prefix_chars: int  # how much of the document before the cursor the model sees
+    suffix_chars: int
+    tokens: int  # the budget's estimate (sum of per-line counts)
+
+
+class TokenCounter:
+    """`Engine.count_tokens` one line at a time, cached.
+
+    While the user types, only the edited line is new, so keeping a 1.5k-token prompt within budget costs a
+    few dictionary lookups per keystroke instead of tokenising the whole window. A sum of per-line counts
+    can differ from the count of the joined text by a few tokens where merges cross a line ending; the
+    budget is a policy, not the model's hard limit, so that is close enough.
+    """
+
+    def __init__(self, count: Callable[[str], int], capacity: int = 50_000):
+        self._count = count
+        self._cache: dict[str, int] = {}
+        self._capacity = capacity
+
+    def line(self, line: str) -> int:
+        n = self._cache.get(line)
+        if n is None:
+            if len(self._cache) >= self._capacity:
+                self._cache.clear()
+            n = self._cache[line] = self._count(line)
+        return n
+
+    def text(self, text: str) -> int:
+        return sum(self.line(line) for line in text.splitlines(keepends=True))
+
+
+def sanitize(text: str, specials: Iterable[str] = ()) -> str:
+    """Text safe to send to a tokenizer: lone surrogates become U+FFFD (same length, so offsets hold), and a
+    special token written literally in a document is broken with a zero-width space so that the model
+    never reads it as the real control token."""
+    if not text.isascii():
+        text = _SURROGATE.sub("\ufffd", text)
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special[:1] + "\u200b" + special[1:])
+    return text
+
+
+def build_prompt(
+    text: str,
+    offset: int,
+    *,
+    fim: FimTemplate | None,
+    counter: TokenCounter,
+    budget: int,
+    chunks: list[Chunk] = (),  # oldest first
+    path: str = "",
+) -> Prompt:
+    specials = fim.special_tokens() if fim else ()
+    suffix_end, suffix_tokens = _suffix_window(text, offset, counter, budget // 5) if fim else (offset, 0)
+    picked, chunk_tokens = _pick_chunks(chunks, counter, budget // 4) if fim and fim.file_sep else ([], 0)
+    prefix_start, prefix_tokens = _prefix_window(text, offset, counter, budget - suffix_tokens - chunk_tokens)
+
+    prefix = sanitize(text[prefix_start:offset], specials)
+    tokens = prefix_tokens + suffix_tokens + chunk_tokens
+    if fim is None:
+        return Prompt(prefix, offset - prefix_start, 0, tokens)
+    suffix = sanitize(text[offset:suffix_end], specials)
+    parts = [f"{fim.file_sep}{c.label}\n{sanitize(c.text, specials)}\n" for c in picked]
+    if picked and path:
+        parts.append(f"{fim.file_sep}{path}\n")
+    parts.append(f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}")
+    return Prompt("".join(parts), offset - prefix_start, suffix_end - offset, tokens)
+
+
+def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -> tuple[int, int]:
+    """Start offset and token count of the lines before the cursor that fit `budget`.
+
+    The cursor's own line always goes in; a monster line (minified code) keeps only its last ~3 characters
+    per token of budget."""
+    start = text.rfind("\n", 0, offset) + 1
+    if offset - start > budget * 3:
+        start = offset - budget * 3
+    used = counter.line(text[start:offset])
+    while start > 0:
+        prev = text.rfind("\n", 0, start - 1) + 1
+        cost = counter.line(text[prev:start])
+        if used + cost > budget:
+            break
+        used += cost
+        start = prev
+    return start, used
+
+
+def _suffix_window(text: str, offset: int, counter: TokenCounter, budget: int) -> tuple[int, int]:
+    end = offset
+    used = 0
+    for _ in range(MAX_SUFFIX_LINES):
+        if end >= len(text):
+            break
+        nl = text.find("\n", end)
+        stop = len(text) if nl < 0 else nl + 1
+        cost = counter.line(text[end:stop])
+        if used + cost > budget:
+            break
+        used += cost
+        end = stop
+    return end, used
+
+
+def _pick_chunks(chunks: list[Chunk], counter: TokenCounter, budget: int) -> tuple[list[Chunk], int]:
+    """The newest chunks that fit, kept in ring order."""
+    picked, used = [], 0
+    for chunk in reversed(chunks):
+        cost = counter.text(chunk.text) + counter.line(chunk.label + "\n") + 1
+        if used + cost <= budget:
+            picked.append(chunk)
+            used += cost
+    return picked[::-1], used

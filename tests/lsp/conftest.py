@@ -1,0 +1,104 @@
+"""Helpers for the LSP end-to-end tests: a real `lingls --stdio` process driven by pytest-lsp's client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lsprotocol import types as lsp
+from pytest_lsp import ClientServerConfig
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+URI = "file:///work/demo.py"
+
+
+def capabilities(encodings: list[str] | None = None) -> lsp.ClientCapabilities:
+    """A client that can show inline completions (pytest-lsp's presets cannot: added by hand)."""
+    return lsp.ClientCapabilities(
+        general=lsp.GeneralClientCapabilities(position_encodings=encodings) if encodings else None,
+        text_document=lsp.TextDocumentClientCapabilities(
+            inline_completion=lsp.InlineCompletionClientCapabilities(),
+            synchronization=lsp.TextDocumentSyncClientCapabilities(),
+        ),
+        workspace=lsp.WorkspaceClientCapabilities(configuration=False),
+        window=lsp.WindowClientCapabilities(show_message=lsp.ShowMessageRequestClientCapabilities()),
+    )
+
+
+def server_env(script: dict | None, engine: str | None = "scripted_engine:make_engine") -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")])
+    if engine:
+        env["LINGLS_TEST_ENGINE"] = engine
+    else:
+        env.pop("LINGLS_TEST_ENGINE", None)
+    env["LINGLS_SCRIPT"] = json.dumps(script or {})
+    return env
+
+
+@contextlib.asynccontextmanager
+async def serve(script: dict | None = None, options: dict | None = None, encodings: list[str] | None = None,
+                engine: str | None = "scripted_engine:make_engine", initialize: bool = True):
+    """An initialized client connected to a fresh `lingls --stdio` process."""
+    config = ClientServerConfig(server_command=[sys.executable, "-m", "lingls.cli", "--stdio"],
+                                server_env=server_env(script, engine))
+    client = await config.start()
+    try:
+        if initialize:
+            client.init_result = await client.initialize_session(
+                lsp.InitializeParams(capabilities=capabilities(encodings), initialization_options=options,
+                                     root_uri="file:///work"))
+        yield client
+        if initialize:
+            await client.shutdown_session()
+    finally:
+        await client.stop()
+
+
+def open_doc(client, text: str, uri: str = URI, language: str = "python") -> None:
+    client.text_document_did_open(lsp.DidOpenTextDocumentParams(lsp.TextDocumentItem(uri, language, 1, text)))
+
+
+def type_text(client, line: int, col: int, text: str, version: int = 2, uri: str = URI) -> None:
+    """Insert `text` at (line, col) with an incremental change."""
+    pos = lsp.Position(line, col)
+    client.text_document_did_change(lsp.DidChangeTextDocumentParams(
+        lsp.VersionedTextDocumentIdentifier(uri, version),
+        [lsp.TextDocumentContentChangePartial(range=lsp.Range(pos, pos), text=text)]))
+
+
+def params(line: int, col: int, invoked: bool = False, uri: str = URI) -> lsp.InlineCompletionParams:
+    kind = lsp.InlineCompletionTriggerKind.Invoked if invoked else lsp.InlineCompletionTriggerKind.Automatic
+    return lsp.InlineCompletionParams(context=lsp.InlineCompletionContext(trigger_kind=kind),
+                                      text_document=lsp.TextDocumentIdentifier(uri),
+                                      position=lsp.Position(line, col))
+
+
+async def complete(client, line: int, col: int, invoked: bool = False, uri: str = URI):
+    result = await client.text_document_inline_completion_async(params(line, col, invoked, uri))
+    return result.items if isinstance(result, lsp.InlineCompletionList) else (result or [])
+
+
+async def stats(client) -> dict:
+    return await client.workspace_execute_command_async(lsp.ExecuteCommandParams(command="lingls.stats"))
+
+
+async def eventually(predicate, timeout: float = 2.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
