@@ -1,0 +1,315 @@
+"""LocalEngine: a Ling model in this process, generating on one worker thread (batch 1).
+
+The language server (and `lingls serve`) iterate `generate()` / `stream()` on the event loop; the worker
+thread runs the ModelRunner's step loop and hands text back through the loop. Policy: one generation at a
+time, and a new request preempts the running one, which stops within one decode step (as does one whose
+iterator is closed or whose task is cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from lingls.runtime.engine import EngineError, EngineStats, GenerateRequest
+from lingls.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "assets" / "ling-nano"
+
+
+# ---- model directories ----------------------------------------------------------------------------------
+def tiny_config_dict(vocab_size: int) -> dict:
+    """A small Ling-3.0 layout (KDA, MLA, dense and MoE layers) that runs fast on a CPU."""
+    return {
+        "vocab_size": vocab_size, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+        "head_dim": 32, "layer_group_size": 2, "first_k_dense_replace": 1, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+        "n_group": 2, "topk_group": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+        "v_head_dim": 16, "max_position_embeddings": 4096, "num_nextn_predict_layers": 0,
+    }
+
+
+def write_tiny_checkpoint(out_dir: str | Path, tokenizer_dir: str | Path = EMBEDDED, seed: int = 0,
+                          std: float = 0.5) -> Path:
+    """A random tiny model with `tokenizer_dir`'s tokenizer, written atomically into `out_dir`.
+
+    `std` is large so that logits are peaked: greedy choices are then far from ties and stable under the
+    rounding differences between the step, chunked and full-sequence forms."""
+    import torch
+
+    from lingls.model import LingConfig, LingForCausalLM, save_checkpoint
+
+    out_dir = Path(out_dir)
+    tok = Tokenizer(tokenizer_dir)
+    cfg = LingConfig.from_dict(tiny_config_dict(tok.vocab_size))
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        model = LingForCausalLM(cfg)
+        model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+        save_checkpoint(model, tmp, dtype=torch.float32)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process wrote it first
+            if not (out_dir / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    """The embedded ling-nano when its weights are present, else a random tiny stand-in (cached on disk)."""
+    if (EMBEDDED / "config.json").is_file() and any(EMBEDDED.glob("*.safetensors")):
+        return EMBEDDED
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lingls" / "random-tiny-v1"
+    if not (cache / "config.json").is_file():
+        log.warning("ling-nano weights are not installed: using a random tiny model (completions are noise)")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_checkpoint(cache)
+    return cache
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail early, with what is missing, on a directory that cannot be a model."""
+    if not path.is_dir():
+        raise EngineError(f"model directory {path} does not exist")
+    missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise EngineError(f"model directory {path} lacks {', '.join(missing)} (a Ling-3.0 checkpoint in "
+                          "safetensors with its tokenizer.json is needed)")
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------
+@dataclass
+class Chunk:
+    """A piece of a completion. The last chunk of a stream has `finish` set: "stop" (EOS or a stop string),
+    "length" (max_tokens or the context is full), "cancelled" or "preempted"."""
+
+    text: str
+    tokens: int = 0  # new tokens behind this text
+    finish: str | None = None
+    usage: dict | None = None  # on the last chunk: prompt_tokens, completion_tokens, reused_tokens, ttft_s, tpot_s
+
+
+@dataclass
+class _Job:
+    request: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    prompt_ids: list[int] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    reason: str = "cancelled"
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def post(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def stop(self, reason: str) -> None:
+        if not self.cancel.is_set():
+            self.reason = reason
+            self.cancel.set()
+
+
+class LocalEngine:
+    """The Engine protocol over a ModelRunner on a worker thread."""
+
+    def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,
+                 capacity: int | None = None, use_graphs: bool | None = None):
+        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
+        check_model_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.fim = self.tokenizer.fim
+        self.name = self.model_dir.name
+        self.stats = EngineStats()
+        self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)
+        self.device, self.dtype, self.capacity, self.use_graphs = device, dtype, capacity, use_graphs
+        self.runner = None
+        self.load_progress = "not loaded"
+        self._load_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lingls-runner")
+        self._current: _Job | None = None
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    # ---- loading (on the worker thread) ------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the weights and build the runner (idempotent). Raises EngineError with what went wrong."""
+        with self._load_lock:
+            if self.runner is not None:
+                return
+            import torch
+
+            from lingls.model import CheckpointError, ConfigError, load_model
+            from lingls.runtime.runner import ModelRunner
+
+            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = getattr(torch, self.dtype) if self.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            t0 = time.perf_counter()
+            self.load_progress = f"loading weights from {self.model_dir} to {device}"
+            try:
+                model = load_model(self.model_dir, device=device, dtype=dtype)
+            except (CheckpointError, ConfigError) as e:
+                raise EngineError(f"cannot load the model: {e}") from None
+            except (OSError, RuntimeError) as e:
+                raise EngineError(f"cannot load the model from {self.model_dir}: {e}") from None
+            cfg = model.config
+            capacity = self.capacity or min(cfg.max_position_embeddings, 32768 if device.startswith("cuda") else 4096)
+            self.load_progress = "capturing decode graphs"
+            runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
+            runner.warmup(greedy_only=True)
+            self.runner = runner
+            self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
+
+    async def start(self) -> None:
+        """Load in the background without blocking the event loop."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.load)
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
+        async for chunk in self.stream(request):
+            if chunk.text:
+                yield chunk.text
+
+    async def stream(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> AsyncIterator[Chunk]:
+        """Chunks of the completion of `request` (or of the token ids `prompt_ids`, when given)."""
+        loop = asyncio.get_running_loop()
+        job = _Job(request, loop, asyncio.Queue(), prompt_ids)
+        if self._current is not None:
+            self._current.stop("preempted")
+        self._current = job
+        self.stats.requests += 1
+        loop.run_in_executor(self._executor, self._run, job)
+        try:
+            while True:
+                item = await job.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish:
+                    return
+        finally:
+            job.stop("cancelled")  # no-op when it already finished
+            if self._current is job:
+                self._current = None
+
+    def _run(self, job: _Job) -> None:
+        """The worker: one request's step loop. Every outcome ends with a Chunk(finish=...) or an exception."""
+        if job.cancel.is_set():  # preempted while queued
+            self._finish(job, Chunk("", finish=job.reason))
+            return
+        try:
+            self.load()
+            self._generate(job)
+        except EngineError as e:
+            job.post(e)
+        except Exception as e:
+            log.exception("generation failed")
+            job.post(EngineError(f"generation failed: {type(e).__name__}: {e}"))
+
+    def _generate(self, job: _Job) -> None:
+        from lingls.runtime.runner import Sampling
+
+        req, tok, runner = job.request, self.tokenizer, self.runner
+        ids = job.prompt_ids if job.prompt_ids is not None else tok.encode(req.prompt)
+        if not ids:
+            raise EngineError("empty prompt: nothing to complete")
+        max_new = max(0, req.max_tokens)
+        room = runner.capacity - 1 - max_new
+        if len(ids) > room:  # keep the end of the prompt: it is what the completion continues
+            if room < 1:
+                raise EngineError(f"max_tokens={max_new} leaves no room for a prompt in the context of {runner.capacity}")
+            log.info("prompt of %d tokens truncated to its last %d", len(ids), room)
+            ids = ids[-room:]
+            self.stats.extra["truncated"] += 1
+        self.stats.prompt_tokens += len(ids)
+        if max_new == 0:
+            self._finish(job, Chunk("", finish="length"), len(ids), 0, 0, None, None)
+            return
+        sampling = Sampling(req.temperature, req.top_p, req.seed if req.seed is not None else 0)
+        reused = runner.prefill(ids, sampling)
+        if reused:
+            self.stats.extra["reused_requests"] += 1
+            self.stats.extra["reused_tokens"] += reused
+        detok, stops = tok.detokenizer(), StopMatcher(req.stop)
+        steps = runner.decode(max_new, sampling.greedy)
+        n, finish, ttft, t_first = 0, "length", None, None
+        try:
+            for token in steps:
+                if job.cancel.is_set():
+                    finish = job.reason
+                    break
+                n += 1
+                if n == 1:
+                    t_first = time.perf_counter()
+                    ttft = t_first - job.submitted
+                if token in tok.eos_ids:
+                    finish = "stop"
+                    text, _ = stops.feed(detok.flush(), final=True)
+                    if text:
+                        job.post(Chunk(text))
+                    break
+                text, hit = stops.feed(detok.push(token))
+                if text:
+                    job.post(Chunk(text, tokens=1))
+                if hit:
+                    finish = "stop"
+                    break
+            else:
+                text, _ = stops.feed(detok.flush(), final=True)
+                if text:
+                    job.post(Chunk(text))
+        finally:
+            steps.close()
+        self.stats.generated_tokens += n
+        tpot = (time.perf_counter() - t_first) / (n - 1) if n > 1 else None
+        self._finish(job, Chunk("", finish=finish), len(ids), n, reused, ttft, tpot)
+
+    def _finish(self, job: _Job, chunk: Chunk, prompt=0, n=0, reused=0, ttft=None, tpot=None) -> None:
+        if chunk.finish == "preempted":
+            self.stats.extra["preempted"] += 1
+        if chunk.finish in ("cancelled", "preempted"):
+            self.stats.cancelled += 1
+        chunk.usage = {"prompt_tokens": prompt, "completion_tokens": n, "reused_tokens": reused,
+                       "ttft_s": ttft, "tpot_s": tpot}
+        job.post(chunk)
+
+    async def close(self) -> None:
+        if self._current is not None:
+            self._current.stop("cancelled")
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class StopMatcher:
+    """Cuts a text stream at the first stop string, holding back a tail that could still begin one."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was reached)."""
+        buf = self._held + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return buf[:cut], True
+        keep = 0 if final else max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], False

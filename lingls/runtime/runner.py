@@ -1,0 +1,215 @@
+"""ModelRunner: the batch-1 step loop over one resident sequence state.
+
+- Prefill runs the prompt (after prefix reuse, `cache.py`) in chunks with host-known lengths, pausing at
+  the cache's snapshot points, then samples the first token on the device.
+- Decode steps (T = 1) and verify steps (T = K + 1) have fixed shapes: on CUDA each (T, KV bucket, greedy?)
+  is captured once as a CUDA graph and replayed. The MLA keys read are bounded by a power-of-two bucket of
+  the position (known on the host without asking the device); rows past the position are masked.
+- The loop never reads a device value on the host. A decode step reads its input token and position from
+  device buffers and writes the next ones back, so step j+1 is launched before step j's token is known.
+  After each launch, the sampled token is copied into a pinned host buffer and an event is recorded; the
+  host waits on the *previous* step's event (the GPU is busy with the step just launched) to stream text
+  and apply stop rules one step late.
+On CPU the same code runs eagerly (no graphs, no events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from lingls.model.ling import LingForCausalLM
+from lingls.runtime.cache import PrefixCache
+from lingls.runtime.sampling import sample
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class _Fence:
+    """A pinned host slot + event per in-flight step (CUDA), or a plain buffer (CPU, where copies are synchronous)."""
+
+    def __init__(self, device: torch.device, slots: int, width: int):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=cuda)
+        self.view = self.host.numpy()  # read on the host without going through torch ops
+        self.events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
+
+    def post(self, slot: int, values: torch.Tensor) -> None:
+        self.host[slot, : values.shape[0]].copy_(values, non_blocking=True)
+        if self.events:
+            self.events[slot].record()
+
+    def read(self, slot: int, n: int = 1) -> list[int]:
+        if self.events:
+            self.events[slot].synchronize()
+        return [int(x) for x in self.view[slot, :n]]
+
+
+class ModelRunner:
+    """Runs one LingForCausalLM for one sequence at a time (batch 1), resident state and prefix cache included."""
+
+    def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
+                 prefill_chunk: int = 512, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
+                 max_snapshots: int = 24):
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.capacity = capacity
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
+        self.state = model.new_state(capacity)
+        self.cache = PrefixCache(self.state, max_snapshots=max_snapshots, every=prefill_chunk)
+        self.max_t = max((1, *verify_sizes))
+        dev = self.device
+        self.ids = torch.zeros(self.max_t, dtype=torch.long, device=dev)  # input tokens of the next step
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # position of ids[0]
+        self.out = torch.zeros(self.max_t, dtype=torch.long, device=dev)  # tokens chosen by the last step
+        self.arange = torch.arange(self.max_t, device=dev)
+        self.temperature = torch.ones(1, device=dev)
+        self.top_p = torch.ones(1, device=dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)
+        self.fence = _Fence(dev, 2, self.max_t)
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def bucket(self, end: int) -> int:
+        """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
+        b = self.min_bucket
+        while b < end:
+            b *= 2
+        return min(b, self.capacity)
+
+    def _body(self, t: int, kv_len: int, greedy: bool) -> None:
+        """The fixed-shape step: consume ids[:t] at pos.., choose a token after each into out[:t].
+
+        A decode step (t == 1) also chains: its token becomes the next input and the position advances."""
+        positions = self.pos + self.arange[:t]
+        h = self.model.step(self.ids[:t], self.state, positions, kv_len=kv_len)
+        logits = self.model.par.all_gather_last(self.model.head(h))
+        tok = sample(logits, positions + 1, greedy, self.temperature, self.top_p, self.seed)
+        self.out[:t].copy_(tok)
+        if t == 1:
+            self.ids[:1].copy_(tok)
+            self.pos.add_(1)
+
+    def run_step(self, t: int, kv_len: int, greedy: bool) -> None:
+        """Launch one step (a graph replay on CUDA); returns at once, nothing is read back."""
+        if not self.use_graphs:
+            self._body(t, kv_len, greedy)
+            return
+        graph = self._graphs.get((t, kv_len, greedy))
+        if graph is None:
+            graph = self._capture(t, kv_len, greedy)
+        graph.replay()
+
+    def _capture(self, t: int, kv_len: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        """Capture a step graph. Warm-up runs change the state and buffers, so they are saved and restored."""
+        saved = [x.clone() for x in (self.state.kda, self.state.conv, self.ids, self.pos, self.out)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(t, kv_len, greedy)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(t, kv_len, greedy)
+        for dst, src in zip((self.state.kda, self.state.conv, self.ids, self.pos, self.out), saved):
+            dst.copy_(src)
+        self._graphs[(t, kv_len, greedy)] = graph
+        return graph
+
+    def warmup(self, greedy_only: bool = False) -> None:
+        """Capture the decode graphs of every KV bucket up front, so no request pays for a capture."""
+        if not self.use_graphs:
+            return
+        b = self.bucket(1)
+        while True:
+            for greedy in (True,) if greedy_only else (True, False):
+                if (1, b, greedy) not in self._graphs:
+                    self._capture(1, b, greedy)
+            if b >= self.capacity:
+                break
+            b = self.bucket(b + 1)
+        torch.cuda.synchronize()
+
+    def set_sampling(self, s: Sampling) -> None:
+        """Per-request sampling values into the graphs' input buffers (host-to-device, no read back)."""
+        self.temperature.fill_(max(s.temperature, 1e-5))
+        self.top_p.fill_(s.top_p)
+        self.seed.fill_(s.seed & 0xFFFFFFFF)
+
+    # ---- a request ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], sampling: Sampling) -> int:
+        """Bring the state to `prompt` (reusing the cached prefix) and choose the first new token on the device
+        (into ids[0]; pos = len(prompt)). Returns how many prompt tokens were reused."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.capacity:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.capacity}")
+        cache = self.cache
+        start = cache.begin(prompt)
+        try:
+            bounds = sorted(set(cache.snapshot_points(start, len(prompt))
+                                + list(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
+                                + [len(prompt)]))
+            a = start
+            for b in bounds:
+                ids = torch.tensor(prompt[a:b], dtype=torch.long, device=self.device)
+                positions = torch.arange(a, b, device=self.device)
+                h = self.model.step(ids, self.state, positions, kv_len=b)
+                cache.tokens.extend(prompt[a:b])
+                if b < len(prompt):
+                    cache.snapshot(b)
+                a = b
+            self.set_sampling(sampling)
+            logits = self.model.par.all_gather_last(self.model.head(h[-1:]))
+            self.pos.fill_(len(prompt))
+            self.ids[:1].copy_(sample(logits, self.pos, sampling.greedy, self.temperature, self.top_p, self.seed))
+        except BaseException:
+            cache.reset()
+            raise
+        return start
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling()) -> Iterator[int]:
+        """Yield up to `max_new` new tokens, each one step late. Stop early by closing the iterator: at most
+        the one step already launched runs on (and its token, already in the state, is counted)."""
+        self.prefill(prompt, sampling)
+        yield from self.decode(max_new, sampling.greedy)
+
+    @torch.inference_mode()
+    def decode(self, max_new: int, greedy: bool) -> Iterator[int]:
+        """The step loop after `prefill`: launch step j, then read token j (chosen by the step before)."""
+        cache, fence = self.cache, self.fence
+        position = len(cache.tokens)  # host-side mirror of self.pos
+        max_new = min(max_new, self.capacity - position)
+        fence.post(0, self.ids[:1])
+        try:
+            for j in range(max_new):
+                if j + 1 < max_new:  # the last token needs no step after it
+                    self.run_step(1, self.bucket(position + 1), greedy)
+                    fence.post((j + 1) % 2, self.out[:1])
+                (token,) = fence.read(j % 2)
+                if j + 1 < max_new:
+                    cache.tokens.append(token)  # the step just launched consumes it
+                    position += 1
+                yield token
+        except GeneratorExit:  # closed by the consumer: the state matches cache.tokens
+            raise
+        except BaseException:
+            cache.reset()
+            raise

@@ -1,0 +1,117 @@
+"""The model's tokenizer (HF `tokenizer.json` through `tokenizers`) and incremental detokenisation.
+
+A byte-level BPE token can hold part of a UTF-8 character, so decoding tokens one by one would emit
+U+FFFD halves. `Detokenizer` decodes a short window of recent tokens and holds text back until the
+window decodes to whole characters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from lingls.runtime.engine import EngineError, FimTemplate
+
+_REPLACEMENT = "\ufffd"
+
+# tokenizer_config.json key -> FimTemplate field; the defaults are looked up in the vocab when the key is absent
+_FIM_KEYS = {
+    "prefix": ("fim_prefix_token", "<|fim_prefix|>"),
+    "suffix": ("fim_suffix_token", "<|fim_suffix|>"),
+    "middle": ("fim_middle_token", "<|fim_middle|>"),
+    "file_sep": ("file_sep_token", "<|file_sep|>"),
+}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model directory, plus what the model's special tokens are."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise EngineError(f"{model_dir}: no tokenizer.json (a model directory needs config.json, "
+                              "*.safetensors and tokenizer.json)")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise EngineError(f"{path}: not a readable tokenizer.json ({e})") from None
+        config = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise EngineError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.vocab_size = self._tok.get_vocab_size()
+        self.fim = self._fim_template(config)
+        eos = _token_text(config.get("eos_token")) or "<|endoftext|>"
+        self.eos_ids = {i for i in (self._tok.token_to_id(eos),) if i is not None}
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                ids = json.loads(gen_path.read_text()).get("eos_token_id")
+            except json.JSONDecodeError:
+                ids = None
+            self.eos_ids |= set(ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else [])
+        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def _fim_template(self, config: dict) -> FimTemplate | None:
+        texts = {}
+        for field, (key, default) in _FIM_KEYS.items():
+            text = _token_text(config.get(key)) or default
+            texts[field] = text if self._tok.token_to_id(text) is not None else None
+        if not all(texts[f] for f in ("prefix", "suffix", "middle")):
+            return None
+        eos = _token_text(config.get("eos_token")) or "<|endoftext|>"
+        return FimTemplate(texts["prefix"], texts["suffix"], texts["middle"], texts["file_sep"], (eos,))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it (FIM markers) become their single ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def fim_prompt(self, prefix: str, suffix: str) -> str:
+        """The prefix-suffix-middle prompt for filling in between `prefix` and `suffix`."""
+        if self.fim is None:
+            raise EngineError("this model has no fill-in-the-middle tokens; send a prompt without a suffix")
+        return f"{self.fim.prefix}{prefix}{self.fim.suffix}{suffix}{self.fim.middle}"
+
+    def detokenizer(self) -> "Detokenizer":
+        return Detokenizer(self)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json spells a token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class Detokenizer:
+    """Turns a stream of token ids into a stream of text that never splits a character.
+
+    `push(id)` returns the text that became certain with this token (possibly ""); `flush()` returns what is
+    left at the end (a dangling partial character comes out as U+FFFD, as a full decode would show it).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._pending: list[int] = []  # tokens since the last clean character boundary
+
+    def push(self, token_id: int) -> str:
+        self._pending.append(token_id)
+        text = self._tok.decode(self._pending)
+        if text.endswith(_REPLACEMENT):
+            return ""  # an incomplete character at the end: wait for the next token
+        self._pending.clear()
+        return text
+
+    def flush(self) -> str:
+        text = self._tok.decode(self._pending)
+        self._pending.clear()
+        return text
