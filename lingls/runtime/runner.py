@@ -15,6 +15,7 @@ On CPU the same code runs eagerly (no graphs, no events).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -51,8 +52,10 @@ class _Fence:
             self.events[slot].record()
 
     def read(self, slot: int, n: int = 1) -> list[int]:
+        """Wait for the step that posted into `slot` (polling: a blocking wait would hold the GIL) and read it."""
         if self.events:
-            self.events[slot].synchronize()
+            while not self.events[slot].query():
+                time.sleep(0)
         return [int(x) for x in self.view[slot, :n]]
 
 

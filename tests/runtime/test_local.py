@@ -1,0 +1,98 @@
+"""LocalEngine: the Engine protocol over the runner on a worker thread."""
+
+import asyncio
+import json
+
+import pytest
+
+from lingls.runtime.engine import Engine, EngineError, GenerateRequest
+from lingls.runtime.local import LocalEngine, StopMatcher
+
+from .conftest import reference_greedy
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    return LocalEngine(str(tiny_dir), device="cpu")
+
+
+async def collect(engine, request):
+    return [c async for c in engine.stream(request)]
+
+
+async def test_protocol_and_greedy_text(engine, tiny_model):
+    assert isinstance(engine, Engine) and engine.fim.prefix == "<|fim_prefix|>"
+    prompt = "def add(a, b):\n    return"
+    ids = engine.tokenizer.encode(prompt)
+    assert engine.count_tokens(prompt) == len(ids)
+    text = "".join([t async for t in engine.generate(GenerateRequest(prompt, max_tokens=12))])
+    want = reference_greedy(tiny_model, ids, 12)
+    cut = [i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids]
+    assert text == engine.tokenizer.decode(want[: cut[0]] if cut else want)
+    assert engine.stats.requests == 1 and engine.stats.generated_tokens >= 1
+
+
+async def test_closing_the_stream_stops_within_one_step(engine):
+    stream = engine.generate(GenerateRequest("x = 1\n", max_tokens=200))
+    await stream.__anext__()
+    await stream.aclose()
+    await asyncio.sleep(0.5)
+    runner = engine.runner
+    consumed = len(runner.cache.tokens)
+    await asyncio.sleep(0.3)
+    assert len(runner.cache.tokens) == consumed  # nothing runs on
+    assert consumed < len(engine.tokenizer.encode("x = 1\n")) + 10
+    assert engine.stats.cancelled == 1
+
+
+async def test_a_new_request_preempts_the_running_one(engine):
+    first = engine.stream(GenerateRequest("a = [", max_tokens=400))
+    await first.__anext__()
+    second = asyncio.create_task(collect(engine, GenerateRequest("b = ", max_tokens=3)))
+    rest = [c async for c in first]
+    assert rest[-1].finish == "preempted" and rest[-1].usage["completion_tokens"] < 400
+    done = await second
+    assert done[-1].finish in ("length", "stop")
+    assert engine.stats.extra["preempted"] == 1
+
+
+async def test_cancelling_the_task_stops_generation(engine):
+    async def consume():
+        async for _ in engine.generate(GenerateRequest("while True:", max_tokens=400)):
+            pass
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)
+    consumed = len(engine.runner.cache.tokens)
+    await asyncio.sleep(0.3)
+    assert len(engine.runner.cache.tokens) == consumed
+
+
+def test_stop_strings_cut_and_hold_back():
+    m = StopMatcher(["\n\n", "END"])
+    assert m.feed("abc\n") == ("abc", False)
+    assert m.feed("x") == ("\nx", False)
+    assert m.feed("EN") == ("", False)
+    assert m.feed("D tail") == ("", True)
+    assert StopMatcher([]).feed("a\n\n") == ("a\n\n", False)
+
+
+def test_broken_model_directories(tmp_path, tiny_dir):
+    with pytest.raises(EngineError, match="does not exist"):
+        LocalEngine(str(tmp_path / "nope"))
+    with pytest.raises(EngineError, match="lacks config.json, tokenizer.json, \\*.safetensors"):
+        LocalEngine(str(tmp_path))
+
+
+async def test_a_corrupt_checkpoint_fails_the_request_with_a_clear_error(tmp_path, tiny_dir):
+    for f in tiny_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = LocalEngine(str(tmp_path), device="cpu")
+    with pytest.raises(EngineError, match="cannot load the model"):
+        await collect(engine, GenerateRequest("x"))

@@ -1,0 +1,89 @@
+"""ModelRunner on CPU: equals the model core's generation, samples reproducibly, never reads the device in its loop."""
+
+import contextlib
+
+import pytest
+import torch
+
+from lingls.runtime import runner as runner_mod
+from lingls.runtime.runner import ModelRunner, Sampling
+
+from .conftest import reference_greedy
+
+PROMPT = [11, 523, 97, 4000, 12, 7, 300, 301, 302, 9, 1000, 45]
+
+
+class HostRead(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """CPU stand-in for torch.cuda.set_sync_debug_mode("error"): any read of a tensor's value on the host raises."""
+    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def f(*a, **k):
+            raise HostRead(f"Tensor.{name} inside the decode loop")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, trap(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.fixture
+def runner(tiny_model):
+    return ModelRunner(tiny_model, capacity=256, prefill_chunk=8)
+
+
+def test_greedy_equals_the_model_core_reference(tiny_model, runner):
+    want = reference_greedy(tiny_model, PROMPT, 16)
+    assert list(runner.generate(PROMPT, 16)) == want
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_p=0.9, seed=5)])
+def test_decode_loop_reads_nothing_from_the_device(runner, sampling):
+    runner.prefill(PROMPT, sampling)
+    with no_host_reads():
+        got = list(runner.decode(12, sampling.greedy))
+    assert len(got) == 12
+
+
+def test_the_guard_catches_a_host_read(runner, monkeypatch):
+    real = runner_mod.sample
+    monkeypatch.setattr(runner_mod, "sample", lambda logits, *a: real(logits, *a) + int(logits[0, 0] > 0) * 0)
+    runner.prefill(PROMPT, Sampling())
+    with no_host_reads(), pytest.raises(HostRead):
+        list(runner.decode(4, True))
+
+
+def test_sampling_is_seeded_and_top_p_zero_is_greedy(runner):
+    a = list(runner.generate(PROMPT, 12, Sampling(temperature=1.5, seed=1)))
+    b = list(runner.generate(PROMPT, 12, Sampling(temperature=1.5, seed=1)))
+    c = list(runner.generate(PROMPT, 12, Sampling(temperature=1.5, seed=2)))
+    assert a == b and a != c
+    assert list(runner.generate(PROMPT, 12, Sampling(temperature=1.0, top_p=0.0, seed=3))) == \
+        list(runner.generate(PROMPT, 12))
+
+
+def test_closing_early_leaves_the_state_matching_its_tokens(tiny_model, runner):
+    steps = runner.generate(PROMPT, 20)
+    first = [next(steps) for _ in range(5)]
+    steps.close()
+    assert runner.cache.tokens == PROMPT + first  # the one step run ahead consumed exactly the 5th token
+    # a follow-up prompt that extends what was generated reuses all of it and matches a cold run
+    follow = PROMPT + first + [77]
+    got = list(runner.generate(follow, 8))
+    assert runner.cache.stats.tokens_saved >= len(PROMPT) + 5
+    assert got == reference_greedy(tiny_model, follow, 8)
+
+
+def test_prompt_longer_than_the_context_is_refused(runner):
+    with pytest.raises(ValueError, match="does not fit"):
+        runner.prefill(list(range(300)), Sampling())
