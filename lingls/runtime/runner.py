@@ -166,6 +166,13 @@ class ModelRunner:
         cache = self.cache
         start = cache.begin(prompt)
         try:
+            if len(prompt) - start == 1:  # a keystroke after a snapshot: one decode step (a graph replay)
+                self.set_sampling(sampling)
+                self.ids[:1].fill_(prompt[-1])
+                self.pos.fill_(start)
+                self.run_step(1, self.bucket(len(prompt)), sampling.greedy)
+                cache.tokens.append(prompt[-1])
+                return start
             bounds = sorted(set(cache.snapshot_points(start, len(prompt))
                                 + list(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
                                 + [len(prompt)]))

@@ -1,0 +1,48 @@
+"""On a GPU (skipped elsewhere): the graph-replayed loop never synchronises and gives the eager loop's tokens."""
+
+import pytest
+import torch
+
+from lingls.model import load_model
+from lingls.runtime.runner import ModelRunner, Sampling
+
+from .conftest import reference_greedy
+from .test_cache import BASE
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tiny_dir):
+    return load_model(tiny_dir, device="cuda", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)])
+def test_decode_loop_never_synchronises(gpu_model, graphs, sampling):
+    r = ModelRunner(gpu_model, capacity=512, use_graphs=graphs)
+    list(r.generate(BASE, 4, sampling))  # captures the graphs this test replays
+    r.prefill(BASE + [5], sampling)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = list(r.decode(32, sampling.greedy))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(got) == 32
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)])
+def test_graphs_equal_eager_and_the_reference(gpu_model, sampling):
+    graph = list(ModelRunner(gpu_model, capacity=512, use_graphs=True).generate(BASE, 24, sampling))
+    eager = list(ModelRunner(gpu_model, capacity=512, use_graphs=False).generate(BASE, 24, sampling))
+    assert graph == eager
+    if sampling.greedy:
+        assert graph == reference_greedy(gpu_model, BASE, 24)
+
+
+def test_prefix_reuse_equals_cold_on_gpu(gpu_model):
+    warm = ModelRunner(gpu_model, capacity=512, prefill_chunk=32)
+    list(warm.generate(BASE, 6))
+    for prompt in (BASE[:-1] + [4242], BASE[:70] + [9] + BASE[71:], BASE + [1, 2]):
+        cold = list(ModelRunner(gpu_model, capacity=512, prefill_chunk=32).generate(prompt, 12))
+        assert list(warm.generate(prompt, 12)) == cold
