@@ -1,0 +1,193 @@
+"""Skinny bf16 GEMM for batch-1 decode and verify: y = x @ W^T with T <= 16 rows, fp32 accumulation.
+
+At T <= 16 a projection is a pass over W and nothing else: the arithmetic is free and the time is the bytes of
+W over the memory bandwidth, if enough of them are in flight. So the kernel is laid out for streaming: each
+program owns a block of W's rows (BLOCK_N) and walks a range of its columns (the K dimension) in BLOCK_K tiles,
+multiplying them with the whole x tile on the tensor cores (x is padded to 16 rows, the smallest MMA shape;
+the padding costs no memory traffic). When N is small there are too few row blocks to keep every SM streaming,
+so K is split too (split-K): each program writes an fp32 partial, bumps the row block's counter, and the
+program that arrives last sums the partials in a fixed order (deterministic), applies the epilogue and writes
+y. One launch either way; the counters reset themselves, so CUDA-graph replays need no memset.
+
+Epilogues fused here because the model needs them right after a projection:
+- `residual`: y = x @ W^T + residual (o_proj / down_proj straight into the residual stream, at TP=1).
+- `swiglu`: W holds [gate rows; up rows] (2N x K, gate first, as the checkpoint's gate_up stacking), and
+  y = swiglu(x Wg^T, x Wu^T) with Ling's optional clamp; gate and up of a column live in the same program.
+
+Triton's interpreter (CPU tests) computes bf16 `tl.dot` wrongly (Triton 3.6), so under TRITON_INTERPRET the
+operands are widened to fp32 first; on a GPU the MMA takes bf16 directly. Both give the exact bf16 products.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lingls.kernels import reference as ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
+# Triton 3.6's interpreter cannot run a loop with a run-time bound under NumPy >= 2.4.
+MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
+
+
+@triton.jit
+def _mma(acc, a, b, F32_DOT: tl.constexpr):
+    """acc += a @ b with fp32 accumulation (see the module note on the interpreter)."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _swiglu(gate, up, limit):
+    """silu(gate) * up, clamped as min(silu(gate), L) * clamp(up, -L, L) when limit > 0 (fp32 in, fp32 out)."""
+    act = gate * tl.sigmoid(gate)
+    if limit > 0:
+        act = tl.minimum(act, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return act * up
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                 T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
+                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, F32_DOT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rt = tl.arange(0, 16)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((16, BLOCK_N), tl.float32)
+    for i in range(0, K_ITERS):
+        kk = k_lo + i * BLOCK_K + rk
+        xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
+        wmask = (rn[:, None] < N) & (kk[None, :] < K)
+        wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+        if SWIGLU:
+            wu = tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
+            acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+    if SPLIT_K > 1:
+        # Publish this K range's partial, then let the last arriving program of the row block finish it.
+        n_parts: tl.constexpr = 2 if SWIGLU else 1
+        pofs = rt[:, None] * N + rn[None, :]
+        pmask = (rt[:, None] < T) & (rn[None, :] < N)
+        part = part_ptr + pid_k * (n_parts * 16 * N)
+        tl.store(part + pofs, acc, mask=pmask)
+        if SWIGLU:
+            tl.store(part + 16 * N + pofs, acc_up, mask=pmask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((16, BLOCK_N), tl.float32)
+            acc_up = tl.zeros((16, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = part_ptr + s * (n_parts * 16 * N)
+                acc += tl.load(part + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_up += tl.load(part + 16 * N + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+            _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride_r, limit, SWIGLU, HAS_RES)
+    else:
+        _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride_r, limit, SWIGLU, HAS_RES)
+
+
+@triton.jit
+def _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride_r, limit,
+                   SWIGLU: tl.constexpr, HAS_RES: tl.constexpr):
+    mask = (rt[:, None] < T) & (rn[None, :] < N)
+    y = acc
+    if SWIGLU:
+        y = _swiglu(acc, acc_up, limit)
+    if HAS_RES:
+        y += tl.load(res_ptr + rt[:, None] * stride_r + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rt[:, None] * stride_o + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters shared by this package's 'last program finishes' kernels.
+
+    Every kernel that uses them resets the ones it touched before it exits, so one buffer serves all kernels
+    issued on one stream, and graph replays find them at zero. Call each kernel once before capturing a graph
+    (the warm-up run allocates the buffer outside the capture). Not safe for kernels running concurrently on
+    two streams.
+    """
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill (a small stand-in under the interpreter, to exercise split-K)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: int | None, block_k: int):
+    """Row block and K split: enough programs for ~2 waves over the SMs, each K range at least one tile."""
+    block_n = block_n or (64 if n >= 64 * 4 * sm_count(device) else 32 if n >= 32 * sm_count(device) else 16)
+    if split_k is None:
+        split_k, blocks = 1, triton.cdiv(n, block_n)
+        while blocks * split_k < 2 * sm_count(device) and k // (2 * split_k) >= block_k:
+            split_k *= 2
+    k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return block_n, triton.cdiv(k, k_per), k_per
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
+         limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
+         split_k: int | None = None, block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
+
+    x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
+    residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
+    epilogue math is fp32 and rounds once. `block_n`, `split_k`, `block_k` override the plan (benchmarks).
+    """
+    t, k = x.shape
+    assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
+    assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
+    block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
+    blocks = triton.cdiv(n, block_n)
+    part = torch.empty(split * (2 if swiglu else 1) * 16 * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    res = residual if residual is not None else out
+    _gemv_kernel[(blocks, split)](
+        x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
+        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
+        BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
+        F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
+                   limit: float = 0.0) -> torch.Tensor:
+    """The definition: fp32 products of the bf16 inputs, epilogue in fp32, one rounding to x's dtype."""
+    y = x.float() @ w.float().t()
+    if swiglu:
+        n = w.shape[0] // 2
+        y = ref.swiglu(y[:, :n], y[:, n:], limit)
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
+           limit: float = 0.0) -> torch.Tensor:
+    """Dispatcher: the kernel for CUDA tensors with at most 16 rows, the reference otherwise."""
+    if x.is_cuda and x.shape[0] <= MAX_T:
+        return gemv(x, w, residual, swiglu, limit)
+    return gemv_reference(x, w, residual, swiglu, limit)

@@ -1,0 +1,310 @@
+"""Fused MoE for T <= 16 tokens (decode and verify): router + grouped top-k, expert gate-up + SwiGLU, down.
+
+At batch 1 an MoE layer is a walk over the weights of the experts the tokens chose (8 routed + 1 shared per
+token at Ling-3.0, 2.95 MB each per TP=4 rank) plus the router (2.6 MB); the arithmetic is negligible. Issued
+as torch ops it is dozens of small kernels that each reach a fraction of the bandwidth (one expert-sized
+torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches, each streaming many experts at once:
+
+1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H), then the last program to
+   arrive (an atomic counter; no second launch) sums the partial logits and does the whole routing on chip:
+   sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
+   experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
+   expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
+   expert (slot 0, id E), their count, and a dense weight table wd[slot, token] (0 where the token did not
+   choose that expert, 1 for the shared expert).
+2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
+   rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
+   Slots past the count exit at once: the grid is sized for the worst case, so nothing is read back to the host.
+3. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
+   activations with its rows of the expert's down projection and accumulates wd[slot, token] * result in
+   fp32, so the weighted sum over the k experts and the shared expert happens in registers, without atomics,
+   and the output (optionally plus a residual) is written once.
+
+Why not two launches: the down projection needs a whole expert's activation (all of I), which no single
+program of the gate-up launch holds; splitting down over I instead (atomics into the output) costs
+T*k*(I/BLOCK_I)*H fp32 atomics, ~2.5M at T=9, slower than the launch it saves. Programmatic dependent launch
+can hide most of the two boundaries (left to the integration).
+
+Weights: the checkpoint's stacking is already what the kernels want, so the 512 experts are not copied at load.
+Routed gate_up [E, 2I, H] (I gate rows, then I up rows) and down [E, H, I]; the shared expert is passed beside
+them as gate_up [2I_s, H] (gate rows, then up rows: `prepare_moe_weights` concatenates the checkpoint's
+gate_proj and up_proj once) and down [H, I_s], and the kernels pick its pointers when they meet id E, so I_s
+may differ from I. All bf16, contiguous; expert_bias fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lingls.kernels import reference as ref
+from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
+
+
+class MoEWeights(NamedTuple):
+    """One MoE layer's tensors in the layout `fused_moe` reads (see the module docstring)."""
+    router_w: torch.Tensor  # [E, H] bf16
+    expert_bias: torch.Tensor  # [E] fp32
+    gate_up: torch.Tensor  # [E, 2I, H] bf16
+    down: torch.Tensor  # [E, H, I] bf16
+    shared_gate_up: torch.Tensor | None  # [2I_s, H] bf16
+    shared_down: torch.Tensor | None  # [H, I_s] bf16
+
+
+def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, shared_up=None, shared_down=None):
+    """Checkpoint tensors -> MoEWeights. Only the shared expert's gate and up (2 x [I_s, H]) are copied."""
+    shared_gate_up = None
+    if shared_gate is not None:
+        shared_gate_up = torch.cat([shared_gate, shared_up], dim=0).contiguous()
+        shared_down = shared_down.contiguous()
+    return MoEWeights(router_w.contiguous(), expert_bias.float().contiguous(), gate_up.contiguous(),
+                      down.contiguous(), shared_gate_up, shared_down)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wd_ptr,
+                   T, E, H, K_PER, scale,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
+                   TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+                   HAS_SHARED: tl.constexpr, F32_DOT: tl.constexpr):
+    pid_e = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rt = tl.arange(0, 16)
+    re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((16, BLOCK_E), tl.float32)
+    for i in range(0, K_ITERS):
+        kk = pid_k * K_PER + i * BLOCK_K + rk
+        xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
+        wt = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
+        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+    tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * SPLIT - 1:
+        # Last program: the routing of all T tokens at once, on a [TT, group, expert-in-group] tile.
+        tr = tl.arange(0, TT)
+        g = tl.arange(0, G_PAD)
+        j = tl.arange(0, EPG_PAD)
+        e3 = g[None, :, None] * EPG + j[None, None, :]
+        valid_e = (g[None, :, None] < G) & (j[None, None, :] < EPG)
+        m3 = (tr[:, None, None] < T) & valid_e
+        logits = tl.zeros((TT, G_PAD, EPG_PAD), tl.float32)
+        for s in tl.static_range(SPLIT):
+            logits += tl.load(part_ptr + s * 16 * E + tr[:, None, None] * E + e3, mask=m3, other=0.0, cache_modifier=".cg")
+        score = tl.sigmoid(logits)
+        bias = tl.load(bias_ptr + e3, mask=valid_e, other=0.0)
+        choice = tl.where(valid_e, score + bias, float("-inf"))
+        # group score: the sum of the two best (score + bias) in the group
+        first = tl.argmax(choice, axis=2)
+        second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
+        gscore = tl.max(choice, axis=2) + second
+        keep = tl.zeros((TT, G_PAD), tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=1)
+            hit = g[None, :] == best[:, None]
+            keep = keep | hit
+            gscore = tl.where(hit, float("-inf"), gscore)
+        choice = tl.where(keep[:, :, None], choice, float("-inf"))
+        F: tl.constexpr = G_PAD * EPG_PAD
+        c2 = tl.reshape(choice, (TT, F))
+        s2 = tl.reshape(score, (TT, F))
+        f = tl.arange(0, F)
+        kc = tl.arange(0, K_PAD)
+        chosen = tl.zeros((TT, F), tl.int1)
+        vals = tl.zeros((TT, K_PAD), tl.float32)
+        ids = tl.zeros((TT, K_PAD), tl.int32)
+        for k in tl.static_range(TOP_K):
+            best = tl.argmax(c2, axis=1)
+            hit = f[None, :] == best[:, None]
+            chosen = chosen | hit
+            c2 = tl.where(hit, float("-inf"), c2)
+            vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
+            ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
+        if NORMALIZE:
+            mult = scale / (tl.sum(vals, axis=1) + 1e-20)
+        else:
+            mult = tl.zeros((TT,), tl.float32) + scale
+        tmask = tr[:, None] < T
+        kmask = tmask & (kc[None, :] < TOP_K)
+        tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
+        tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
+        # alignment: distinct experts in id order, their slots, and the dense weight table
+        chosen = chosen & tmask
+        present = tl.max(chosen.to(tl.int32), axis=0)
+        slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
+        eid = (f // EPG_PAD) * EPG + f % EPG_PAD
+        tl.store(experts_ptr + slot, eid, mask=present > 0)
+        wdense = tl.where(chosen, s2 * mult[:, None], 0.0)
+        tl.store(wd_ptr + slot[None, :] * 16 + tr[:, None], wdense, mask=(present[None, :] > 0) & tmask)
+        if HAS_SHARED:
+            tl.store(experts_ptr, E)
+            tl.store(wd_ptr + tr, tl.zeros((TT,), tl.float32) + 1.0, mask=tr < T)
+        tl.store(n_ptr, tl.sum(present, axis=0) + HAS_SHARED)
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wd_ptr, act_ptr,
+                    T, H, E, I, I_S, limit, shared_limit,
+                    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+    d = tl.program_id(0)
+    ib = tl.program_id(1)
+    n = tl.load(n_ptr)
+    if d < n:
+        e = tl.load(experts_ptr + d)
+        shared = e == E
+        inter = tl.where(shared, I_S, I)
+        if ib * BLOCK_I < inter:
+            base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * I * H))
+            rt = tl.arange(0, 16)
+            ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+            rk = tl.arange(0, BLOCK_K)
+            acc_g = tl.zeros((16, BLOCK_I), tl.float32)
+            acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+            for i in range(0, K_ITERS):
+                kk = i * BLOCK_K + rk
+                xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
+                wmask = (ri[:, None] < inter) & (kk[None, :] < H)
+                wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
+                wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
+                acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
+                acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
+            act = _swiglu(acc_g, acc_u, tl.where(shared, shared_limit, limit))
+            w = tl.load(wd_ptr + d * 16 + rt, mask=rt < T, other=0.0)
+            act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
+            tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
+                     mask=(rt[:, None] < T) & (ri[None, :] < inter))
+
+
+@triton.jit
+def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, res_ptr,
+                 T, H, E, I, I_S,
+                 D_MAX: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
+                 F32_DOT: tl.constexpr):
+    rh = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ri = tl.arange(0, I_PAD)
+    rt = tl.arange(0, 16)
+    n = tl.load(n_ptr)
+    acc = tl.zeros((16, BLOCK_H), tl.float32)
+    for d in range(0, D_MAX):  # slots past n are masked off: no memory traffic
+        live = d < n
+        e = tl.load(experts_ptr + d, mask=live, other=0)
+        shared = e == E
+        inter = tl.where(shared, I_S, I)
+        base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
+        wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter), other=0.0)
+        a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
+                    mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
+        c = _mma(tl.zeros((16, BLOCK_H), tl.float32), a, tl.trans(wt), F32_DOT)
+        w = tl.load(wd_ptr + d * 16 + rt, mask=live & (rt < T), other=0.0)
+        acc += c * w[:, None]
+    mask = (rt[:, None] < T) & (rh[None, :] < H)
+    if HAS_RES:
+        acc += tl.load(res_ptr + rt[:, None] * H + rh[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
+              n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
+              shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
+              router_block_e: int = 16, router_split: int = 4, block_i: int = 16, block_h: int = 16):
+    """MoE of T <= 16 tokens in three launches, nothing read back to the host.
+
+    x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
+    Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
+    (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
+    The trailing block sizes are tuning knobs for the benchmark.
+    """
+    t, h = x.shape
+    e = router_w.shape[0]
+    i = down.shape[2]
+    assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0
+    has_shared = shared_gate_up is not None
+    i_s = shared_down.shape[1] if has_shared else 0
+    d_max = min(t * top_k, e) + int(has_shared)
+    i_pad = triton.next_power_of_2(max(i, i_s))
+    dev = x.device
+    out = torch.empty_like(x)
+    topk_w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    topk_i = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    experts = torch.empty(d_max, dtype=torch.int32, device=dev)
+    n_live = torch.empty(1, dtype=torch.int32, device=dev)
+    wd = torch.empty(d_max, 16, dtype=torch.float32, device=dev)
+    act = torch.empty(d_max, 16, i_pad, dtype=x.dtype, device=dev)
+
+    block_k = 128
+    k_per = triton.cdiv(triton.cdiv(h, router_split), block_k) * block_k
+    split = triton.cdiv(h, k_per)
+    part = torch.empty(split, 16, e, dtype=torch.float32, device=dev)
+    epg = e // n_group
+    _router_kernel[(triton.cdiv(e, router_block_e), split)](
+        x, router_w, expert_bias, part, counters(dev, 1), topk_w, topk_i, experts, n_live, wd,
+        t, e, h, k_per, float(scale),
+        BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
+        TT=max(triton.next_power_of_2(t), 2), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        G=n_group, G_PAD=triton.next_power_of_2(n_group), EPG=epg, EPG_PAD=triton.next_power_of_2(epg),
+        TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, F32_DOT=INTERPRET, num_warps=8)
+    sgu = shared_gate_up if has_shared else gate_up
+    sdn = shared_down if has_shared else down
+    gu_block_k = 256
+    _gate_up_kernel[(d_max, triton.cdiv(max(i, i_s), block_i))](
+        x, gate_up, sgu, experts, n_live, wd, act, t, h, e, i, i_s, float(limit), float(shared_limit),
+        BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=triton.cdiv(h, gu_block_k), I_PAD=i_pad, F32_DOT=INTERPRET,
+        num_warps=4, num_stages=3)
+    _down_kernel[(triton.cdiv(h, block_h),)](
+        act, down, sdn, experts, n_live, wd, out, residual if residual is not None else out,
+        t, h, e, i, i_s, D_MAX=d_max, BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None,
+        F32_DOT=INTERPRET, num_warps=4, num_stages=3)
+    if return_routing:
+        return out, topk_w, topk_i
+    return out
+
+
+def fused_moe_reference(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *,
+                        top_k: int, n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
+                        shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
+                        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        compute_dtype: torch.dtype = torch.float32):
+    """The definition, in plain torch: fp32 router logits, `reference.route_grouped_topk`, then per token the
+    chosen experts' SwiGLU MLPs weighted and summed, plus the shared expert, one rounding at the end.
+
+    `routing` = (weights, indices) replaces the router's choice (tests feed the kernel's routing here, so a
+    near-tie decided differently by a different summation order does not hide the experts' arithmetic).
+    `compute_dtype` bf16 gives the model's eager path (for benchmarks); fp32 is the definition.
+    """
+    n_in = x.shape[0]
+    if routing is None:
+        logits = x.float() @ router_w.float().t()
+        routing = ref.route_grouped_topk(logits, expert_bias, top_k, n_group, topk_group, normalize, scale)
+    w, idx = routing
+    idx = idx.long()
+    inter = down.shape[2]
+    xc = x.to(compute_dtype)
+    gu = torch.einsum("nh,nkoh->nko", xc, gate_up[idx].to(compute_dtype))
+    a = ref.swiglu(gu[..., :inter], gu[..., inter:], limit)
+    y = torch.einsum("nki,nkhi->nkh", a, down[idx].to(compute_dtype))
+    out = (y.float() * w.float().unsqueeze(-1)).sum(1)
+    if shared_gate_up is not None:
+        i_s = shared_down.shape[1]
+        sgu = xc @ shared_gate_up.to(compute_dtype).t()
+        out = out + (ref.swiglu(sgu[:, :i_s], sgu[:, i_s:], shared_limit) @ shared_down.to(compute_dtype).t()).float()
+    if residual is not None:
+        out = out + residual.float()
+    out = out.to(x.dtype).view(n_in, -1)
+    if return_routing:
+        return out, w, idx
+    return out
+
+
+def moe(x: torch.Tensor, weights: MoEWeights, **cfg) -> torch.Tensor:
+    """Dispatcher: the fused kernels for CUDA tensors with at most 16 tokens, the reference otherwise.
+    cfg: top_k, n_group, topk_group, normalize, scale, limit, shared_limit (and optionally residual)."""
+    if x.is_cuda and x.shape[0] <= MAX_T:
+        return fused_moe(x, *weights, **cfg)
+    return fused_moe_reference(x, *weights, **cfg)
