@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingls.kernels import reference as ref
+from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
 
 CHUNKED_KDA_MIN_TOKENS = 64  # below this a step runs the recurrent form; above, the chunked form
@@ -218,12 +219,7 @@ class GatedMLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.rank)
         w_k, w_v = w[:, : self.nope], w[:, self.nope:]  # [H, nope, rank], [H, v, rank]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_k)  # absorb W_k into the query
-        keys = cache[:kv_len]
-        scores = (torch.einsum("thr,jr->thj", q_lat, keys[:, : self.rank])
-                  + torch.einsum("thp,jp->thj", q_rope, keys[:, self.rank:])).float() * self.scale
-        visible = torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None]  # [T, J]
-        probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1).to(x.dtype)
-        o_lat = torch.einsum("thj,jr->thr", probs, keys[:, : self.rank])
+        o_lat = mla_decode(q_lat, q_rope, cache[:kv_len], positions, self.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, w_v)  # absorb W_v into the output
         return self._out(x, o.reshape(t, self.heads, self.vdim))
 

@@ -1,9 +1,6 @@
 """Tensor parallelism: N rank shards (gloo, one process each), partial sums all-reduced and vocab shards
 gathered, compute the unsharded model's logits, full-sequence and stateful."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,16 +12,9 @@ from lingls.model.ling import LingForCausalLM, Parallel
 from .conftest import randomize, small_config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, size: int, port: int, ckpt: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, size: int, rendezvous: str, ckpt: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
 
     def all_reduce(x):
         dist.all_reduce(x)
@@ -55,7 +45,7 @@ def test_shards_combined_equal_the_whole_model(tmp_path, size):
     randomize(model, 0)
     save_checkpoint(model, tmp_path, dtype=torch.float32)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(size, _free_port(), str(tmp_path), str(out)), nprocs=size, join=True)
+    mp.spawn(_rank, args=(size, str(tmp_path / "rendezvous"), str(tmp_path), str(out)), nprocs=size, join=True)
     got = torch.load(out)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2))
     want = model.eval().logits(ids)
