@@ -4,7 +4,8 @@
  * cancelled through a CancellationToken (VS Code cancels the previous request on every keystroke).
  *
  * Run: `node --test test-server/` (or `npm run test:server`) from editors/vscode.
- * Environment: LINGLS_CMD (default `lingls`); LINGLS_TEST_ENGINE set means the server runs the scripted engine
+ * Environment: LINGLS_CMD (default `lingls`; a JSON array for a command with arguments, e.g.
+ * `["python3", "-m", "lingls.cli"]`); LINGLS_TEST_ENGINE set means the server runs the scripted engine
  * of tests/editors, whose exact text is then checked too; LINGLS_FIRST_ANSWER_MS bounds the first answer (the
  * model loads then).
  */
@@ -18,7 +19,9 @@ const rpc = require('vscode-jsonrpc/node');
 const proto = require('vscode-languageserver-protocol');
 const { languageClientCapabilities } = require('./client-capabilities.cjs');
 
-const COMMAND = process.env.LINGLS_CMD || 'lingls';
+const COMMAND = (process.env.LINGLS_CMD || 'lingls').startsWith('[')
+  ? JSON.parse(process.env.LINGLS_CMD)
+  : [process.env.LINGLS_CMD || 'lingls'];
 const SCRIPTED = Boolean(process.env.LINGLS_TEST_ENGINE);
 const FIRST_ANSWER_MS = Number(process.env.LINGLS_FIRST_ANSWER_MS || 180000);
 
@@ -79,7 +82,7 @@ function change(text) {
 }
 
 before(async () => {
-  server = spawn(COMMAND, ['--stdio'], { stdio: ['pipe', 'pipe', 'pipe'] });
+  server = spawn(COMMAND[0], [...COMMAND.slice(1), '--stdio'], { stdio: ['pipe', 'pipe', 'pipe'] });
   server.stderr.on('data', (d) => (stderr += d));
   connection = rpc.createMessageConnection(
     new rpc.StreamMessageReader(server.stdout),

@@ -13,11 +13,20 @@ local function check_server()
     })
     return
   end
-  local res = vim.system({ exe, "--version" }, { text = true }):wait(20000)
+  -- The configured command with --version instead of --stdio (it may be e.g. `python -m lingls.cli --stdio`).
+  local version_cmd = vim.tbl_filter(function(arg)
+    return arg ~= "--stdio"
+  end, cmd)
+  table.insert(version_cmd, "--version")
+  local res = vim.system(version_cmd, { text = true }):wait(20000)
   if res.code == 0 then
     vim.health.ok(("%s: %s"):format(vim.fn.exepath(exe), vim.trim(res.stdout)))
   else
-    vim.health.error(("`%s --version` failed (exit %s): %s"):format(exe, tostring(res.code), vim.trim(res.stderr or "")))
+    vim.health.error(("`%s` failed (exit %s): %s"):format(
+      table.concat(version_cmd, " "),
+      tostring(res.code),
+      vim.trim(res.stderr or "")
+    ))
   end
 end
 

@@ -52,6 +52,9 @@ function M.state()
     col = cursor[2],
     ghost = ghost(buf) or vim.NIL,
     status = require("lingls").status(),
+    -- The suggestion as the plugin holds it (the ghost text shows it with tabs expanded).
+    current = require("lingls.completion").current() or vim.NIL,
+    tabstop = vim.bo[buf].tabstop,
     clients = #vim.lsp.get_clients({ bufnr = buf, name = "lingls" }),
   }
 end
