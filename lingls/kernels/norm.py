@@ -1,0 +1,94 @@
+"""Fused residual add + RMSNorm for the batch-1 step.
+
+Every layer does `h = h + attn_out; x = RMSNorm(h)` twice (before attention and before the MLP), and the step
+ends with one more before lm_head. In torch that is an add, a pass for the mean of squares and one for the
+scale: three launches and three trips through memory for a [T, 2560] row. Here it is one launch per call that
+reads x, the residual and the weight once and writes the new residual (in place) and the normed row.
+
+The residual stays in the activation dtype (bf16), exactly as the model's `h + a` does: the sum is formed in
+fp32, rounded once to the residual's dtype, and the norm reads that rounded sum, so the kernel reproduces the
+torch form bit for bit rather than a more precise fp32 stream that would drift from the reference model.
+
+The KDA output norm (RMSNorm per head times sigmoid(z)) is not here: it is fused into the KDA step kernel
+(lingls.kernels.kda), which saves one launch per KDA layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lingls.kernels import reference as ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
+    triton = None
+
+    class tl:  # noqa: N801 - only the annotation the kernel signatures name at definition time
+        constexpr = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+@_jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
+                         BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program per row: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h))."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: safe before the previous kernel ends
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    h = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * sr + offs, mask=m, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
+        tl.store(r_ptr + row * sr + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight multiply
+    tl.store(out_ptr + row * so + offs, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = 8):
+    """The Triton form (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `add_rms_norm`."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, N] with contiguous rows, got {tuple(x.shape)}")
+    t, n = x.shape
+    if weight.shape != (n,):
+        raise ValueError(f"weight must be [{n}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual must match x ({tuple(x.shape)} {x.dtype}), got {tuple(residual.shape)} {residual.dtype}")
+    if out is None:
+        out = torch.empty(t, n, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    r = residual if residual is not None else x
+    kwargs = {"launch_pdl": True} if pdl and x.is_cuda else {}
+    _add_rms_norm_kernel[(t,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), n, float(eps),
+                               BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+                               USE_PDL=bool(kwargs), num_warps=num_warps, **kwargs)
+    return out, r
+
+
+def add_rms_norm_reference(x, residual, weight, eps: float, *, out=None):
+    """The torch form: the model's `h = h + a` then `rms_norm(h)`, with the same in-place contract."""
+    if residual is not None:
+        residual.copy_(residual + x)
+    h = residual if residual is not None else x
+    y = ref.rms_norm(h, weight, eps)
+    return (y if out is None else out.copy_(y)), h
+
+
+def add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False):
+    """(normed, new_residual) for rows x [T, N].
+
+    residual: [T, N] of x's dtype, updated in place to residual + x and returned as new_residual; or None,
+    meaning x is the residual stream itself (the first layer's input norm), returned unchanged.
+    weight: [N]; normed: [T, N] in promote(weight, x) dtype (bf16 for the checkpoint), = rms_norm(new_residual).
+    The Triton kernel on CUDA tensors, the reference otherwise. pdl: programmatic dependent launch.
+    """
+    if x.is_cuda:
+        return fused_add_rms_norm(x, residual, weight, eps, out=out, pdl=pdl)
+    return add_rms_norm_reference(x, residual, weight, eps, out=out)

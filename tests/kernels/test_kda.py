@@ -1,0 +1,159 @@
+"""The fused KDA step and commit against their references (Triton's interpreter on CPU, the real kernel on GPU).
+
+Every check draws fresh random inputs, poisons outputs with NaN first, and compares with ||a-b||/||b||: fp32
+math to 1e-5. With bf16 inputs the reference runs on the same values upcast to fp32, so the state (fp32 in
+both) still matches to 1e-5 and only the bf16 rounding of the output is left (1e-2).
+"""
+
+import pytest
+import torch
+
+from lingls.kernels import kda
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LB = -5.0
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(t, h, d, dtype, gen, fused=False):
+    """Random step inputs; with fused=True q, k, v, f, z, b are strided views of one [T, 5C+H] GEMV output."""
+    c = h * d
+
+    def r(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEV, dt)
+
+    if fused:
+        buf = r(t, 5 * c + h)
+        q, k, v, f, z, b = buf.split([c, c, c, c, c, h], dim=1)
+    else:
+        q, k, v, f, z, b = r(t, c), r(t, c), r(t, c), r(t, c), r(t, c), r(t, h)
+    return dict(q=q, k=k, v=v, f=f, b=b, z=z, conv_state=r(3, c, 3), conv_weight=r(3, c, 4, scale=0.5),
+                a_log=r(h, scale=0.5, dt=torch.float32), dt_bias=r(c, dt=torch.float32),
+                norm_weight=r(d, scale=0.5) + 1, state=r(h, d, d, scale=0.3, dt=torch.float32))
+
+
+def upcast(inp):
+    """fp32 copies (the reference's inputs); the kernel mutates its own."""
+    return {n: None if x is None else x.float().clone() for n, x in inp.items()}
+
+
+def run_kernel(inp, **kw):
+    mutable = {n: inp[n].clone() for n in ("conv_state", "state")}
+    out_dtype = inp["q"].dtype if inp["norm_weight"] is not None else torch.float32
+    out = torch.full(inp["q"].shape, float("nan"), device=DEV, dtype=out_dtype)
+    kda.fused_kda_step(**{**inp, **mutable}, lower_bound=LB, out=out, **kw)
+    return out, mutable
+
+
+def assert_workspace_clean(h, d):
+    assert (kda._workspace(torch.device(DEV), h, d)[1] == 0).all(), "arrival counters not reset"
+
+
+@pytest.mark.parametrize("t,h,d,block_v,dtype,fused", [
+    (1, 2, 16, 8, torch.float32, False),
+    (9, 4, 32, 16, torch.bfloat16, False),
+    (16, 8, 16, 16, torch.float32, False),
+    (5, 2, 64, 32, torch.bfloat16, True),
+])
+def test_step_matches_reference(t, h, d, block_v, dtype, fused):
+    gen = torch.Generator().manual_seed(1000 * t + 10 * h + d)
+    inp = make(t, h, d, dtype, gen, fused)
+    out, new = run_kernel(inp, block_v=block_v)
+    ref_in = upcast(inp)
+    ref_out = kda.kda_step_reference(**ref_in, lower_bound=LB)
+    assert out.dtype == dtype
+    assert rel(out, ref_out) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel(new["state"], ref_in["state"]) < 1e-5
+    assert torch.equal(new["conv_state"].float(), ref_in["conv_state"])  # copies of inputs: exact
+    assert_workspace_clean(h, d)
+
+
+def test_raw_output_without_norm():
+    gen = torch.Generator().manual_seed(7)
+    inp = {**make(4, 2, 32, torch.float32, gen), "norm_weight": None, "z": None}
+    out, new = run_kernel(inp, block_v=8)
+    ref_in = upcast(inp)
+    ref_out = kda.kda_step_reference(**ref_in, lower_bound=LB)
+    assert out.dtype == torch.float32
+    assert rel(out, ref_out) < 1e-5 and rel(new["state"], ref_in["state"]) < 1e-5
+
+
+def test_consecutive_steps_carry_state():
+    """Two launches on one state (T=1 then T=3): in-place updates and the counter reset between launches."""
+    gen = torch.Generator().manual_seed(11)
+    first, second = make(1, 2, 16, torch.float32, gen), make(3, 2, 16, torch.float32, gen)
+    for name in ("conv_state", "state", "conv_weight", "a_log", "dt_bias", "norm_weight"):
+        second[name] = first[name]
+    live = {n: first[n].clone() for n in ("conv_state", "state")}
+    outs = [kda.fused_kda_step(**{**x, **live}, lower_bound=LB, block_v=8) for x in (first, second)]
+    ref_live = {n: first[n].clone() for n in ("conv_state", "state")}
+    ref_outs = [kda.kda_step_reference(**{**x, **ref_live}, lower_bound=LB) for x in (first, second)]
+    for o, r in zip(outs, ref_outs):
+        assert rel(o, r) < 1e-5
+    assert rel(live["state"], ref_live["state"]) < 1e-5
+    assert torch.equal(live["conv_state"], ref_live["conv_state"])
+
+
+def test_staged_verify_then_commit_equals_accepted_prefix():
+    t, h, d = 9, 2, 32
+    gen = torch.Generator().manual_seed(21)
+    inp = make(t, h, d, torch.bfloat16, gen)
+    c = h * d
+    stage = (torch.full((t, h, d, d), float("nan"), device=DEV),
+             torch.full((t, 3, c, 3), float("nan"), device=DEV, dtype=torch.bfloat16))
+    out, live = run_kernel(inp, block_v=16, stage=stage)
+    assert torch.equal(live["state"], inp["state"]) and torch.equal(live["conv_state"], inp["conv_state"])
+    ref_in = upcast(inp)
+    ref_stage = (torch.empty(t, h, d, d, device=DEV), torch.empty(t, 3, c, 3, device=DEV))
+    ref_out = kda.kda_step_reference(**ref_in, lower_bound=LB, stage=ref_stage)
+    assert rel(out, ref_out) < 1e-2
+    assert rel(stage[0], ref_stage[0]) < 1e-5
+    assert torch.equal(stage[1].float(), ref_stage[1])
+
+    accepted = int(torch.randint(0, t, (1,), generator=gen))
+    index = torch.tensor([accepted], device=DEV, dtype=torch.int32)
+    kda.fused_commit(index, live["state"][None], stage[0][None], live["conv_state"][None], stage[1][None])
+    prefix = {n: (x[: accepted + 1] if n in ("q", "k", "v", "f", "b", "z") else x) for n, x in upcast(inp).items()}
+    kda.kda_step_reference(**prefix, lower_bound=LB)  # only the accepted tokens, on the old live state
+    assert rel(live["state"], prefix["state"]) < 1e-5
+    assert torch.equal(live["conv_state"].float(), prefix["conv_state"])
+
+
+def test_commit_all_layers_in_one_launch():
+    layers, t, h, d = 3, 5, 2, 8
+    gen = torch.Generator().manual_seed(31)
+    staged = torch.randn(layers, t, h, d, d, generator=gen).to(DEV)
+    staged_conv = torch.randn(layers, t, 3, h * d, 3, generator=gen).to(DEV, torch.bfloat16)
+    index = torch.tensor(3, device=DEV)
+    live = torch.full((layers, h, d, d), float("nan"), device=DEV)
+    live_conv = torch.full((layers, 3, h * d, 3), float("nan"), device=DEV, dtype=torch.bfloat16)
+    kda.fused_commit(index, live, staged, live_conv, staged_conv)
+    assert torch.equal(live, staged[:, 3]) and torch.equal(live_conv, staged_conv[:, 3])
+    ref_live, ref_conv = torch.zeros_like(live), torch.zeros_like(live_conv)
+    kda.commit_reference(index, ref_live, staged, ref_conv, staged_conv)
+    assert torch.equal(ref_live, live) and torch.equal(ref_conv, live_conv)
+
+
+def test_dispatch_uses_reference_off_gpu():
+    gen = torch.Generator().manual_seed(41)
+    inp = {n: x.cpu() for n, x in make(2, 2, 8, torch.float32, gen).items()}
+    mirror = {n: x.clone() for n, x in inp.items()}
+    out = kda.kda_step(**inp, lower_bound=LB)
+    assert torch.equal(out, kda.kda_step_reference(**mirror, lower_bound=LB))
+    assert torch.equal(inp["state"], mirror["state"])
+
+
+def test_bad_shapes_are_named():
+    gen = torch.Generator().manual_seed(51)
+    inp = make(2, 2, 16, torch.float32, gen)
+    with pytest.raises(ValueError, match="1..64"):
+        kda.fused_kda_step(**{**inp, **{n: inp[n].repeat(40, 1) for n in "qkvfzb"}}, lower_bound=LB)
+    with pytest.raises(ValueError, match="block_v"):
+        kda.fused_kda_step(**inp, lower_bound=LB, block_v=3)
+    with pytest.raises(ValueError, match="needs z"):
+        kda.fused_kda_step(**{**inp, "z": None}, lower_bound=LB)
