@@ -1,0 +1,101 @@
+"""The three-launch fused MoE against its reference (Triton's interpreter on CPU, the real kernel on GPU).
+
+Routing is compared as sets per token, robust to order and to near-ties: where the kernel's fp32 router sum
+(a different summation order) picks another expert than the reference, the two choices must score the same
+to 1e-5. The experts' arithmetic is then checked on the kernel's own routing, so such a tie cannot hide it:
+bf16 activations and output against the fp32 definition, 1e-2. Every buffer the module allocates starts as
+NaN (floats) or -1 (ints), so a read of anything unwritten shows.
+"""
+
+import pytest
+import torch
+
+from lingls.kernels import moe as M
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    real = torch.empty
+
+    def empty(*shape, dtype=None, device=None):
+        out = real(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-1)
+
+    monkeypatch.setattr(M.torch, "empty", empty)
+    monkeypatch.setattr(M.torch, "empty_like", lambda x: empty(*x.shape, dtype=x.dtype, device=x.device))
+
+
+def make(gen, h, e, i, i_s, tied_router=False):
+    def r(*s, scale=1.0, dt=torch.bfloat16):
+        return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
+
+    router = r(e, h, scale=h ** -0.5)
+    bias = r(e, scale=0.05, dt=torch.float32)
+    if tied_router:  # every score 0.5 and only four bias values: exact ties everywhere
+        router = torch.zeros_like(router)
+        bias = (bias * 20).round().clamp(-2, 1) / 10
+    shared = (r(i_s, h, scale=h ** -0.5), r(i_s, h, scale=h ** -0.5), r(h, i_s, scale=i_s ** -0.5)) if i_s else (None,) * 3
+    return M.prepare_moe_weights(router, bias, r(e, 2 * i, h, scale=h ** -0.5), r(e, h, i, scale=i ** -0.5), *shared)
+
+
+def check_routing(x, w, cfg, tw, ti):
+    logits = x.double() @ w.router_w.double().t()
+    rw, ri = M.ref.route_grouped_topk(logits, w.expert_bias.double(), cfg["top_k"], cfg["n_group"],
+                                      cfg["topk_group"], cfg["normalize"], cfg["scale"])
+    choice = logits.sigmoid() + w.expert_bias.double()
+    for t in range(x.shape[0]):
+        got, want = ti[t].long().cpu(), ri[t].cpu()
+        if set(got.tolist()) == set(want.tolist()):
+            order = got.argsort(), want.argsort()
+            torch.testing.assert_close(tw[t].double().cpu()[order[0]], rw[t].cpu()[order[1]], rtol=1e-5, atol=1e-6)
+        else:  # a near-tie decided the other way
+            torch.testing.assert_close(choice[t, got].sort().values, choice[t, want].sort().values, rtol=0, atol=1e-5)
+
+
+# (H, E, I, I_s, top_k, n_group, topk_group, normalize, limit, shared_limit)
+CONFIGS = [(128, 32, 32, 48, 4, 4, 2, True, 1.0, 0.0),   # shared expert wider than a routed one, clamp on routed
+           (64, 64, 16, 16, 8, 8, 4, True, 0.0, 0.5),    # flash's routing structure at small widths
+           (96, 24, 24, 0, 3, 3, 2, False, 0.0, 0.0)]    # no shared expert, ragged sizes, no renormalisation
+
+
+@pytest.mark.parametrize("t", [1, 9, 16])
+@pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared"])
+def test_fused_moe_matches_reference(poisoned, t, conf):
+    h, e, i, i_s, k, g, tg, norm, lim, slim = conf
+    gen = torch.Generator().manual_seed(1000 * t + e)
+    w = make(gen, h, e, i, i_s)
+    x = (torch.randn(t, h, generator=gen)).to(DEV, torch.bfloat16)
+    cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg)
+    check_routing(x, w, cfg, tw, ti)
+    want = M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)
+    assert out.shape == (t, h) and out.dtype == torch.bfloat16
+    assert rel(out, want) < 1e-2
+
+
+def test_ties_and_residual(poisoned):
+    """A router with exact ties (lowest id wins in the kernel; any order in torch), plus the residual epilogue."""
+    gen = torch.Generator().manual_seed(5)
+    w = make(gen, 64, 64, 16, 16, tied_router=True)
+    x = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
+    res = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
+    cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
+    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, **cfg)
+    check_routing(x, w, cfg, tw, ti)
+    assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    w = make(torch.Generator().manual_seed(2), 32, 16, 8, 8)
+    w = M.MoEWeights(*(a.cpu() if a is not None else None for a in w))
+    x = torch.randn(20, 32).bfloat16()
+    cfg = dict(top_k=2, n_group=2, topk_group=1, normalize=True, scale=1.0)
+    assert torch.equal(M.moe(x, w, **cfg), M.fused_moe_reference(x, *w, **cfg))

@@ -1,0 +1,86 @@
+"""lm_head + token choice against its reference (Triton's interpreter on CPU, the real kernel on GPU).
+
+Greedy: the kernel's token must be a maximum of the fp32 logits (1e-5 of the reference's maximum; any index on
+an exact tie). Sampling: the same token as the reference race and as `runtime.sampling.sample` at top_p = 1;
+the hash equals the runtime's. Tensor parallel: shards with offsets, combined, equal the whole vocab.
+"""
+
+import pytest
+import torch
+
+from lingls.kernels import sampling as S
+from lingls.runtime import sampling as runtime_sampling
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    real = torch.empty
+
+    def empty(*shape, dtype=None, device=None):
+        out = real(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-1)
+
+    monkeypatch.setattr(S.torch, "empty", empty)
+
+
+def inputs(t, v, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=gen).to(DEV, torch.bfloat16)
+    w = (torch.randn(v, k, generator=gen) * k ** -0.5).to(DEV, torch.bfloat16)
+    return x, w
+
+
+def sampling_args(t, seed):
+    pos = torch.arange(t, device=DEV) + 4096 * seed
+    return pos, torch.tensor([0.8], device=DEV), torch.tensor([seed * 0x1234567890ABC + 11], device=DEV)
+
+
+@pytest.mark.parametrize("t,v,k", [(1, 1000, 128), (9, 777, 256), (16, 3000, 64)])
+def test_greedy_and_logits(poisoned, t, v, k):
+    x, w = inputs(t, v, k, t + v)
+    logits = torch.full((t, v), float("nan"), device=DEV)
+    val, idx = S.lm_head_choose(x, w, vocab_offset=5, logits_out=logits)
+    exact = x.double() @ w.double().t()
+    assert torch.isfinite(logits).all() and ((logits - exact).norm() / exact.norm()) < 1e-5
+    top = exact.max(-1).values
+    assert idx.dtype == torch.int64 and ((idx - 5) >= 0).all() and ((idx - 5) < v).all()
+    torch.testing.assert_close(exact.gather(1, (idx - 5)[:, None]).squeeze(1), top, rtol=0, atol=1e-5)
+    torch.testing.assert_close(val.double(), top, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,v,k", [(1, 1000, 128), (9, 777, 256), (16, 3000, 64)])
+def test_sampling_equals_reference_and_runtime(poisoned, t, v, k):
+    x, w = inputs(t, v, k, 3 * t + v)
+    pos, temp, seed = sampling_args(t, t)
+    val, idx = S.lm_head_choose(x, w, True, pos, temp, seed)
+    rval, ridx = S.lm_head_choose_reference(x, w, True, pos, temp, seed)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(val, rval, rtol=1e-5, atol=1e-5)
+    full = runtime_sampling.sample(x.float() @ w.float().t(), pos, False, temp, torch.tensor([1.0], device=DEV), seed)
+    assert torch.equal(idx, full)
+
+
+def test_hash_is_the_runtime_stream():
+    seed = torch.tensor([987654321987654321])
+    pos, ids = torch.arange(7)[:, None] * 13, torch.arange(5000)[None, :]
+    assert torch.equal(S.uniform_hash(seed, pos, ids), runtime_sampling.uniform_hash(seed, pos, ids))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_tensor_parallel_shards_agree_with_whole_vocab(poisoned, sample):
+    t, v, k = 9, 1200, 64
+    x, w = inputs(t, v, k, 17 + sample)
+    pos, temp, seed = sampling_args(t, 3)
+    args = (sample, pos, temp, seed)
+    cuts = [0, 300, 700, 1200]  # uneven shards, as a vocab that does not divide evenly
+    parts = [S.lm_head_choose(x, w[a:b], *args, vocab_offset=a) for a, b in zip(cuts, cuts[1:])]
+    combined = S.combine_ranks(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert torch.equal(combined, S.lm_head_choose_reference(x, w, *args)[1])
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    x, w = torch.randn(3, 32).bfloat16(), torch.randn(50, 32).bfloat16()
+    got, want = S.choose(x, w), S.lm_head_choose_reference(x, w)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
