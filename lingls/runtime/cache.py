@@ -4,8 +4,9 @@ The state has two parts that rewind differently:
 - MLA latent KV is indexed by position, so it truncates anywhere: rows past the new sequence's length are
   masked by position and overwritten before they are read again.
 - KDA recurrent + conv state summarise the whole past and cannot be rewound, so the cache keeps snapshots of
-  them at chosen positions: every `every` tokens of a prefill and a few tokens before the end of each prompt
-  (a keystroke edits the end of the prompt; an unchanged prompt re-runs only its last token).
+  them at chosen positions: every `every` tokens of a prefill, at the end of each prompt (typing appends to
+  it) and a few tokens before its end (a keystroke edits the last token; an unchanged prompt re-runs only its
+  last token).
 
 A new prompt restores the longest snapshot within its common prefix with the tokens the state has consumed
 and prefills only the rest. A snapshot at p is valid while the state's first p tokens are unchanged; those

@@ -172,6 +172,7 @@ class ModelRunner:
                 self.pos.fill_(start)
                 self.run_step(1, self.bucket(len(prompt)), sampling.greedy)
                 cache.tokens.append(prompt[-1])
+                cache.snapshot(len(prompt))
                 return start
             bounds = sorted(set(cache.snapshot_points(start, len(prompt))
                                 + list(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
@@ -182,8 +183,7 @@ class ModelRunner:
                 positions = torch.arange(a, b, device=self.device)
                 h = self.model.step(ids, self.state, positions, kv_len=b)
                 cache.tokens.extend(prompt[a:b])
-                if b < len(prompt):
-                    cache.snapshot(b)
+                cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
                 a = b
             self.set_sampling(sampling)
             logits = self.model.par.all_gather_last(self.model.head(h[-1:]))

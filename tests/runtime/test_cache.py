@@ -54,3 +54,11 @@ def test_snapshots_past_a_divergence_are_dropped(warm):
     warm.prefill(BASE[:70] + [9], Sampling())
     assert all(p <= 71 for p in warm.cache.snapshots)
     assert warm.cache.tokens == BASE[:70] + [9]
+
+
+def test_typing_one_more_token_prefills_one_token(warm, monkeypatch):
+    ran = []
+    step = warm.model.step
+    monkeypatch.setattr(warm.model, "step", lambda ids, *a, **k: ran.append(len(ids)) or step(ids, *a, **k))
+    assert warm.prefill(BASE + [42], Sampling()) == len(BASE)  # the snapshot at the old prompt's end
+    assert ran == [1]

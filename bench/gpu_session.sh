@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything the runtime needs a GPU for, in one device call: GPU tests, `lingls bench step`, `lingls bench prefix`.
+#   here:   bash bench/gpu_session.sh --prepare   (snapshot of HEAD + wheels under .cache/, both git-ignored)
+#   device: run(command="bash bench/gpu_session.sh", carry=[".cache/runtime-snap", ".cache/runtime-wheels"])
+# Results land in $OUT (the device tool's folder) or bench/results; copy step.json/png and prefix.json from there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SNAP=.cache/runtime-snap WHEELS=.cache/runtime-wheels
+if [ "${1:-}" = --prepare ]; then
+    rm -rf "$SNAP" && mkdir -p "$SNAP" "$WHEELS"
+    git archive HEAD lingls tests/__init__.py tests/runtime pyproject.toml | tar -x -C "$SNAP"
+    ls "$WHEELS"/fla_core-0.6.0-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+        --python-version 3.12 --implementation cp -d "$WHEELS" fla-core==0.6.0
+    ls "$WHEELS"/transformers-5.23.0-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+        --python-version 3.12 --implementation cp -d "$WHEELS" transformers==5.23.0
+    echo "snapshot of $(git rev-parse --short HEAD) in $SNAP; wheels: $(ls $WHEELS)"
+    exit 0
+fi
+# NVLink multicast stays off on shared machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+SRC=$PWD
+[ -d "$SNAP/lingls" ] && SRC=$PWD/$SNAP
+export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+python3 -c "import torch, transformers, lingls; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lingls from', lingls.__file__)"
+(cd "$SRC" && timeout 180 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log")
+timeout 300 python3 -m lingls.cli bench step --mode shard --peer-layers 6 --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log"
+timeout 200 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"

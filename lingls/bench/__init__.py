@@ -1,0 +1,1 @@
+"""Benchmarks: `lingls bench WHAT` runs lingls.bench.WHAT.main(argv); results go to bench/results/."""

@@ -1,0 +1,271 @@
+"""`lingls bench step`: the batch-1 step time of Ling-3.0-flash shapes (random weights) against its byte floor.
+
+Modes:
+- `shard`: one TP=4 rank's shard (all 42 layers, a quarter of the heads / expert and dense widths / vocab) on
+  one GPU with the all-reduce stubbed out: the per-rank step time of a 4-GPU deployment.
+- `full`: the whole model (TP=1) at a reduced depth, for GPUs that cannot hold more.
+For T = 1 (decode) and T = 2..16 (verify) it reports the median CUDA-graph step time and the step's byte
+floor: the bytes it must read (every weight but the routed experts, the distinct routed experts of that step
+as routed, the embedding rows, the KDA state read and written, the MLA latent KV of the context) over the
+device-to-device copy bandwidth measured in the same run. With --peer-layers L it also runs, side by side,
+transformers' BailingHybridForCausalLM (greedy generate with its cache) and lingls with and without CUDA
+graphs, all at L layers of full width. Writes JSON (+ a PNG with --plot) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lingls.model.config import flash_config
+from lingls.model.ling import LingForCausalLM, Parallel, Router
+from lingls.runtime.runner import ModelRunner, Sampling
+
+
+def build_flash(layers: int, tp: int = 1, rank: int = 0, device: str = "cuda", seed: int = 0) -> LingForCausalLM:
+    """Random bf16 weights built directly on the device (no 250 GB checkpoint on disk)."""
+    cfg = flash_config(layers)
+    cfg.num_nextn_predict_layers = 0
+    with torch.device("meta"):  # shapes and dtypes first, memory only once they are final
+        model = LingForCausalLM(cfg, Parallel(rank, tp)).to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias", "expert_bias")):
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.eval()
+
+
+def copy_bandwidth(device="cuda", gib: float = 2.0) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), reps=20)
+    return 2 * x.numel() * 2 / (ms / 1e3)
+
+
+def median_ms(fn, reps: int = 50, warm: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def distinct_experts(model: LingForCausalLM, runner: ModelRunner, t: int) -> list[int]:
+    """Distinct routed experts per MoE layer in one T-token step on random token ids (an eager step)."""
+    seen: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[1].unique().numel()))
+             for m in model.modules() if isinstance(m, Router)]
+    with torch.inference_mode():
+        runner.ids[:t].copy_(torch.randint(0, model.config.vocab_size, (t,), device=runner.device))
+        runner._body(t, runner.bucket(int(runner.pos[0]) + t), True)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def step_bytes(model: LingForCausalLM, runner: ModelRunner, t: int, context: int, experts: list[int]) -> dict:
+    """What a T-token step at `context` tokens of context must read, in bytes, by part."""
+    size = lambda p: p.numel() * p.element_size()  # noqa: E731
+    params = dict(model.named_parameters())
+    dense = sum(size(p) for n, p in params.items() if ".mlp.experts." not in n and "word_embeddings" not in n)
+    routed = 0
+    moe_layers = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    for layer, n in zip(moe_layers, experts):
+        routed += n * (size(layer.gate_up_proj[0]) + size(layer.down_proj[0]))
+    st = runner.state
+    return {
+        "weights_always": dense,
+        "weights_routed": routed,
+        "embedding_rows": t * size(model.model.word_embeddings.weight[0]),
+        "kda_state_rw": 2 * (size(st.kda) + size(st.conv)),
+        "mla_kv": st.latent.shape[0] * (context + t) * st.latent.shape[-1] * st.latent.element_size(),
+    }
+
+
+def bench_steps(model, tokens: list[int], context: int, bw: float, reps: int) -> list[dict]:
+    runner = ModelRunner(model, capacity=context + 128, verify_sizes=tuple(t for t in tokens if t > 1))
+    rows = []
+    for t in tokens:
+        runner.pos.fill_(context - 64)
+        experts = distinct_experts(model, runner, t)
+        kv = runner.bucket(context)
+        runner.pos.fill_(context - 64)
+        runner.run_step(t, kv, True)  # capture
+        runner.pos.fill_(context - 64)
+        ms = median_ms(lambda: runner.run_step(t, kv, True), reps=reps)
+        parts = step_bytes(model, runner, t, context, experts)
+        total = sum(parts.values())
+        floor = total / bw * 1e3
+        rows.append({"T": t, "graph_ms": ms, "floor_ms": floor, "ratio": ms / floor, "bytes": total, "parts": parts,
+                     "distinct_experts_mean": statistics.mean(experts) if experts else 0})
+        print(f"T={t:2d}  step {ms:7.3f} ms  floor {floor:6.3f} ms  x{ms / floor:5.2f}  "
+              f"experts/layer {rows[-1]['distinct_experts_mean']:.1f}", flush=True)
+    runner.use_graphs = False
+    runner.pos.fill_(context - 64)
+    rows[0]["eager_ms"] = median_ms(lambda: runner.run_step(1, runner.bucket(context), True), reps=10, warm=2)
+    rows[0]["decode_loop_tpot_ms"] = decode_loop_tpot(ModelRunner(model, capacity=context + 128), 128)
+    return rows
+
+
+def decode_loop_tpot(runner: ModelRunner, n: int, prompt_len: int = 32, graphs: bool = True) -> float:
+    """Wall-clock ms per token of the real host loop (graph replays, one-step-late reads), after warm-up."""
+    runner.use_graphs = graphs
+    prompt = torch.randint(0, runner.model.config.vocab_size, (prompt_len,)).tolist()
+    list(runner.generate(prompt, 8, Sampling()))
+    runner.prefill(prompt, Sampling())
+    steps = runner.decode(n + 1, True)
+    next(steps)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in steps:
+        pass
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def peers(layers: int, prompt_len: int = 512, new: int = 64) -> dict:
+    """lingls (graphs, eager) and transformers' BailingHybridForCausalLM at `layers` layers of full width."""
+    out = {"layers": layers, "prompt_tokens": prompt_len, "new_tokens": new}
+    model = build_flash(layers)
+    runner = ModelRunner(model, capacity=prompt_len + new + 64)
+    runner.warmup(greedy_only=True)
+    out["lingls_graph_tpot_ms"] = decode_loop_tpot(runner, new, prompt_len, graphs=True)
+    out["lingls_eager_tpot_ms"] = decode_loop_tpot(runner, new, prompt_len, graphs=False)
+    print(f"lingls {layers} layers: graphs {out['lingls_graph_tpot_ms']:.3f} ms/token, "
+          f"eager {out['lingls_eager_tpot_ms']:.3f} ms/token", flush=True)
+    del model, runner
+    torch.cuda.empty_cache()
+    try:
+        import transformers
+        from transformers import BailingHybridConfig, BailingHybridForCausalLM
+    except ImportError as e:
+        out["transformers_error"] = repr(e)
+        print("transformers peer skipped:", e, flush=True)
+        return out
+    out["transformers"] = transformers.__version__
+    cfg = BailingHybridConfig(num_hidden_layers=layers, num_mtp_layers=0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = BailingHybridForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    gen(2)
+    t1 = min(gen(1) for _ in range(2))
+    tn = min(gen(new + 1) for _ in range(2))
+    out["transformers_tpot_ms"] = (tn - t1) / new * 1e3
+    print(f"transformers {layers} layers: {out['transformers_tpot_ms']:.3f} ms/token", flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["steps"]
+    fig, axes = plt.subplots(1, 2 if "peers" in result else 1, figsize=(11, 4), squeeze=False)
+    ax = axes[0][0]
+    ts = [r["T"] for r in rows]
+    ax.plot(ts, [r["graph_ms"] for r in rows], "o-", label="lingls step (CUDA graph)")
+    ax.plot(ts, [r["floor_ms"] for r in rows], "s--", label="byte floor")
+    ax.set_xlabel("tokens per step (T)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"{result['mode']}: {result['layers']} layers, TP={result['tp']} rank shard, ctx {result['context']}")
+    ax.legend()
+    if "peers" in result:
+        p = result["peers"]
+        names = [("transformers", "transformers_tpot_ms"), ("lingls eager", "lingls_eager_tpot_ms"),
+                 ("lingls graphs", "lingls_graph_tpot_ms")]
+        names = [(n, p[k]) for n, k in names if k in p]
+        ax2 = axes[0][1]
+        ax2.bar([n for n, _ in names], [v for _, v in names])
+        ax2.set_ylabel("ms per token (decode)")
+        ax2.set_title(f"{p['layers']} layers, full width, batch 1")
+        for i, (_, v) in enumerate(names):
+            ax2.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lingls bench step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["shard", "full"], default="shard")
+    p.add_argument("--layers", type=int, help="decoder layers (default: 42 for shard, 6 for full)")
+    p.add_argument("--tp", type=int, default=4, help="shard mode: the tensor-parallel degree whose rank is run")
+    p.add_argument("--tokens", default="1,2,4,8,16", help="step sizes T")
+    p.add_argument("--context", type=int, default=8192, help="tokens of context (MLA KV) per step")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--peer-layers", type=int, default=0, help="also run transformers and eager lingls at this depth")
+    p.add_argument("--out", default="bench/results/step.json")
+    p.add_argument("--plot", action="store_true", help="also write a PNG beside the JSON")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lingls bench step: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tp = a.tp if a.mode == "shard" else 1
+    layers = a.layers or (42 if a.mode == "shard" else 6)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    result = {"bench": "step", "mode": a.mode, "tp": tp, "layers": layers, "context": a.context,
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+              "copy_TBps": bw / 1e12, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import fla  # noqa: F401
+
+        result["fla"] = getattr(fla, "__version__", "present")
+    except ImportError:
+        result["fla"] = None
+    t0 = time.perf_counter()
+    model = build_flash(layers, tp=tp, rank=0)
+    result["weights_GB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    print(f"built {result['weights_GB']:.1f} GB of weights in {time.perf_counter() - t0:.1f} s", flush=True)
+    result["steps"] = bench_steps(model, tokens, a.context, bw, a.reps)
+    del model
+    torch.cuda.empty_cache()
+    if a.peer_layers:
+        result["peers"] = peers(a.peer_layers)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if a.plot:
+        plot(result, out.with_suffix(".png"))
+    print(f"\n| T | step ms (graph) | floor ms | ratio |\n|---|---|---|---|")
+    for r in result["steps"]:
+        print(f"| {r['T']} | {r['graph_ms']:.3f} | {r['floor_ms']:.3f} | {r['ratio']:.2f} |")
+    s1 = result["steps"][0]
+    print(f"T=1 eager (no graphs): {s1['eager_ms']:.2f} ms; real decode loop: {s1['decode_loop_tpot_ms']:.3f} ms/token")
+    if "peers" in result:
+        print(json.dumps(result["peers"]))
+    return 0
