@@ -27,6 +27,26 @@ fi
 SRC=$PWD
 [ -d "$SNAP/lingls" ] && SRC=$PWD/$SNAP
 export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
+# fla's chunk_kda serves long prefills when it computes what the torch chunked form computes; else drop it
+python3 - <<'PY' || { echo "fla chunk_kda disagrees or fails: prefill uses the torch form"; rm -rf /tmp/site/fla /tmp/site/fla_core*; }
+import torch
+from fla.ops.kda import chunk_kda
+from lingls.kernels import reference as ref
+g = torch.Generator(device="cuda").manual_seed(0)
+T, H, D = 192, 4, 128
+q = ref.l2_normalize(torch.randn(1, T, H, D, device="cuda", generator=g)) * D ** -0.5
+k = ref.l2_normalize(torch.randn(1, T, H, D, device="cuda", generator=g))
+v = torch.randn(1, T, H, D, device="cuda", generator=g)
+gate = -5 * torch.rand(1, T, H, D, device="cuda", generator=g)
+beta = torch.rand(1, T, H, device="cuda", generator=g)
+s0 = torch.randn(1, H, D, D, device="cuda", generator=g)
+o, s = chunk_kda(q=q, k=k, v=v, g=gate, beta=beta, scale=1.0, initial_state=s0, output_final_state=True,
+                 use_qk_l2norm_in_kernel=False)
+o_ref, s_ref = ref.kda_chunked(q, k, v, gate, beta, s0)
+err = max(((o - o_ref).norm() / o_ref.norm()).item(), ((s - s_ref).norm() / s_ref.norm()).item())
+print(f"fla chunk_kda vs torch chunked form: rel. err {err:.2e}")
+assert err < 1e-2
+PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 python3 -c "import torch, transformers, lingls; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lingls from', lingls.__file__)"
 (cd "$SRC" && timeout 180 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log")
