@@ -49,6 +49,6 @@ assert err < 1e-2
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 python3 -c "import torch, transformers, lingls; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lingls from', lingls.__file__)"
-(cd "$SRC" && timeout 180 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log")
-timeout 300 python3 -m lingls.cli bench step --mode shard --peer-layers 6 --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log"
-timeout 200 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+(cd "$SRC" && timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log")
+timeout 210 python3 -m lingls.cli bench step --mode shard --peer-layers 6 --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log"
+timeout 130 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
