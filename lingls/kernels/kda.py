@@ -336,13 +336,11 @@ def _commit_kernel(index_ptr, live_a, staged_a, live_b, staged_b, NA, NB, T_STAG
     if blk < BLOCKS_A:
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         m = offs < NA
-        x = tl.load(staged_a + (layer * T_STAGE + idx) * NA + offs, mask=m)
-        tl.store(live_a + layer * NA + offs, x, mask=m)
+        tl.store(live_a + layer * NA + offs, tl.load(staged_a + (layer * T_STAGE + idx) * NA + offs, mask=m), mask=m)
     else:
         offs = (blk - BLOCKS_A) * BLOCK + tl.arange(0, BLOCK)
         m = offs < NB
-        x = tl.load(staged_b + (layer * T_STAGE + idx) * NB + offs, mask=m)
-        tl.store(live_b + layer * NB + offs, x, mask=m)
+        tl.store(live_b + layer * NB + offs, tl.load(staged_b + (layer * T_STAGE + idx) * NB + offs, mask=m), mask=m)
 
 
 def _check_staged(live, staged, what):

@@ -5,6 +5,8 @@ import torch
 
 from lingls.kernels import norm
 
+from .test_kda import compile_for_sm90
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -63,3 +65,13 @@ def test_dispatch_off_gpu_is_the_reference():
     normed, new_res = norm.add_rms_norm(x, r.clone(), w, 1e-6)
     ref_normed, ref_res = norm.add_rms_norm_reference(x, r.clone(), w, 1e-6)
     assert torch.equal(normed, ref_normed) and torch.equal(new_res, ref_res)
+
+
+def test_kernel_compiles_for_h200_without_spills():
+    lines = compile_for_sm90("""
+        from lingls.kernels import norm
+        for residual in (True, False):
+            build(norm._add_rms_norm_kernel, dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                  eps="fp32"), dict(BLOCK=4096, HAS_RESIDUAL=residual, USE_PDL=True), 8, True)
+    """)
+    assert len(lines) == 2 and all("STACK:0 " in line for line in lines), lines
