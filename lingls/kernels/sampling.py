@@ -41,7 +41,7 @@ def uniform_hash(seed: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor)
 @triton.jit
 def _uniform(seed, pos, ids):
     """`uniform_hash` on int64 tensors (all constants int64, so the arithmetic wraps as torch's does)."""
-    m32 = tl.full((), _M32, tl.int64)
+    m32 = tl.full((), 0xFFFFFFFF, tl.int64)
     c1 = tl.full((), 0x9E3779B1, tl.int64)
     c2 = tl.full((), 0x85EBCA77, tl.int64)
     c3 = tl.full((), 0xC2B2AE3D, tl.int64)
