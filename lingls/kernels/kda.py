@@ -28,8 +28,8 @@ live state and conv state are only read; the state and conv state after every po
 stage_*[t]. `commit(index, ...)` then copies stage_*[index] into the live tensors, reading `index` on device,
 so the host never waits for the accepted count. It takes a leading layer dim, so one launch commits all layers.
 
-Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias,
-norm weight), then `gdc_wait`s for the previous kernel before touching anything a kernel writes (inputs, states,
+Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias),
+then `gdc_wait`s for the previous kernel before touching anything a kernel writes (inputs, states,
 counters), then lets the next kernel launch (`gdc_launch_dependents`) so that kernel can load its own weights
 while this one runs. Since each kernel waits before it triggers, at most two neighbours overlap, and everything
 two or more launches back has completed: consecutive kda_step calls on the same state stay correct.
@@ -45,10 +45,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
-    triton = None
-
-    class tl:  # noqa: N801 - only the annotation the kernel signatures name at definition time
-        constexpr = None
+    triton = tl = None
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 

@@ -23,10 +23,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
-    triton = None
-
-    class tl:  # noqa: N801 - only the annotation the kernel signatures name at definition time
-        constexpr = None
+    triton = tl = None
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
