@@ -41,7 +41,7 @@ class ContextRing:
 
     def offer(self, uri: str, label: str, first_line: int, lines: list[str]) -> None:
         """Take a window of lines (see `Document.window`) of a document."""
-        text = "\n".join(lines)
+        text = "\n".join(lines).rstrip()
         if self.capacity <= 0 or not text.strip():
             return
         chunk = Chunk(uri, label, first_line, len(lines), text)

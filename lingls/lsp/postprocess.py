@@ -50,10 +50,8 @@ def indent_of(line: str) -> int:
     return len(line[: len(line) - len(body)].expandtabs(4))
 
 
-def in_comment(line_prefix: str, lang: Lang) -> bool:
-    """Whether the cursor is in a line comment (a comment marker outside string quotes)."""
-    if not lang.comments:
-        return False
+def _scan_line(line_prefix: str, lang: Lang) -> tuple[str | None, bool]:
+    """(the string quote still open at the end of `line_prefix`, whether a line comment started)."""
     quote = None
     i = 0
     while i < len(line_prefix):
@@ -66,9 +64,14 @@ def in_comment(line_prefix: str, lang: Lang) -> bool:
         elif ch in _QUOTES:
             quote = ch
         elif any(line_prefix.startswith(m, i) for m in lang.comments):
-            return True
+            return None, True
         i += 1
-    return False
+    return quote, False
+
+
+def in_comment(line_prefix: str, lang: Lang) -> bool:
+    """Whether the cursor is in a line comment (a comment marker outside string quotes)."""
+    return _scan_line(line_prefix, lang)[1]
 
 
 @dataclass(frozen=True)
@@ -166,49 +169,62 @@ def _trim(text: str, site: Site) -> str:
     if not text:
         return ""
     suffix = site.line_suffix.strip()
+    quote = _scan_line(site.line_prefix, site.lang)[0]  # the completion may start inside a string
     if suffix and not site.multiline:
-        text = _drop_suffix_overlap(text, suffix)
-    return _drop_supplied_closer(text, suffix)
+        text = _drop_suffix_overlap(text, suffix, quote)
+    return _drop_supplied_closer(text, suffix, quote)
 
 
-def _drop_suffix_overlap(text: str, suffix: str) -> str:
-    """Remove the end of `text` that the text after the cursor already has (`foo(a)` before `)` -> `foo(a`).
+def _drop_suffix_overlap(text: str, suffix: str, quote: str | None) -> str:
+    """Remove the end of `text` that the text after the cursor already has (`a, b)` before `)` -> `a, b`).
 
-    An overlap made only of identifier characters counts only when it is the whole suffix: `max` before
-    `x` is a word, not a repeat."""
+    An overlap made only of identifier characters counts only when it is the whole suffix (`max` before
+    `x + 1` is a word, not a repeat), and one with closing brackets only when `text` leaves that many
+    brackets open before it (`(a)` before `)` closes its own)."""
     for k in range(min(len(text), len(suffix)), 0, -1):
         head = suffix[:k]
-        if text.endswith(head) and (k == len(suffix) or not head.replace("_", "a").isalnum()):
-            return text[:-k].rstrip()
+        if not text.endswith(head):
+            continue
+        if head.replace("_", "a").isalnum() and k < len(suffix):
+            continue
+        if sum(ch in _CLOSE for ch in head) > len(_unmatched_closers(text, quote)):
+            continue
+        return text[:-k].rstrip()
     return text
 
 
-def _drop_supplied_closer(text: str, suffix: str) -> str:
+def _drop_supplied_closer(text: str, suffix: str, quote: str | None) -> str:
     """Cut `text` at its first closing bracket that closes something opened before the cursor when the text
     after the cursor starts with that same bracket (an auto-paired `)` would otherwise be doubled)."""
-    supplied = suffix[:1]
-    if supplied not in _CLOSE:
+    if suffix[:1] not in _CLOSE:
         return text
-    stack: list[str] = []
-    quote = None
-    i = 0
-    while i < len(text):
-        ch = text[i]
+    unmatched = _unmatched_closers(text, quote)
+    if unmatched and text[unmatched[0]] == suffix[0]:
+        return text[: unmatched[0]].rstrip()
+    return text
+
+
+def _unmatched_closers(text: str, quote: str | None) -> list[int]:
+    """Indices of the closing brackets in `text` that close something opened before it, skipping string
+    literals (`quote`: the string the text starts in, if any)."""
+    depth = 0
+    found = []
+    escaped = False
+    for i, ch in enumerate(text):
         if quote:
-            if ch == "\\":
-                i += 1
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
             elif ch == quote or ch == "\n":
                 quote = None
         elif ch in _QUOTES:
             quote = ch
         elif ch in _OPEN:
-            stack.append(ch)
+            depth += 1
         elif ch in _CLOSE:
-            if stack:
-                stack.pop()
-            elif ch == supplied:
-                return text[:i].rstrip()
+            if depth:
+                depth -= 1
             else:
-                return text
-        i += 1
-    return text
+                found.append(i)
+    return found

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from lingls.lsp.context import Chunk
-from lingls.runtime.engine import FimTemplate
+from lingls.runtime.engine import FimParts, FimTemplate
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_SUFFIX_LINES = 64
@@ -25,6 +25,7 @@ class Prompt:
     prefix_chars: int  # how much of the document before the cursor the model sees
     suffix_chars: int
     tokens: int  # the budget's estimate (sum of per-line counts)
+    parts: FimParts  # the same pieces, for servers that apply a FIM template themselves
 
 
 class TokenCounter:
@@ -76,20 +77,24 @@ def build_prompt(
     path: str = "",
 ) -> Prompt:
     specials = fim.special_tokens() if fim else ()
-    suffix_end, suffix_tokens = _suffix_window(text, offset, counter, budget // 5) if fim else (offset, 0)
-    picked, chunk_tokens = _pick_chunks(chunks, counter, budget // 4) if fim and fim.file_sep else ([], 0)
+    suffix_end, suffix_tokens = _suffix_window(text, offset, counter, budget // 5)
+    picked, chunk_tokens = _pick_chunks(chunks, counter, budget // 4)
+    if fim is None:  # left to right: the whole budget goes to the prefix
+        suffix_tokens = chunk_tokens = 0
     prefix_start, prefix_tokens = _prefix_window(text, offset, counter, budget - suffix_tokens - chunk_tokens)
 
     prefix = sanitize(text[prefix_start:offset], specials)
-    tokens = prefix_tokens + suffix_tokens + chunk_tokens
-    if fim is None:
-        return Prompt(prefix, offset - prefix_start, 0, tokens)
     suffix = sanitize(text[offset:suffix_end], specials)
-    parts = [f"{fim.file_sep}{c.label}\n{sanitize(c.text, specials)}\n" for c in picked]
-    if picked and path:
-        parts.append(f"{fim.file_sep}{path}\n")
-    parts.append(f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}")
-    return Prompt("".join(parts), offset - prefix_start, suffix_end - offset, tokens)
+    context = tuple((c.label, sanitize(c.text, specials)) for c in picked)
+    parts = FimParts(prefix, suffix, context)
+    if fim is None:
+        return Prompt(prefix, offset - prefix_start, 0, prefix_tokens, parts)
+    pieces = [f"{fim.file_sep}{label}\n{body}\n" for label, body in context] if fim.file_sep else []
+    if pieces and path:
+        pieces.append(f"{fim.file_sep}{path}\n")
+    pieces.append(f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}")
+    tokens = prefix_tokens + suffix_tokens + (chunk_tokens if pieces[:-1] else 0)
+    return Prompt("".join(pieces), offset - prefix_start, suffix_end - offset, tokens, parts)
 
 
 def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -> tuple[int, int]:

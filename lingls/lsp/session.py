@@ -239,10 +239,10 @@ class Core:
                 return []
             if status == "ok":
                 timing["source"] = source
-                if gen.done:
-                    self.counters.type_through += 1
-                else:
+                if source == "reuse":
                     self.counters.reused_in_flight += 1
+                else:
+                    self.counters.type_through += 1
             else:
                 gen = None  # used up, or the model went another way than the user typed: ask afresh
         engine = self.engines.loaded
@@ -350,7 +350,7 @@ class Core:
         specials = engine.fim.special_tokens() if engine.fim else ()
         gen = Generation(doc.uri, text, offset, site, specials)
         gen.start(engine, GenerateRequest(prompt.text, max_tokens=self.settings.max_tokens,
-                                          temperature=temperature, seed=seed))
+                                          temperature=temperature, seed=seed, parts=prompt.parts))
         self._running = gen
         self.counters.engine_calls += 1
         state.generations.append(gen)

@@ -57,8 +57,10 @@ async def serve(script: dict | None = None, options: dict | None = None, encodin
                                      root_uri="file:///work"))
         yield client
         if initialize:
-            await client.shutdown_session()
+            await asyncio.wait_for(client.shutdown_session(), 10)
     finally:
+        if client._server.returncode is None:  # a failed test: do not wait for a clean exit
+            client._server.kill()
         await client.stop()
 
 
@@ -70,7 +72,7 @@ def type_text(client, line: int, col: int, text: str, version: int = 2, uri: str
     """Insert `text` at (line, col) with an incremental change."""
     pos = lsp.Position(line, col)
     client.text_document_did_change(lsp.DidChangeTextDocumentParams(
-        lsp.VersionedTextDocumentIdentifier(uri, version),
+        lsp.VersionedTextDocumentIdentifier(version=version, uri=uri),
         [lsp.TextDocumentContentChangePartial(range=lsp.Range(pos, pos), text=text)]))
 
 
@@ -102,3 +104,47 @@ async def eventually(predicate, timeout: float = 2.0):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+class RawClient:
+    """Bare JSON-RPC over a server's stdio, for what a well-behaved client never sends."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        self._ids = iter(range(1, 10**6))
+
+    @classmethod
+    async def start(cls, script: dict | None = None):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "lingls.cli", "--stdio", env=server_env(script),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        return cls(proc)
+
+    def send_bytes(self, body: bytes) -> None:
+        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def send(self, message: dict) -> None:
+        self.send_bytes(json.dumps({"jsonrpc": "2.0", **message}).encode())
+
+    async def receive(self) -> dict:
+        length = 0
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line.strip():
+                break
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        return json.loads(await self.proc.stdout.readexactly(length))
+
+    async def request(self, method: str, params) -> dict:
+        msg_id = next(self._ids)
+        self.send({"id": msg_id, "method": method, "params": params})
+        while True:
+            message = await asyncio.wait_for(self.receive(), 10)
+            if message.get("id") == msg_id and "method" not in message:
+                return message
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()

@@ -2,7 +2,7 @@
 
 The script (JSON in LINGLS_SCRIPT) says what to stream: `rules` is a list of [end of prefix, completion]
 pairs (the first whose key ends the prompt's prefix part wins), else `default`; `chunk` characters per
-chunk, `delay` seconds before each; `fail_first` N: the first N generations raise; `fail_load`: loading
+chunk, `delay` seconds before each; `seeds` maps a request's seed to another answer (sampled candidates); `fail_first` N: the first N generations raise; `fail_load`: loading
 raises; `fim`: false for a model without FIM tokens. Its stats say how often it was called, how many streams
 were closed early and how many are still running, so tests can count model calls over the wire.
 """
@@ -25,6 +25,7 @@ class ScriptedEngine:
         self.chunk = script.get("chunk", 4)
         self.delay = script.get("delay", 0.0)
         self.fail_first = script.get("fail_first", 0)
+        self.seeds = script.get("seeds", {})
         self.fim = FimTemplate() if script.get("fim", True) else None
         self.stats = EngineStats(extra={"active": 0, "prompts": []})
 
@@ -43,7 +44,7 @@ class ScriptedEngine:
         self.stats.extra["prompts"] = (self.stats.extra["prompts"] + [request.prompt])[-5:]
         if self.stats.requests <= self.fail_first:
             raise EngineError(f"scripted failure {self.stats.requests}")
-        text = self._answer(request.prompt)
+        text = self.seeds.get(str(request.seed)) or self._answer(request.prompt)
         self.stats.extra["active"] += 1
         try:
             for i in range(0, len(text), self.chunk):

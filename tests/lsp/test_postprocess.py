@@ -1,0 +1,95 @@
+from lingls.lsp.postprocess import PYTHON, Lang, Site, clean, in_comment, lang_for
+
+SPECIALS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>", "<|endoftext|>")
+C = lang_for("c")
+
+
+def py(prefix, suffix="", next_line="", **kw):
+    return Site(prefix, suffix, next_line, PYTHON, **kw)
+
+
+def done(raw, site, **kw):
+    return clean(raw, site, SPECIALS, final=True, **kw).text
+
+
+def test_mode_choice():
+    assert py("    ").multiline
+    assert py("def f(x):").multiline
+    assert py("    x = foo(").multiline
+    assert not py("    x = 1 +").multiline
+    assert not py("    foo(", ")").multiline  # mid-line
+    assert not py("    # note: ").multiline  # in a comment
+    assert in_comment("x = 1  # a", PYTHON)
+    assert not in_comment('x = "# not a comment', PYTHON)
+    assert in_comment("int x; // y", C)
+
+
+def test_single_line_stops_at_newline_and_is_complete_early():
+    site = py("    x = 1 +")
+    partial = clean(" 2\n    y = 3", site, SPECIALS)
+    assert partial.text == "2" or partial.text == " 2"
+    assert partial.complete
+    assert not clean(" 2", site, SPECIALS).complete
+
+
+def test_block_stops_at_dedent_below_scope():
+    site = py("def f(x):")
+    raw = "\n    y = x * 2\n    return y\n\nprint(f(3))\n"
+    assert done(raw, site) == "\n    y = x * 2\n    return y"
+    assert clean(raw, site, SPECIALS).complete
+
+
+def test_block_on_blank_line_keeps_siblings_but_stops_at_stop_line():
+    site = py("")
+    raw = "def f():\n    return 1\n\n\ndef g():\n    pass"
+    assert done(raw, site) == "def f():\n    return 1"
+    inside = py("    ")
+    assert done("a = 1\n    b = 2\nc = 3", inside) == "a = 1\n    b = 2"
+
+
+def test_block_stops_at_repeated_next_line_and_max_lines():
+    site = py("    ", next_line="    return total")
+    assert done("total = sum(xs)\n    return total\n", site) == "total = sum(xs)"
+    capped = py("def f():", max_lines=2)
+    assert done("\n    a\n    b\n    c", capped) == "\n    a"
+
+
+def test_closing_line_of_a_bracket_block_is_kept():
+    site = py("x = foo(")
+    assert done("\n    1,\n    2,\n)\ny = 2", site) == "\n    1,\n    2,\n)"
+    brace = Site("int f() {", "", "", C)
+    assert done("\n  return 1;\n}\nint g() {", brace) == "\n  return 1;\n}"
+    assert done("\n  return 1;\n}", Site("int f() {", "", "}", C)) == "\n  return 1;"
+
+
+def test_special_tokens_never_leak():
+    site = py("x = ")
+    assert done("1<|endoftext|>junk", site) == "1"
+    assert clean("1<|endoftext|>", site, SPECIALS).complete
+    streaming = clean("foo<|fim_", site, SPECIALS)
+    assert streaming.text == "foo" and not streaming.complete
+    assert done("a <|end", site) == "a"
+    assert done("a <", site) == "a <"
+
+
+def test_suffix_overlap_is_dropped():
+    assert done("a, b)", py("foo(", ")")) == "a, b"
+    assert done('hello")', py('print("', '")')) == "hello"
+    assert done("a, b)", py("foo(", ", b)")) == "a"
+    assert done("max", py("y = ", "x + 1")) == "max"  # a word, not a repeat
+
+
+def test_closer_supplied_by_the_suffix_is_not_doubled():
+    assert done("x) + 1", py("foo(", ")")) == "x"
+    assert done("(a)", py("foo(", ")")) == "(a)"  # its own brackets balance
+    assert done("')'", py("foo(", ")")) == "')'"  # inside a string
+
+
+def test_whitespace_only_is_nothing():
+    assert done("   \n  ", py("    x = 1 +")) == ""
+
+
+def test_unknown_language_gets_defaults():
+    site = Site("  if (x) {", "", "", Lang())
+    assert site.multiline
+    assert done("\n    y();\n  }\nz();", site) == "\n    y();\n  }"
