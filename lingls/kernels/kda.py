@@ -214,6 +214,9 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
         raise ValueError(f"T={t} tokens: the fused step handles 1..{MAX_TOKENS}")
+    for name, x, width in (("k", k, c), ("v", v, c), ("f", f, c), ("z", z, c), ("b", b, h)):
+        if x is not None and x.shape != (t, width):
+            raise ValueError(f"{name} must be [T, {width}] = [{t}, {width}], got {tuple(x.shape)}")
     if c != h * d or state.shape != (h, d, d) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be contiguous fp32 [H, D, D] with H*D = C = {c}, got {tuple(state.shape)} {state.dtype}")
     if conv_weight.shape != (3, c, CONV_KERNEL) or conv_state.shape != (3, c, CONV_KERNEL - 1):

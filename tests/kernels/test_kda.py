@@ -160,6 +160,8 @@ def test_bad_shapes_are_named():
         kda.fused_kda_step(**{**inp, **{n: inp[n].repeat(40, 1) for n in "qkvfzb"}}, lower_bound=LB)
     with pytest.raises(ValueError, match="block_v"):
         kda.fused_kda_step(**inp, lower_bound=LB, block_v=3)
+    with pytest.raises(ValueError, match="b must be"):
+        kda.fused_kda_step(**{**inp, "b": inp["b"][:, :1]}, lower_bound=LB)
     with pytest.raises(ValueError, match="needs z"):
         kda.fused_kda_step(**{**inp, "z": None}, lower_bound=LB)
 
