@@ -32,7 +32,9 @@ def make_engine(settings: Settings) -> Engine:
         return RemoteEngine(settings.endpoint, api_key=settings.api_key)
     from lingls.runtime.local import LocalEngine
 
-    return LocalEngine(model_dir=settings.model, device=settings.device)
+    engine = LocalEngine(model_dir=settings.model, device=settings.device)
+    engine.load()  # weights now, on this worker thread, rather than in the first completion
+    return engine
 
 
 def describe_failure(exc: BaseException, settings: Settings) -> str:

@@ -1,0 +1,70 @@
+"""`lingls complete PATH:LINE:COL`: print the completion at a cursor, the way the language server would.
+
+The same core as the server (session.Core: prompt, generation, post-processing), without LSP. LINE and COL
+are 1-based like compiler messages; COL counts characters (code points). Exit status: 0 with a completion,
+1 without one (the reason, if any, on stderr), 2 for a malformed location or a missing file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from lingls.lsp.positions import UTF32
+from lingls.lsp.session import Core
+from lingls.lsp.settings import from_cli
+
+# File suffix -> LSP language id, for the post-processing rules (unknown: generic rules).
+LANGUAGE_IDS = {
+    ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp",
+    ".rs": "rust", ".go": "go", ".java": "java", ".js": "javascript", ".jsx": "javascriptreact",
+    ".ts": "typescript", ".tsx": "typescriptreact", ".rb": "ruby", ".sh": "shellscript", ".lua": "lua",
+    ".kt": "kotlin", ".swift": "swift", ".cs": "csharp", ".php": "php", ".scala": "scala", ".sql": "sql",
+}
+
+
+class _Stderr:
+    def log(self, level: str, message: str) -> None:
+        if level in ("error", "warning"):
+            print(message, file=sys.stderr)
+
+    def show(self, level: str, message: str) -> None:
+        pass  # already printed by log()
+
+
+def parse_location(location: str) -> tuple[str, int, int]:
+    path, line, col = location.rsplit(":", 2)
+    if int(line) < 1 or int(col) < 1:
+        raise ValueError("LINE and COL start at 1")
+    return path, int(line), int(col)
+
+
+async def complete_file(path: Path, line: int, col: int, args: Any) -> str | None:
+    """The completion at 1-based (line, col) of the file at `path`, or None."""
+    core = Core(_Stderr(), from_cli(args))
+    core.initialize(None, UTF32, path.parent.resolve().as_uri())
+    uri = path.resolve().as_uri()
+    core.open(uri, LANGUAGE_IDS.get(path.suffix, ""), 0, path.read_text(encoding="utf-8", errors="replace"))
+    try:
+        items = await core.complete(uri, line - 1, col - 1)
+    finally:
+        await core.shutdown()
+    return items[0].text if items else None
+
+
+def main(args: Any) -> int:
+    try:
+        path, line, col = parse_location(args.location)
+    except ValueError:
+        print(f"lingls complete: expected PATH:LINE:COL (1-based), got {args.location!r}", file=sys.stderr)
+        return 2
+    if not Path(path).is_file():
+        print(f"lingls complete: no such file: {path}", file=sys.stderr)
+        return 2
+    text = asyncio.run(complete_file(Path(path), line, col, args))
+    if text is None:
+        return 1
+    print(text)
+    return 0
