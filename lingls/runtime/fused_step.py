@@ -1,0 +1,126 @@
+"""FusedStep: the model's batch-1 step for T <= 16 tokens through the fused kernels of `lingls.kernels`.
+
+Same contract as `LingForCausalLM.step` (advance an InferenceState by T tokens, return the pre-norm hidden
+states), same weights: at construction the projections that one GEMV should read together are moved into one
+contiguous tensor and the model's own parameters are re-pointed at views of it (no second copy of any weight),
+so the eager model and this step keep computing from the same memory.
+
+Per decoder layer, with the residual stream kept in the activation dtype as the model keeps it:
+- add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer;
+- KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
+  one GEMV for the output projection;
+- MLA: the model's absorbed path (its latent attention is the split-sequence kernel of `kernels.mla`);
+- MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
+- dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
+
+`kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from lingls.model.config import KDA
+from lingls.model.ling import KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
+
+MAX_TOKENS = 16
+
+
+def _fuse_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights' rows into one tensor and re-point each weight at its rows of it."""
+    joined = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = joined[start:start + rows]
+        start += rows
+    return joined
+
+
+class _Ops:
+    """The fused kernels, or their references (same signatures)."""
+
+    def __init__(self, kernels: bool):
+        from lingls.kernels import gemv, kda, moe, norm
+
+        pdl = kernels and torch.cuda.is_available()  # programmatic dependent launch: CUDA only
+        self.linear = gemv.gemv if kernels else gemv.gemv_reference
+        self.kda_step = partial(kda.fused_kda_step, pdl=pdl) if kernels else kda.kda_step_reference
+        self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
+        self.moe = moe.fused_moe if kernels else moe.fused_moe_reference
+        self.prepare_moe = moe.prepare_moe_weights
+
+
+class FusedStep:
+    def __init__(self, model: LingForCausalLM, kernels: bool | None = None):
+        self.model, self.cfg, self.par = model, model.config, model.par
+        device = model.lm_head.weight.device
+        self.ops = _Ops(device.type == "cuda" if kernels is None else kernels)
+        self.layers = []
+        for i, layer in enumerate(model.decoder_layers):
+            entry = {"layer": layer}
+            attn = layer.attention
+            if isinstance(attn, KimiDeltaAttention):
+                entry["proj"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj, attn.g_proj, attn.b_proj])
+                entry["conv"] = torch.stack([c.weight.detach().squeeze(1) for c in (attn.q_conv1d, attn.k_conv1d,
+                                                                                    attn.v_conv1d)]).contiguous()
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                shared = mlp.shared_experts
+                sgu = _fuse_rows([shared.gate_proj, shared.up_proj]) if shared is not None else None
+                weights = self.ops.prepare_moe(mlp.gate.weight.detach(), mlp.gate.expert_bias.detach(),
+                                               mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach())
+                entry["moe"] = weights._replace(shared_gate_up=sgu,
+                                                shared_down=shared.down_proj.weight.detach() if shared is not None else None)
+            elif isinstance(mlp, SwiGLU):
+                entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(entry)
+        self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
+                            normalize=self.cfg.norm_topk_prob, scale=self.cfg.routed_scaling_factor)
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm)."""
+        if input_ids.shape[0] > MAX_TOKENS:
+            raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")
+        ops, model = self.ops, self.model
+        kv_len = state.capacity if kv_len is None else kv_len
+        residual = model.model.word_embeddings(input_ids)
+        x, residual = ops.add_rms_norm(residual, None, self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
+        for i, entry in enumerate(self.layers):
+            layer = entry["layer"]
+            if layer.kind == KDA:
+                a = self._kda(entry, x, state, model.kda_slot[i])
+            else:
+                cache = state.latent[model.mla_slot[i]]
+                cache.index_copy_(0, positions, layer.attention.latent(x, positions))
+                a = layer.attention.attend_latent(x, positions, cache, kv_len)
+            x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
+                                           self.cfg.rms_norm_eps)
+            m = self.par.all_reduce(self._mlp(entry, x, i))
+            if i + 1 < len(self.layers):
+                x, residual = ops.add_rms_norm(m, residual, self.layers[i + 1]["layer"].input_layernorm.weight,
+                                               self.cfg.rms_norm_eps)
+            else:
+                residual = residual + m
+        return residual
+
+    def _kda(self, entry, x, state, slot: int) -> torch.Tensor:
+        attn: KimiDeltaAttention = entry["layer"].attention
+        c, h = attn.heads * attn.d, attn.heads
+        p = self.ops.linear(x, entry["proj"])
+        q, k, v, f, g, b = p.split([c, c, c, c, c, h], dim=1)
+        o = self.ops.kda_step(q, k, v, f, b, g, state.conv[slot], entry["conv"], attn.A_log, attn.dt_bias,
+                              attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps)
+        return self.ops.linear(o, attn.dense.weight)
+
+    def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:
+        mlp = entry["layer"].mlp
+        if "moe" in entry:
+            return self.ops.moe(x, *entry["moe"], limit=self.cfg.expert_limit(layer_index),
+                                shared_limit=self.cfg.shared_limit(layer_index), **self.moe_cfg)
+        act = self.ops.linear(x, entry["gate_up"], swiglu=True, limit=mlp.limit)
+        return self.ops.linear(act, mlp.down_proj.weight)
+

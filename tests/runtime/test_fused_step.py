@@ -1,0 +1,49 @@
+"""FusedStep (the kernels' wiring of a decode/verify step) computes the model's step: with the plain-torch
+references, and with the real Triton kernels (run by Triton's interpreter when there is no GPU)."""
+
+import pytest
+import torch
+
+from lingls.model.ling import LingForCausalLM
+from lingls.runtime.fused_step import FusedStep
+from tests.model.conftest import randomize, small_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = LingForCausalLM(small_config(num_hidden_layers=4, expert_swiglu_limit_list=[0, 0, 3.0, 3.0],
+                                     share_expert_swiglu_limit_list=[0, 0, 2.0, 2.0]))
+    m.init_weights()
+    randomize(m, 0)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
+def test_fused_step_equals_model_step(model, kernels):
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        prefilled = model.new_state(64)
+        model.step(ids[:20], prefilled, torch.arange(20))
+        want_state = prefilled.clone()
+        want = [model.step(ids[20:21], want_state, torch.tensor([20])),
+                model.step(ids[21:30], want_state, torch.arange(21, 30))]
+        state = prefilled.clone()
+        fused = FusedStep(model, kernels=kernels)
+        got = [fused.step(ids[20:21], state, torch.tensor([20])), fused.step(ids[21:30], state, torch.arange(21, 30))]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 1e-5
+    assert (state.kda - want_state.kda).abs().max().item() < 1e-5
+    assert (state.conv - want_state.conv).abs().max().item() < 1e-5
+    assert (state.latent - want_state.latent).abs().max().item() < 1e-5
+
+
+def test_fusing_rows_keeps_one_copy_of_each_weight(model):
+    FusedStep(model, kernels=False)
+    attn = model.model.layers[0].attention
+    assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+
+
+def test_prefill_sized_inputs_are_refused(model):
+    with pytest.raises(ValueError, match="prefill"):
+        FusedStep(model, kernels=False).step(torch.zeros(17, dtype=torch.long), model.new_state(32), torch.arange(17))
