@@ -6,6 +6,7 @@ line table is rebuilt only when a position is next needed (pygls re-splits the w
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -87,11 +88,27 @@ class Document:
     def apply_change(self, text: str, start: tuple[int, int] | None = None, end: tuple[int, int] | None = None,
                      encoding: str = UTF16) -> None:
         """Apply one content change: the whole text when `start` is None, else replace [start, end)."""
+        self.edits += 1
         if start is None or end is None:
             self.text = text
+            self._starts = None
+            return
+        a = self.offset_at(*start, encoding)
+        b = max(a, self.offset_at(*end, encoding))
+        old = self.text
+        self.text = old[:a] + text + old[b:]
+        if self._starts is not None and "\r" not in text and "\r" not in old[max(0, a - 1) : b + 1]:
+            self._shift_starts(a, b, text)
         else:
-            a = self.offset_at(*start, encoding)
-            b = max(a, self.offset_at(*end, encoding))
-            self.text = self.text[:a] + text + self.text[b:]
-        self._starts = None
-        self.edits += 1
+            self._starts = None
+
+    def _shift_starts(self, a: int, b: int, text: str) -> None:
+        """Update the line table for [a, b) replaced by `text` instead of rescanning the whole document (no
+        \r near the edit, so no \r\n pair can form or split)."""
+        starts = self._starts
+        first = bisect.bisect_right(starts, a)  # line starts <= a stay
+        last = bisect.bisect_right(starts, b)  # line starts > b shift
+        delta = len(text) - (b - a)
+        new = [a + m.end() for m in _EOL.finditer(text)]
+        tail = starts[last:]
+        starts[first:] = new + ([s + delta for s in tail] if delta else tail)

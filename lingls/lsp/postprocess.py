@@ -11,6 +11,7 @@ Python rules come first; other languages get brace-aware defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 _CLOSE = {")": "(", "]": "[", "}": "{"}
 _OPEN = set(_CLOSE.values())
@@ -88,9 +89,18 @@ class Site:
     def mid_line(self) -> bool:
         return bool(self.line_suffix.strip())
 
+    @cached_property
+    def _line_state(self) -> tuple[str | None, bool]:
+        return _scan_line(self.line_prefix, self.lang)
+
     @property
+    def open_quote(self) -> str | None:
+        """The string quote still open at the cursor, if any."""
+        return self._line_state[0]
+
+    @cached_property
     def multiline(self) -> bool:
-        if self.mid_line or in_comment(self.line_prefix, self.lang):
+        if self.mid_line or self._line_state[1]:
             return False
         head = self.line_prefix.rstrip()
         return not head or head.endswith(self.lang.openers)
@@ -169,7 +179,7 @@ def _trim(text: str, site: Site) -> str:
     if not text:
         return ""
     suffix = site.line_suffix.strip()
-    quote = _scan_line(site.line_prefix, site.lang)[0]  # the completion may start inside a string
+    quote = site.open_quote  # the completion may start inside a string
     if suffix and not site.multiline:
         text = _drop_suffix_overlap(text, suffix, quote)
     return _drop_supplied_closer(text, suffix, quote)

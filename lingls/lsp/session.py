@@ -33,6 +33,8 @@ from lingls.lsp.settings import Settings
 from lingls.runtime.engine import Engine, GenerateRequest
 
 KEEP_GENERATIONS = 4  # per document, for type-through and reuse
+RING_MOVE = 8  # lines the cursor moves before its document offers a fresh chunk to the context ring
+RING_AGE = 32  # or generations started since the last offer
 SAMPLES = ((0.8, 1), (0.8, 2))  # (temperature, seed) of the extra candidates of an Invoked request
 BINARY_PROBE = 4096  # characters each side of the cursor checked for NUL
 ACCEPT_COMMAND = "lingls.accept"
@@ -66,6 +68,8 @@ class _DocState:
     doc: Document
     generations: list[Generation] = field(default_factory=list)
     request: _Request | None = None
+    ring_line: int = -RING_MOVE  # where this document last offered a context chunk, and how long ago
+    ring_age: int = 0
 
 
 @dataclass
@@ -358,8 +362,18 @@ class Core:
             old.stop()
         del state.generations[:-KEEP_GENERATIONS]
         if text is doc.text:
-            self._ring.offer(doc.uri, self._label(doc.uri), *doc.window(doc.position_at(offset)[0]))
+            self._offer_chunk(state, offset)
         return gen
+
+    def _offer_chunk(self, state: _DocState, offset: int) -> None:
+        """Keep this document's chunk in the context ring near where the user works, without rebuilding it on
+        every keystroke."""
+        doc = state.doc
+        line = doc.position_at(offset)[0]
+        state.ring_age += 1
+        if abs(line - state.ring_line) >= RING_MOVE or state.ring_age >= RING_AGE:
+            self._ring.offer(doc.uri, self._label(doc.uri), *doc.window(line))
+            state.ring_line, state.ring_age = line, 0
 
     def _site(self, text: str, language_id: str, offset: int) -> Site:
         start = text.rfind("\n", 0, offset) + 1

@@ -72,3 +72,20 @@ def test_window_around_a_line():
     assert first == 45 and lines == [str(i) for i in range(45, 55)]
     first, lines = doc.window(99, size=10)
     assert first == 90 and len(lines) == 10
+
+
+def test_line_table_follows_random_edits():
+    import random
+
+    rng = random.Random(7)
+    doc = Document("u", "alpha\nbeta\r\ngamma\n\ndelta 😀\n")
+    doc.line_starts()
+    pieces = ["", "x", "\n", "ab\ncd", "\n\n", "\r\n", "中", "😀\n"]
+    for _ in range(400):
+        lines = doc.line_count()
+        l1 = rng.randrange(lines + 1)
+        l2 = min(lines, l1 + rng.randrange(3))
+        start = (l1, rng.randrange(8))
+        end = max(start, (l2, rng.randrange(8)))
+        doc.apply_change(rng.choice(pieces), start, end, UTF16)
+        assert doc.line_starts() == Document("v", doc.text).line_starts()

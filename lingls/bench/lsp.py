@@ -1,0 +1,181 @@
+"""`lingls bench lsp`: keystroke-to-answer latency of the language server over stdio, during scripted typing.
+
+A block of a real Python file (by default the standard library's textwrap.py) is cut out and typed back one
+character at a time; each keystroke sends didChange + textDocument/inlineCompletion, as VS Code does, and
+waits for the answer. Latency is measured at the client. The server reports, per request, how long it waited
+on the engine (loading, generating) and in its debounce; the rest is the LSP's own overhead: JSON-RPC, document
+sync, prompt building, post-processing, scheduling. Target: overhead p95 <= 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from lsprotocol import types as lsp
+
+from lingls import __version__
+from lingls.lsp.positions import length_in
+
+STATS_BATCH = 256  # the server keeps its last 512 request timings; fetch them well before they roll over
+TARGET_OVERHEAD_P95_MS = 2.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
+def summary(values: list[float]) -> dict:
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "mean": statistics.fmean(values),
+            "max": max(values)} if values else {}
+
+
+def typing_script(text: str, keystrokes: int) -> tuple[int, str]:
+    """(offset, block): the block of `keystrokes` characters to retype, starting at a function definition
+    past the first third of the file."""
+    start = text.find("\n    def ", len(text) // 3)
+    start = text.find("\ndef ", len(text) // 3) if start < 0 else start
+    start = max(0, start) + 1
+    return start, text[start : start + keystrokes]
+
+
+async def run(a: argparse.Namespace) -> dict:
+    from pygls.lsp.client import LanguageClient
+
+    path = Path(a.file)
+    text = path.read_text(encoding="utf-8")
+    offset, block = typing_script(text, a.keystrokes)
+    doc = text[:offset] + text[offset + len(block) :]
+    uri = path.resolve().as_uri()
+
+    cmd = [sys.executable, "-m", "lingls.cli", "--stdio", "--log-file", a.log_file]
+    options = {"debounceMs": a.debounce_ms, "maxTokens": a.max_tokens}
+    for key, value in (("endpoint", a.endpoint), ("model", a.model), ("device", a.device)):
+        if value:
+            options[key] = value
+    client = LanguageClient("lingls-bench", __version__)
+    client.feature(lsp.WINDOW_LOG_MESSAGE)(lambda params: None)
+    client.feature(lsp.WINDOW_SHOW_MESSAGE)(lambda params: print(f"lingls: {params.message}", file=sys.stderr))
+    await client.start_io(*cmd)
+    caps = lsp.ClientCapabilities(text_document=lsp.TextDocumentClientCapabilities(
+        inline_completion=lsp.InlineCompletionClientCapabilities()))
+    await client.initialize_async(lsp.InitializeParams(capabilities=caps, initialization_options=options,
+                                                      root_uri=path.parent.resolve().as_uri()))
+    client.initialized(lsp.InitializedParams())
+    client.text_document_did_open(lsp.DidOpenTextDocumentParams(lsp.TextDocumentItem(uri, "python", 1, doc)))
+
+    line = doc.count("\n", 0, offset)
+    col = length_in(doc[doc.rfind("\n", 0, offset) + 1 : offset])
+    context = lsp.InlineCompletionContext(trigger_kind=lsp.InlineCompletionTriggerKind.Automatic)
+
+    async def ask() -> list:
+        result = await client.text_document_inline_completion_async(lsp.InlineCompletionParams(
+            context=context, text_document=lsp.TextDocumentIdentifier(uri), position=lsp.Position(line, col)))
+        return result.items if isinstance(result, lsp.InlineCompletionList) else (result or [])
+
+    async def server_stats() -> dict:
+        return await client.workspace_execute_command_async(lsp.ExecuteCommandParams(command="lingls.stats"))
+
+    t0 = time.perf_counter()
+    await ask()  # waits for the engine to load; not a keystroke
+    load_s = time.perf_counter() - t0
+
+    client_ms: list[float] = []
+    timings: list[dict] = []
+    shown = 0
+    for version, ch in enumerate(block, start=2):
+        await asyncio.sleep(a.interval_ms / 1000)
+        pos = lsp.Position(line, col)
+        t = time.perf_counter()
+        client.text_document_did_change(lsp.DidChangeTextDocumentParams(
+            lsp.VersionedTextDocumentIdentifier(version=version, uri=uri),
+            [lsp.TextDocumentContentChangePartial(range=lsp.Range(pos, pos), text=ch)]))
+        line, col = (line + 1, 0) if ch == "\n" else (line, col + length_in(ch))
+        items = await ask()
+        client_ms.append((time.perf_counter() - t) * 1000)
+        shown += bool(items)
+        if len(client_ms) % STATS_BATCH == 0:
+            timings += (await server_stats())["timings"][-STATS_BATCH:]
+    final = await server_stats()
+    timings += final["timings"][-(len(client_ms) - len(timings)) :] if len(client_ms) > len(timings) else []
+    await client.shutdown_async(None)
+    client.exit(None)
+    await client.stop()
+
+    engine_ms = [t["engine_ms"] for t in timings]
+    handler = [t["total_ms"] - t["engine_ms"] - t["debounce_ms"] for t in timings]
+    overhead = [c - t["engine_ms"] - t["debounce_ms"] for c, t in zip(client_ms, timings)]
+    sources: dict[str, int] = {}
+    for t in timings:
+        sources[t["source"]] = sources.get(t["source"], 0) + 1
+    return {
+        "benchmark": "lsp",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": _versions(),
+        "config": {"file": str(path), "file_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+                   "keystrokes": len(block), "interval_ms": a.interval_ms, **options},
+        "engine": final["engine"],
+        "engine_load_s": load_s,
+        "latency_ms": summary(client_ms),
+        "engine_wait_ms": summary(engine_ms),
+        "overhead_ms": summary(overhead),
+        "overhead_in_handler_ms": summary(handler),  # of which inside the server's completion handler
+        "answers_shown": shown,
+        "sources": sources,
+        "counters": final["counters"],
+        "target_overhead_p95_ms": TARGET_OVERHEAD_P95_MS,
+        "target_met": bool(overhead) and percentile(overhead, 0.95) <= TARGET_OVERHEAD_P95_MS,
+    }
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"lingls": __version__}
+    for name in ("pygls", "lsprotocol", "torch"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lingls bench lsp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--file", default=textwrap.__file__, help="Python file to type in (default: stdlib textwrap.py)")
+    p.add_argument("--keystrokes", type=int, default=300)
+    p.add_argument("--interval-ms", type=float, default=60, help="pause between keystrokes (not timed)")
+    p.add_argument("--debounce-ms", type=float, default=0, help="server debounceMs (reported apart from overhead)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--endpoint", help="remote /v1/completions server instead of the in-process model")
+    p.add_argument("--model", help="model directory (default: the embedded ling-nano)")
+    p.add_argument("--device", default="cpu", help="device of the in-process model (default cpu)")
+    p.add_argument("--out", default="bench/results/lsp.json")
+    p.add_argument("--log-file", default=os.path.join(tempfile.gettempdir(), "lingls-bench-lsp.log"))
+    a = p.parse_args(argv)
+    result = asyncio.run(run(a))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    lat, ovh, eng = result["latency_ms"], result["overhead_ms"], result["engine_wait_ms"]
+    print(f"{result['config']['keystrokes']} keystrokes on {Path(a.file).name} with {result['engine']['name']}:")
+    print(f"  keystroke -> answer  p50 {lat['p50']:.2f} ms  p95 {lat['p95']:.2f} ms")
+    print(f"  engine wait          p50 {eng['p50']:.2f} ms  p95 {eng['p95']:.2f} ms")
+    print(f"  LSP overhead         p50 {ovh['p50']:.2f} ms  p95 {ovh['p95']:.2f} ms  "
+          f"(target p95 <= {TARGET_OVERHEAD_P95_MS} ms: {'met' if result['target_met'] else 'NOT met'})")
+    hnd = result["overhead_in_handler_ms"]
+    print(f"    of which in the completion handler  p50 {hnd['p50']:.2f} ms  p95 {hnd['p95']:.2f} ms")
+    print(f"  answers: {result['sources']}, engine calls {result['counters']['engine_calls']}; wrote {out}")
+    return 0
