@@ -16,17 +16,23 @@ if [ "${1:-}" = --prepare ]; then
     echo "snapshot of $(git rev-parse --short HEAD) in $SNAP; wheels: $(ls $WHEELS)"
     exit 0
 fi
+# Phases: tests step prefix peers (default: all). LINGLS_FLA=1 also installs fla-core for chunked prefill
+# (its Triton autotuning takes minutes on a fresh machine; without it prefill uses the torch chunked form).
+PHASES=${*:-tests step prefix peers}
 # NVLink multicast stays off on shared machines
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-bench/results}
+OUT=${OUT:-$PWD/bench/results}
 mkdir -p "$OUT"
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+WHL=$(ls "$WHEELS"/transformers-*.whl 2>/dev/null; [ "${LINGLS_FLA:-0}" = 1 ] && ls "$WHEELS"/fla_core-*.whl)
+if [ -n "$WHL" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL \
         && export PYTHONPATH=/tmp/site
 fi
 SRC=$PWD
 [ -d "$SNAP/lingls" ] && SRC=$PWD/$SNAP
 export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
+cd "$SRC"
+if [ "${LINGLS_FLA:-0}" = 1 ]; then
 # fla's chunk_kda serves long prefills when it computes what the torch chunked form computes; else drop it
 python3 - <<'PY' || { echo "fla chunk_kda disagrees or fails: prefill uses the torch form"; rm -rf /tmp/site/fla /tmp/site/fla_core*; }
 import torch
@@ -47,8 +53,14 @@ err = max(((o - o_ref).norm() / o_ref.norm()).item(), ((s - s_ref).norm() / s_re
 print(f"fla chunk_kda vs torch chunked form: rel. err {err:.2e}")
 assert err < 1e-2
 PY
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
-python3 -c "import torch, transformers, lingls; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lingls from', lingls.__file__)"
-(cd "$SRC" && timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log")
-timeout 210 python3 -m lingls.cli bench step --mode shard --peer-layers 6 --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log"
-timeout 130 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+python3 -c "import torch, lingls; print('torch', torch.__version__, 'lingls from', lingls.__file__)"
+for phase in $PHASES; do
+    case $phase in
+    tests)  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    step)   timeout 150 python3 -m lingls.cli bench step --mode shard --profile --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log" ;;
+    prefix) timeout 120 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" ;;
+    peers)  timeout 150 python3 -m lingls.cli bench step --mode peers --peer-layers 6 --out "$OUT/step_peers.json" 2>&1 | tee "$OUT/peers.log" ;;
+    esac
+done

@@ -187,6 +187,30 @@ def peers(layers: int, prompt_len: int = 512, new: int = 64) -> dict:
     return out
 
 
+def profile_step(model: LingForCausalLM, context: int, top: int = 12) -> dict:
+    """Kernels one eager T=1 step launches, and where its GPU time goes (the launch count is what graphs hide)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = ModelRunner(model, capacity=context + 128, use_graphs=False)
+    runner.pos.fill_(context - 64)
+    runner.run_step(1, runner.bucket(context), True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.run_step(1, runner.bucket(context), True)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out = {"kernels_per_step": len(kernels), "kernel_time_ms": sum(e.device_time for e in kernels) / 1e3,
+           "top": [{"name": n, "count": len(ts), "ms": sum(ts) / 1e3} for n, ts in ranked]}
+    print(f"one eager T=1 step: {out['kernels_per_step']} kernels, {out['kernel_time_ms']:.2f} ms of kernel time")
+    for k in out["top"]:
+        print(f"  {k['ms']:7.3f} ms  x{k['count']:5d}  {k['name']}")
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -220,7 +244,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lingls bench step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=["shard", "full"], default="shard")
+    p.add_argument("--mode", choices=["shard", "full", "peers"], default="shard",
+                   help="peers: only the side-by-side run at --peer-layers (a fresh process has the whole GPU)")
     p.add_argument("--layers", type=int, help="decoder layers (default: 42 for shard, 6 for full)")
     p.add_argument("--tp", type=int, default=4, help="shard mode: the tensor-parallel degree whose rank is run")
     p.add_argument("--tokens", default="1,2,4,8,16", help="step sizes T")
@@ -229,6 +254,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--peer-layers", type=int, default=0, help="also run transformers and eager lingls at this depth")
     p.add_argument("--out", default="bench/results/step.json")
     p.add_argument("--plot", action="store_true", help="also write a PNG beside the JSON")
+    p.add_argument("--profile", action="store_true", help="also profile one eager T=1 step (kernel count, top kernels)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("lingls bench step: needs a CUDA GPU", file=sys.stderr)
@@ -247,18 +273,26 @@ def main(argv: list[str]) -> int:
         result["fla"] = getattr(fla, "__version__", "present")
     except ImportError:
         result["fla"] = None
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.mode == "peers":
+        result["peers"] = peers(a.peer_layers or 6)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["peers"]))
+        return 0
     t0 = time.perf_counter()
     model = build_flash(layers, tp=tp, rank=0)
     result["weights_GB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(f"built {result['weights_GB']:.1f} GB of weights in {time.perf_counter() - t0:.1f} s", flush=True)
     result["steps"] = bench_steps(model, tokens, a.context, bw, a.reps)
-    del model
-    torch.cuda.empty_cache()
-    if a.peer_layers:
-        result["peers"] = peers(a.peer_layers)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.profile:
+        result["profile_t1"] = profile_step(model, a.context)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    if a.peer_layers:  # the shard's memory is not all returned in-process: prefer --mode peers in a fresh one
+        del model
+        torch.cuda.empty_cache()
+        result["peers"] = peers(a.peer_layers)
+        out.write_text(json.dumps(result, indent=1) + "\n")
     if a.plot:
         plot(result, out.with_suffix(".png"))
     print(f"\n| T | step ms (graph) | floor ms | ratio |\n|---|---|---|---|")
