@@ -1,0 +1,34 @@
+"""Tensor parallelism with two CPU ranks (gloo): the ranks agree on every token and equal the whole model."""
+
+import os
+
+import pytest
+import torch
+
+from lingls.runtime.distributed import SAFE_ENV, TensorParallelEngine
+from lingls.runtime.engine import EngineError, GenerateRequest
+
+from .conftest import reference_greedy
+
+
+async def test_two_ranks_generate_what_the_whole_model_generates(tiny_dir, tiny_model):
+    engine = TensorParallelEngine(str(tiny_dir), tp=2, device="cpu")
+    try:
+        for prompt in ("def square(x):\n", "def square(x):\n    return"):  # the second reuses the first's prefix
+            ids = engine.tokenizer.encode(prompt)
+            chunks = [c async for c in engine.stream(GenerateRequest(prompt, max_tokens=10))]
+            want = reference_greedy(tiny_model, ids, 10)
+            cut = next((i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids), len(want))
+            assert "".join(c.text for c in chunks) == engine.tokenizer.decode(want[:cut])
+        sampled = [c async for c in engine.stream(GenerateRequest("x = ", max_tokens=8, temperature=0.9, seed=1))]
+        assert sampled[-1].finish in ("length", "stop")
+        assert all(os.environ[k] == v for k, v in SAFE_ENV.items())
+    finally:
+        await engine.close()
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(tiny_dir):
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
+        pytest.skip("this machine has 64 GPUs")
+    with pytest.raises(EngineError, match="--tp 64 needs 64 CUDA GPUs"):
+        TensorParallelEngine(str(tiny_dir), tp=64)
