@@ -1,24 +1,14 @@
 """Fixtures for the editor tests: a headless Neovim 0.10+ with the lingls plugin, talking to the real
-`lingls --stdio` (with the scripted engine of this folder, or the embedded model)."""
+`lingls --stdio` (with the scripted engine of editor_engine.py, or the embedded model)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from nvim_driver import Nvim, find_nvim
-
-HERE = Path(__file__).resolve().parent
-
-
-def scripted_env(**extra: str) -> dict[str, str]:
-    """Environment that makes the server run scripted_engine.py instead of a model."""
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    return {"LINGLS_TEST_ENGINE": "scripted_engine:make_engine", "PYTHONPATH": path, **extra}
+from .nvim_driver import Nvim, find_nvim
 
 
 @pytest.fixture(scope="session")

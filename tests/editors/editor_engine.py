@@ -1,5 +1,6 @@
 """A deterministic Engine for the editor tests, loaded by the real `lingls --stdio` through the server's test hook
-(`LINGLS_TEST_ENGINE=scripted_engine:make_engine`, with this folder on PYTHONPATH).
+(`LINGLS_TEST_ENGINE=tests.editors.editor_engine:make_engine`, with the repository on PYTHONPATH:
+`scripted_env()` sets both).
 
 It writes a fixed Python completion, chunk by chunk, so tests can compare what an editor shows with what it
 inserts. Environment knobs:
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import AsyncIterator
 
 from lingls.runtime.engine import EngineStats, GenerateRequest
@@ -69,3 +71,10 @@ class ScriptedEngine:
 
 def make_engine(settings) -> ScriptedEngine:
     return ScriptedEngine()
+
+
+def scripted_env(**extra: str) -> dict[str, str]:
+    """Environment that makes a `lingls --stdio` started with it run this engine instead of a model."""
+    repo = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    return {"LINGLS_TEST_ENGINE": f"{__name__}:make_engine", "PYTHONPATH": path, **extra}

@@ -1,5 +1,5 @@
 """Headless Neovim with the lingls plugin and the real `lingls --stdio`, used as a person would: enter insert
-mode, see ghost text, press keys, read the buffer. The scripted engine (scripted_engine.py) makes the server fast
+mode, see ghost text, press keys, read the buffer. The scripted engine (editor_engine.py) makes the server fast
 and deterministic; the last test runs the embedded model."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from conftest import scripted_env
-from scripted_engine import TEXT
+from .editor_engine import TEXT, scripted_env
 
 BODY = "def area(radius):\n    \n"
 AT_BODY = (1, 4)  # the blank indented line: a statement is expected there

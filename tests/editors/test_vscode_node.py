@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import scripted_env
+from .editor_engine import scripted_env
 
 VSCODE = Path(__file__).resolve().parents[2] / "editors" / "vscode"
 
