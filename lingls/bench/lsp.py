@@ -5,6 +5,9 @@ character at a time; each keystroke sends didChange + textDocument/inlineComplet
 waits for the answer. Latency is measured at the client. The server reports, per request, how long it waited
 on the engine (loading, generating) and in its debounce; the rest is the LSP's own overhead: JSON-RPC, document
 sync, prompt building, post-processing, scheduling. Target: overhead p95 <= 2 ms.
+
+`--engine instant` swaps the model for one that answers at once (through the server's engine hook), which
+isolates the LSP's own cost from a CPU model competing with it for the same cores.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from lsprotocol import types as lsp
-
 from lingls import __version__
+from lingls.lsp.engines import TEST_ENGINE_ENV
 from lingls.lsp.positions import length_in
+from lingls.runtime.engine import EngineStats, FimTemplate
 
 STATS_BATCH = 256  # the server keeps its last 512 request timings; fetch them well before they roll over
 TARGET_OVERHEAD_P95_MS = 2.0
@@ -50,42 +53,104 @@ def typing_script(text: str, keystrokes: int) -> tuple[int, str]:
     return start, text[start : start + keystrokes]
 
 
-async def run(a: argparse.Namespace) -> dict:
-    from pygls.lsp.client import LanguageClient
+class InstantEngine:
+    """Answers every prompt at once with the same line (`--engine instant`)."""
 
+    name = "instant"
+    fim = FimTemplate()
+
+    def __init__(self, settings=None):
+        self.stats = EngineStats()
+
+    def count_tokens(self, text: str) -> int:
+        return len(text) // 4 + 1
+
+    async def generate(self, request):
+        self.stats.requests += 1
+        yield "value = compute()\n"
+
+    async def close(self) -> None:
+        pass
+
+
+class JsonRpcClient:
+    """A lean LSP client over a child's stdio (plain dicts, no type conversion), so that the latency measured
+    is the server's, not a heavyweight test client's: editors' clients are native JSON speakers too."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self._ids = iter(range(1, 1 << 30))
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader = asyncio.ensure_future(self._read())
+
+    def notify(self, method: str, params: dict) -> None:
+        self._write({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def request(self, method: str, params) -> object:
+        msg_id = next(self._ids)
+        future = self._pending[msg_id] = asyncio.get_running_loop().create_future()
+        self._write({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params})
+        return await future
+
+    def _write(self, message: dict) -> None:
+        body = json.dumps(message).encode()
+        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+    async def _read(self) -> None:
+        out = self.proc.stdout
+        while True:
+            length = 0
+            while (line := await out.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            if not line:
+                return
+            message = json.loads(await out.readexactly(length))
+            future = self._pending.pop(message.get("id"), None) if "method" not in message else None
+            if future is not None:
+                if "error" in message:
+                    future.set_exception(RuntimeError(message["error"].get("message")))
+                else:
+                    future.set_result(message.get("result"))
+            elif message.get("method") == "window/showMessage":
+                print(f"lingls: {message['params']['message']}", file=sys.stderr)
+
+
+async def run(a: argparse.Namespace) -> dict:
     path = Path(a.file)
     text = path.read_text(encoding="utf-8")
     offset, block = typing_script(text, a.keystrokes)
     doc = text[:offset] + text[offset + len(block) :]
     uri = path.resolve().as_uri()
 
-    cmd = [sys.executable, "-m", "lingls.cli", "--stdio", "--log-file", a.log_file]
     options = {"debounceMs": a.debounce_ms, "maxTokens": a.max_tokens}
     for key, value in (("endpoint", a.endpoint), ("model", a.model), ("device", a.device)):
         if value:
             options[key] = value
-    client = LanguageClient("lingls-bench", __version__)
-    client.feature(lsp.WINDOW_LOG_MESSAGE)(lambda params: None)
-    client.feature(lsp.WINDOW_SHOW_MESSAGE)(lambda params: print(f"lingls: {params.message}", file=sys.stderr))
-    await client.start_io(*cmd)
-    caps = lsp.ClientCapabilities(text_document=lsp.TextDocumentClientCapabilities(
-        inline_completion=lsp.InlineCompletionClientCapabilities()))
-    await client.initialize_async(lsp.InitializeParams(capabilities=caps, initialization_options=options,
-                                                      root_uri=path.parent.resolve().as_uri()))
-    client.initialized(lsp.InitializedParams())
-    client.text_document_did_open(lsp.DidOpenTextDocumentParams(lsp.TextDocumentItem(uri, "python", 1, doc)))
-
+    env = dict(os.environ)
+    if a.engine == "instant":
+        env[TEST_ENGINE_ENV] = f"{__name__}:InstantEngine"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lingls.cli", "--stdio", "--log-file", a.log_file, env=env,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    client = JsonRpcClient(proc)
+    caps = {"textDocument": {"inlineCompletion": {}}}
+    await client.request("initialize", {"processId": os.getpid(), "capabilities": caps,
+                                        "rootUri": path.parent.resolve().as_uri(),
+                                        "initializationOptions": options})
+    client.notify("initialized", {})
+    client.notify("textDocument/didOpen", {"textDocument": {"uri": uri, "languageId": "python", "version": 1,
+                                                           "text": doc}})
     line = doc.count("\n", 0, offset)
     col = length_in(doc[doc.rfind("\n", 0, offset) + 1 : offset])
-    context = lsp.InlineCompletionContext(trigger_kind=lsp.InlineCompletionTriggerKind.Automatic)
 
     async def ask() -> list:
-        result = await client.text_document_inline_completion_async(lsp.InlineCompletionParams(
-            context=context, text_document=lsp.TextDocumentIdentifier(uri), position=lsp.Position(line, col)))
-        return result.items if isinstance(result, lsp.InlineCompletionList) else (result or [])
+        return await client.request("textDocument/inlineCompletion", {
+            "textDocument": {"uri": uri}, "position": {"line": line, "character": col},
+            "context": {"triggerKind": 2}}) or []
 
     async def server_stats() -> dict:
-        return await client.workspace_execute_command_async(lsp.ExecuteCommandParams(command="lingls.stats"))
+        return await client.request("workspace/executeCommand", {"command": "lingls.stats"})
 
     t0 = time.perf_counter()
     await ask()  # waits for the engine to load; not a keystroke
@@ -96,11 +161,11 @@ async def run(a: argparse.Namespace) -> dict:
     shown = 0
     for version, ch in enumerate(block, start=2):
         await asyncio.sleep(a.interval_ms / 1000)
-        pos = lsp.Position(line, col)
+        pos = {"line": line, "character": col}
         t = time.perf_counter()
-        client.text_document_did_change(lsp.DidChangeTextDocumentParams(
-            lsp.VersionedTextDocumentIdentifier(version=version, uri=uri),
-            [lsp.TextDocumentContentChangePartial(range=lsp.Range(pos, pos), text=ch)]))
+        client.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": version},
+                                                 "contentChanges": [{"range": {"start": pos, "end": pos},
+                                                                     "text": ch}]})
         line, col = (line + 1, 0) if ch == "\n" else (line, col + length_in(ch))
         items = await ask()
         client_ms.append((time.perf_counter() - t) * 1000)
@@ -109,9 +174,9 @@ async def run(a: argparse.Namespace) -> dict:
             timings += (await server_stats())["timings"][-STATS_BATCH:]
     final = await server_stats()
     timings += final["timings"][-(len(client_ms) - len(timings)) :] if len(client_ms) > len(timings) else []
-    await client.shutdown_async(None)
-    client.exit(None)
-    await client.stop()
+    await client.request("shutdown", None)
+    client.notify("exit", None)
+    await proc.wait()
 
     engine_ms = [t["engine_ms"] for t in timings]
     handler = [t["total_ms"] - t["engine_ms"] - t["debounce_ms"] for t in timings]
@@ -122,10 +187,11 @@ async def run(a: argparse.Namespace) -> dict:
     return {
         "benchmark": "lsp",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_1m_after": os.getloadavg()[0]},  # other work on the machine inflates the tails
         "versions": _versions(),
         "config": {"file": str(path), "file_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-                   "keystrokes": len(block), "interval_ms": a.interval_ms, **options},
+                   "keystrokes": len(block), "interval_ms": a.interval_ms, "engine": a.engine, **options},
         "engine": final["engine"],
         "engine_load_s": load_s,
         "latency_ms": summary(client_ms),
@@ -159,6 +225,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interval-ms", type=float, default=60, help="pause between keystrokes (not timed)")
     p.add_argument("--debounce-ms", type=float, default=0, help="server debounceMs (reported apart from overhead)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--engine", choices=["model", "instant"], default="model",
+                   help="model: the configured engine; instant: no model, the LSP's own cost alone")
     p.add_argument("--endpoint", help="remote /v1/completions server instead of the in-process model")
     p.add_argument("--model", help="model directory (default: the embedded ling-nano)")
     p.add_argument("--device", default="cpu", help="device of the in-process model (default cpu)")

@@ -5,8 +5,9 @@ unless `model` names a directory). Loading a model takes seconds, so it runs on 
 server keeps answering; a failure is reported once and not retried on every keystroke, only after the
 settings change.
 
-Test-only: `LINGLS_TEST_ENGINE=module:factory` makes the server call `factory(settings)` instead, so the
-end-to-end tests can run a scripted engine inside the real stdio server process.
+Tests and benchmarks only: `LINGLS_TEST_ENGINE=module:factory` makes the server call `factory(settings)`
+instead, so the end-to-end tests can run a scripted engine inside the real stdio server process (and
+`lingls bench lsp --engine instant` one that answers at once).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ class Generation:
         self.specials = specials
         self.text = ""  # raw model output so far
         self.done = False
+        self.stopped = False  # ended by stop(), so its text may end anywhere
         self.error: BaseException | None = None
         self.readers = 0  # requests waiting on it now
         self.started = time.perf_counter()
@@ -71,7 +72,7 @@ class Generation:
                 if clean(self.text, self.site, self.specials, block=not self.site.mid_line).complete:
                     break
         except asyncio.CancelledError:
-            pass  # stopped on purpose; the readers see `done`
+            self.stopped = True  # on purpose; the readers see `done` and `stopped`
         except Exception as exc:  # an engine failure must not escape into the event loop
             self.error = exc
         finally:

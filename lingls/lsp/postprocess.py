@@ -132,11 +132,12 @@ def cut_specials(raw: str, specials: tuple[str, ...], final: bool = False) -> tu
     cut = min((i for i in (raw.find(s) for s in specials) if i >= 0), default=-1)
     if cut >= 0:
         return raw[:cut], True
+    longest = max(map(len, specials), default=0)
     shortest = 2 if final else 1
-    for special in specials:
-        for n in range(len(special) - 1, shortest - 1, -1):
-            if raw.endswith(special[:n]):
-                return raw[:-n], False
+    firsts = {s[0] for s in specials}
+    for i in range(max(0, len(raw) - longest + 1), len(raw) - shortest + 1):
+        if raw[i] in firsts and any(s.startswith(raw[i:]) for s in specials):
+            return raw[:i], False
     return raw, False
 
 

@@ -86,7 +86,6 @@ def build_server(settings: Settings | None = None) -> LanguageServer:
     server = _Server("lingls", __version__, protocol_cls=_Protocol,
                      text_document_sync_kind=lsp.TextDocumentSyncKind.Incremental)
     core = Core(_Notifier(server), settings)
-    server.core = core
 
     @server.feature(lsp.INITIALIZE)
     def initialize(params: lsp.InitializeParams) -> None:
@@ -153,7 +152,14 @@ def build_server(settings: Settings | None = None) -> LanguageServer:
     return server
 
 
+# How often a thread holding the GIL is asked to hand it over. An in-process model's worker thread runs long
+# stretches of Python between GIL releases; at the default 5 ms the event loop could wait that long to answer
+# a keystroke. 0.5 ms keeps the editor's messages prompt at a small cost to the worker.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(args: Any) -> int:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if getattr(args, "log_file", None):
         logging.basicConfig(filename=args.log_file, level=logging.WARNING,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -291,18 +291,22 @@ class Core:
     async def _read(self, req: _Request, gen: Generation, typed: str, site: Site, timing: dict) -> tuple[str, str]:
         """Wait until `gen` has a complete answer for `site`, `typed` characters past its anchor.
 
-        Returns (status, text): ok, superseded, diverged (the model wrote something else than was typed) or
-        failed. A request cancelled by the client stops the generation if no other request reads it."""
+        Returns (status, text): ok, empty (nothing worth showing), superseded, diverged (the model wrote
+        something else than was typed), stopped (cut off before a complete answer) or failed. A request cancelled by the client stops the generation if no other request reads it."""
         gen.readers += 1
         try:
             while True:
                 if gen.text.startswith(typed):
-                    cleaned = clean(gen.text[len(typed) :], site, gen.specials, final=gen.done)
+                    # A stopped or failed stream's end is not the model's end.
+                    final = gen.done and not gen.stopped and gen.error is None
+                    cleaned = clean(gen.text[len(typed) :], site, gen.specials, final=final)
                     if cleaned.complete:
-                        if gen.error is not None:
-                            return self._failed(gen.error), ""
                         self._told.discard("engine-generate")
                         return ("ok" if cleaned.text else "empty"), cleaned.text
+                    if gen.error is not None:
+                        return self._failed(gen.error), ""
+                    if gen.done:
+                        return "stopped", ""
                 elif gen.done or not typed.startswith(gen.text):
                     return "diverged", ""
                 t = time.perf_counter()
