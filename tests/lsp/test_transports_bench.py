@@ -1,0 +1,54 @@
+"""`lingls --tcp` serves the same protocol; `lingls bench lsp` runs end to end (a smoke run, no timings
+asserted: benchmarks measure, tests do not)."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+
+from conftest import REPO, server_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_tcp_transport():
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "lingls.cli", "--tcp", "--port", str(port),
+                                                env=server_env({"default": "1"}), cwd=REPO)
+    try:
+        for _ in range(100):
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                           "params": {"processId": None, "rootUri": None, "capabilities": {}}}).encode()
+        writer.write(b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+        length = 0
+        while (line := await asyncio.wait_for(reader.readline(), 10)) != b"\r\n":
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        reply = json.loads(await reader.readexactly(length))
+        assert "inlineCompletionProvider" in reply["result"]["capabilities"]
+        writer.close()
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+def test_bench_lsp_smoke(tmp_path):
+    out = tmp_path / "lsp.json"
+    run = subprocess.run([sys.executable, "-m", "lingls.cli", "bench", "lsp", "--engine", "instant", "--keystrokes",
+                          "12", "--interval-ms", "0", "--out", str(out), "--log-file", str(tmp_path / "log")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())["runs"]["instant"]
+    assert result["config"]["keystrokes"] == 12 and len(result["overhead_by_source_ms"]) >= 1
+    assert set(result["overhead_ms"]) == {"p50", "p95", "mean", "max"}
