@@ -231,55 +231,73 @@ class Core:
         if "\0" in doc.text[max(0, offset - BINARY_PROBE) : offset + BINARY_PROBE]:
             self._once(f"binary:{doc.uri}", "info", f"lingls: {doc.uri} looks binary: no completions there")
             return []
-        place = _Place.at(doc.text, offset)
-        edits = doc.edits
+        place = _Place.at(doc, offset)
         site = self._site(doc.text, doc.language_id, offset)
-
-        gen, typed = self._find(state, offset)
-        if gen is not None:
-            source = "type-through" if gen.done else "reuse"
-            status, text = await self._read(req, gen, typed, site, timing)
-            if status == "superseded":
-                return []
-            if status == "ok":
-                timing["source"] = source
-                if source == "reuse":
-                    self.counters.reused_in_flight += 1
-                else:
-                    self.counters.type_through += 1
-            else:
-                gen = None  # used up, or the model went another way than the user typed: ask afresh
-        engine = self.engines.loaded
-        if gen is None:
-            typed = ""
-            if self.settings.debounce_ms and not invoked:
-                t = time.perf_counter()
-                ok = await self._wait(req, None, self.settings.debounce_ms / 1000)
-                timing["debounce_ms"] = (time.perf_counter() - t) * 1000
-                if not ok:
-                    return []
-            t = time.perf_counter()
-            engine = await self._engine(req)
-            timing["engine_ms"] += (time.perf_counter() - t) * 1000
-            if engine is None or doc.edits != edits:
-                return []  # no engine, superseded, or the text moved on: a newer request will come
-            timing["source"] = "model"
-            gen = self._start(state, engine, doc.text, offset, site)
-            status, text = await self._read(req, gen, "", site, timing)
-            if status != "ok":
-                return []
+        found = await self._reuse(state, req, offset, site, timing)
+        if found is None:
+            found = await self._generate(state, req, place, site, invoked, timing)
+        if not found:
+            return []
+        gen, typed, text = found
         items = [self._item(state, gen, place, typed, text)]
-        if invoked and engine is not None:
-            seen = {text}
-            for temperature, seed in SAMPLES:
-                if req.superseded.done() or doc.edits != edits:
-                    break
-                extra = self._start(state, engine, doc.text, offset, site, temperature, seed)
-                status, more = await self._read(req, extra, "", site, timing)
-                if status == "ok" and more not in seen:
-                    seen.add(more)
-                    items.append(self._item(state, extra, place, "", more))
+        if invoked:
+            items += await self._samples(state, req, place, site, {text}, timing)
         return [item for item in items if item is not None]
+
+    async def _reuse(self, state: _DocState, req: _Request, offset: int, site: Site,
+                     timing: dict) -> tuple[Generation, str, str] | tuple[()] | None:
+        """(generation, typed, text) from a generation that still applies here; () when superseded; None
+        when there is none or it went another way than the user typed."""
+        gen, typed = self._find(state, offset)
+        if gen is None:
+            return None
+        source = "type-through" if gen.done else "reuse"
+        status, text = await self._read(req, gen, typed, site, timing)
+        if status == "superseded":
+            return ()
+        if status != "ok":
+            return None
+        timing["source"] = source
+        if source == "reuse":
+            self.counters.reused_in_flight += 1
+        else:
+            self.counters.type_through += 1
+        return gen, typed, text
+
+    async def _generate(self, state: _DocState, req: _Request, place: "_Place", site: Site, invoked: bool,
+                        timing: dict) -> tuple[Generation, str, str] | tuple[()]:
+        """Ask the model, after the debounce (Automatic requests only)."""
+        doc = state.doc
+        if self.settings.debounce_ms and not invoked:
+            t = time.perf_counter()
+            ok = await self._wait(req, None, self.settings.debounce_ms / 1000)
+            timing["debounce_ms"] = (time.perf_counter() - t) * 1000
+            if not ok:
+                return ()
+        t = time.perf_counter()
+        engine = await self._engine(req)
+        timing["engine_ms"] += (time.perf_counter() - t) * 1000
+        if engine is None or doc.edits != place.edits:
+            return ()  # no engine, superseded, or the text moved on: a newer request will come
+        timing["source"] = "model"
+        gen = self._start(state, engine, doc.text, place.offset, site)
+        status, text = await self._read(req, gen, "", site, timing)
+        return (gen, "", text) if status == "ok" else ()
+
+    async def _samples(self, state: _DocState, req: _Request, place: "_Place", site: Site, seen: set[str],
+                       timing: dict) -> list[Item | None]:
+        """Up to two more distinct items for an Invoked request, sampled one after the other (batch 1)."""
+        engine, doc = self.engines.loaded, state.doc
+        items = []
+        for temperature, seed in SAMPLES:
+            if engine is None or req.superseded.done() or doc.edits != place.edits:
+                break
+            gen = self._start(state, engine, doc.text, place.offset, site, temperature, seed)
+            status, text = await self._read(req, gen, "", site, timing)
+            if status == "ok" and text not in seen:
+                seen.add(text)
+                items.append(self._item(state, gen, place, "", text))
+        return items
 
     def _find(self, state: _DocState, offset: int) -> tuple[Generation | None, str]:
         for gen in reversed(state.generations):
@@ -292,7 +310,8 @@ class Core:
         """Wait until `gen` has a complete answer for `site`, `typed` characters past its anchor.
 
         Returns (status, text): ok, empty (nothing worth showing), superseded, diverged (the model wrote
-        something else than was typed), stopped (cut off before a complete answer) or failed. A request cancelled by the client stops the generation if no other request reads it."""
+        something else than was typed), stopped (cut off before a complete answer) or failed. A request
+        cancelled by the client stops the generation if no other request reads it."""
         gen.readers += 1
         try:
             while True:
@@ -482,10 +501,13 @@ class _Place:
     before: str
     after: str
     length: int
+    edits: int  # the document's edit count then
 
     @classmethod
-    def at(cls, text: str, offset: int) -> "_Place":
-        return cls(offset, text[max(0, offset - WINDOW) : offset], text[offset : offset + WINDOW], len(text))
+    def at(cls, doc: Document, offset: int) -> "_Place":
+        text = doc.text
+        return cls(offset, text[max(0, offset - WINDOW) : offset], text[offset : offset + WINDOW], len(text),
+                   doc.edits)
 
     def late_end(self, text: str) -> int | None:
         """End of the characters inserted at the cursor since, if that is the only change; else None."""

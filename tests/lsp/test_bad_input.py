@@ -6,7 +6,7 @@ import json
 
 from lsprotocol import types as lsp
 
-from conftest import URI, RawClient, complete, open_doc, serve, stats
+from lsp_harness import URI, RawClient, complete, open_doc, serve, stats
 
 GOOD = "x = "
 

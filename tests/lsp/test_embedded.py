@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from lsprotocol import types as lsp
 
-from conftest import REPO, complete, open_doc, serve, server_env, stats
+from lsp_harness import REPO, complete, open_doc, serve, server_env, stats
 
 SPECIALS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>", "<|endoftext|>")
 EMBEDDED = REPO / "lingls" / "assets" / "ling-nano"

@@ -8,7 +8,7 @@ import pytest
 from lsprotocol import types as lsp
 from pygls.exceptions import JsonRpcRequestCancelled
 
-from conftest import URI, complete, eventually, open_doc, params, serve, stats, type_text
+from lsp_harness import URI, complete, eventually, open_doc, params, serve, stats, type_text
 from lingls.lsp.positions import index_to_column
 
 ADD = "def add(a, b):\n    "

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import REPO, server_env
+from lsp_harness import REPO, server_env
 
 
 def _free_port() -> int:

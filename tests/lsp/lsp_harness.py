@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from lsprotocol import types as lsp
 from pytest_lsp import ClientServerConfig
 
@@ -99,11 +98,6 @@ async def eventually(predicate, timeout: float = 2.0):
         if value or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 class RawClient:
