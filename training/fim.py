@@ -29,9 +29,9 @@ class FimMix:
     fim_rate: float = 0.5  # share of examples that are FIM; the rest are plain
     spm_rate: float = 0.5  # share of FIM examples in SPM order
     line_rate: float = 0.6  # share of FIM middles that run from a cursor to a line end (what completion asks for)
-    header_rate: float = 0.5  # share of examples that start with the file's header
-    context_rate: float = 0.2  # share of those that also carry a chunk of another file first
-    chunk_chars: int = 3000  # files are cut at line boundaries into chunks of at most this many characters
+    context_rate: float = 0.2  # share of examples preceded by a chunk of another file and the file's header
+    header_rate: float = 0.1  # share preceded by the file's header alone
+    chunk_chars: int = 4000  # files are cut at line boundaries into chunks of at most this many characters
 
 
 def chunk_text(text: str, limit: int) -> list[str]:
@@ -77,18 +77,19 @@ def random_middle(text: str, rng: random.Random) -> tuple[int, int]:
 def make_example(chunk: str, name: str, rng: random.Random, mix: FimMix, other: tuple[str, str] | None) -> list[Piece]:
     """One training example from one chunk of a file; `other` is (name, chunk) of another file for context."""
     header: list[Piece] = []
-    if rng.random() < mix.header_rate:
-        if other is not None and rng.random() < mix.context_rate:
-            header += [SPECIAL_ID[FILE_SEP], f"{display_path(other[0])}\n{other[1]}"]
+    roll = rng.random()
+    if other is not None and roll < mix.context_rate:
+        header += [SPECIAL_ID[FILE_SEP], f"{display_path(other[0])}\n{other[1]}\n"]
+    if roll < mix.context_rate + mix.header_rate:
         header += [SPECIAL_ID[FILE_SEP], f"{display_path(name)}\n"]
     if rng.random() >= mix.fim_rate:
         return header + [chunk, SPECIAL_ID[EOS]]
     a, b = line_middle(chunk, rng) if rng.random() < mix.line_rate else random_middle(chunk, rng)
     prefix, middle, suffix = chunk[:a], chunk[a:b], chunk[b:]
-    pre = [SPECIAL_ID[FIM_PREFIX], *header, prefix]
+    pre = [SPECIAL_ID[FIM_PREFIX], prefix]
     suf = [SPECIAL_ID[FIM_SUFFIX], suffix]
     body = suf + pre if rng.random() < mix.spm_rate else pre + suf
-    return body + [SPECIAL_ID[FIM_MIDDLE], middle, SPECIAL_ID[EOS]]
+    return header + body + [SPECIAL_ID[FIM_MIDDLE], middle, SPECIAL_ID[EOS]]
 
 
 def build_examples(files, seed: int, mix: FimMix = FimMix()) -> list[list[Piece]]:

@@ -1,0 +1,131 @@
+"""MODEL_CARD.md for the shipped ling-nano, written from the numbers the reproduce run measured."""
+
+from __future__ import annotations
+
+from training.evaluate import summary_table
+from training.tokenizer import SPECIAL_TOKENS
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _verdict(results: dict) -> str:
+    """One honest sentence: does ling-nano beat both baselines on both metrics (all cases)?"""
+    nano = results["ling-nano"]["all"]
+    others = {k: v["all"] for k, v in results.items() if k != "ling-nano"}
+    lost = [f"{metric.replace('_', ' ')} vs {name}" for name, m in others.items()
+            for metric in ("exact_match", "edit_similarity") if nano[metric] <= m[metric]]
+    if not lost:
+        return "**ling-nano beats both baselines on both metrics.**"
+    return ("**This ling-nano does not beat the baselines yet** (not better on: " + ", ".join(lost) +
+            "). It was trained on far fewer tokens than planned (see Training); the weights ship so that lingls "
+            "has a real model of the right architecture and format, and should be replaced by a longer run.")
+
+
+def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, dict]) -> str:
+    cfg, data, tr, held, ev = (report["config"], report["data"], report["training"], report["heldout"],
+                               report["evaluation"])
+    s = tr["settings"]
+    layers = ", ".join(f"{i}:{'KDA' if t == 'linear_attention' else 'MLA'}/{m}"
+                       for i, (t, m) in enumerate(zip(cfg["layer_types"], cfg["mlp_layer_types"])))
+    top = list(package_bytes.items())[:40]
+    lic_rows = "\n".join(f"| {k} | {_mb(v)} | {licenses.get(k, {}).get('distribution', '?')} | "
+                         f"{licenses.get(k, {}).get('license', '?')} |" for k, v in top)
+    ngram_rows = "\n".join(f"| {o} | {r['all']['exact_match']:.3f} | {r['all']['edit_similarity']:.3f} |"
+                           for o, r in ev["ngram_by_order"].items())
+    verdict = _verdict(ev["results"])
+    specials = ", ".join(f"`{t}` = {i}" for i, t in enumerate(SPECIAL_TOKENS))
+    return f"""# ling-nano
+
+The model lingls runs when nothing else is configured: a {report['parameters'] / 1e6:.1f}M-parameter model with the
+Ling-3.0 (`bailing_hybrid`) architecture, trained from scratch by this project on Python source, for
+fill-in-the-middle code completion on a laptop CPU. It is small and was trained for minutes; the evaluation below
+says how it compares with two simple baselines. It is no substitute for a real Ling-3.0 model (configure
+`endpoint` or `--model` for that).
+
+## Files
+| file | what |
+|---|---|
+| config.json | official Ling-3.0 config keys (`LingConfig.from_json`) |
+| model.safetensors | bf16 weights ({_mb(report['weights_bytes'])}), official tensor names, MTP layer at `model.layers.{cfg['num_hidden_layers']}` |
+| tokenizer.json, tokenizer_config.json | byte-level BPE, {cfg['vocab_size']} tokens; the config names the FIM tokens |
+| generation_config.json | greedy; any special token ends a completion |
+| training_curve.png | the training curve below |
+
+## Architecture
+hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers ({layers}), {cfg['num_attention_heads']} heads,
+KDA head size {cfg['head_dim']}, MLA kv_lora_rank {cfg['kv_lora_rank']} (nope {cfg['qk_nope_head_dim']} + rope
+{cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}), dense MLP {cfg['intermediate_size']}, MoE {cfg['num_experts']} experts
+of width {cfg['moe_intermediate_size']} + {cfg['num_shared_experts']} shared, top-{cfg['num_experts_per_tok']} with
+grouped routing ({cfg['n_group']} groups, top {cfg['topk_group']}), sigmoid router with expert bias, one MTP layer
+(MLA + MoE), untied lm_head, vocab {cfg['vocab_size']}, trained context {s['seq_len']} tokens.
+{report['parameters']:,} parameters.
+
+## Prompt format
+Special tokens: {specials}.
+- PSM: `<|fim_prefix|>{{prefix}}<|fim_suffix|>{{suffix}}<|fim_middle|>` -> the model writes the middle, then `<|endoftext|>`.
+- SPM (also trained): `<|fim_suffix|>{{suffix}}<|fim_prefix|>{{prefix}}<|fim_middle|>`.
+- Context from other files may precede either: `<|file_sep|>{{path}}\\n{{text}}\\n` per file, then
+  `<|file_sep|>{{current path}}\\n` (the layout lingls.lsp.prompt builds).
+- Plain left-to-right text also works (half of the training examples were plain).
+
+## Data
+Python source found on the training machine: the standard library and the installed site-packages
+({data['files_found']:,} `.py` files found; files over 256 kB, generated-looking files and files that spell a special
+token were skipped). About 1% of files are held out by a hash of their path; training files whose content equals a
+held-out file's (after whitespace normalisation) were dropped too ({data['dropped_as_copy_of_heldout']}), and
+training files were deduplicated by content ({data['dropped_as_duplicate']} dropped); no package fills more than 12%
+of the training bytes. Training set: {data['train_files']:,} files, {_mb(data['train_bytes'])},
+{data['training_stream_tokens']:,} tokens as FIM/plain examples. Held-out set: {data['heldout_files']} files,
+{data['heldout_tokens']:,} tokens. Half of the examples are FIM (half PSM, half SPM; 60% of middles run from a
+cursor to the end of a line or a few lines, the rest are random spans), half are plain text.
+
+## Training
+On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['steps']} steps of {s['batch_size']} x {s['seq_len']}
+tokens, {tr['train_tokens'] / 1e6:.0f}M tokens ({tr['epochs_over_data']} passes over the examples) in
+{tr['train_seconds']:.0f} s ({tr['tokens_per_second']:,} tokens/s); stopped by {tr['stopped_by']}. AdamW (betas 0.9/0.95,
+weight decay {s['weight_decay']}), peak learning rate {s['lr']}, linear warm-up over {s['warmup']:.0%} of the run then
+cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
+{s['mtp_weight']} x MTP cross-entropy (token after next). MoE balance without an auxiliary loss: after each step every
+expert's selection bias moves by {s['bias_rate']} towards the mean load. Whole reproduce run (data, tokenizer,
+training, evaluation): {report['timings_seconds']['total']:.0f} s.
+
+![training curve](training_curve.png)
+
+## Evaluation
+Held-out loss (shipped bf16 weights, fp32 compute, {held['windows']} windows of {held['seq_len']} tokens, plain text):
+**{held['loss_nats_per_token']:.3f} nats/token** (about {data['bytes_per_token_heldout']} bytes per token); MTP layer
+(token after next): {held['mtp_loss_nats_per_token']:.3f}.
+
+Next-line completion on the held-out files, {ev['cases_per_kind']} cursors of each kind, the same cases for every
+predictor. `line_start`: cursor after the line's indentation, expected completion = the line's code; `mid_line`:
+cursor at a random column inside the code, expected = the rest of the line. ling-nano gets a PSM prompt (last 768
+prefix tokens, first 256 suffix tokens), greedy, cut at the first newline. Baselines: the previous non-blank line
+(minus what was typed), and a token n-gram model counted over the same training token stream (greedy with backoff and token
+healing; the best order on these cases is shown). Exact match compares after stripping trailing whitespace; edit
+similarity is rapidfuzz's normalised Indel similarity.
+
+{summary_table(ev['results'])}
+
+{verdict}
+
+n-gram order vs score (all cases):
+
+| order | exact match | edit similarity |
+|---|---|---|
+{ngram_rows}
+
+## License notes on the data
+The weights were trained on source code that carries its own licenses. The Python standard library is under the
+PSF License Agreement. Each site-packages package is under its own license, as its distribution metadata states;
+the largest contributors to the training bytes:
+
+| package | training bytes | distribution | license (from metadata) |
+|---|---|---|---|
+{lic_rows}
+
+## Reproduce
+`python -m training.reproduce --out DIR` on a machine with a CUDA GPU (training/README.md); it writes this
+directory's files under DIR/ling-nano and the evaluation under DIR/results.
+"""

@@ -1,0 +1,58 @@
+"""The training curve and the evaluation chart (PNG, matplotlib's headless backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def training_curve(log_path: Path, out: Path, title: str) -> None:
+    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if "loss" in r]
+    tok = [r["tokens"] / 1e6 for r in recs]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot(tok, [r["loss"] for r in recs], label="train: next token")
+    ax.plot(tok, [r["mtp_loss"] for r in recs], label="train: MTP (token after next)", alpha=0.8)
+    held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in recs if "heldout_loss" in r]
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out files: next token")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylim(top=min(6.0, max(r["loss"] for r in recs)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    ax2.plot(tok, [r["expert_max_over_mean"] for r in recs], color="tab:purple")
+    ax2.set_xlabel("training tokens (millions)")
+    ax2.set_ylabel("busiest expert's load / mean load")
+    ax2.set_title("MoE balance (bias-based, no aux loss)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def eval_chart(results: dict, out: Path) -> None:
+    """Grouped bars: predictor x case kind, for exact match and edit similarity."""
+    names = list(results)
+    kinds = ["line_start", "mid_line", "all"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for ax, metric in zip(axes, ("exact_match", "edit_similarity")):
+        for j, name in enumerate(names):
+            vals = [results[name][k][metric] for k in kinds]
+            ax.bar([i + j * width for i in range(len(kinds))], vals, width, label=name)
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(kinds))], kinds)
+        ax.set_title(metric.replace("_", " "))
+        ax.set_ylim(0, 1)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("next-line completion on held-out files")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

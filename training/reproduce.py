@@ -1,0 +1,181 @@
+"""One command from nothing to the shipped ling-nano files:
+
+    python -m training.reproduce --out DIR
+
+data (this machine's Python source) -> tokenizer -> FIM examples -> training (GPU) -> bf16 checkpoint ->
+held-out loss and next-line evaluation against both baselines -> plots -> model card. Writes
+DIR/ling-nano/ (what lingls/assets/ling-nano/ ships) and DIR/results/ (bench/results/nano_* and logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from lingls.model import LingConfig, load_model, save_checkpoint
+from training import card, plots
+from training.baselines import NGramCompleter, repeat_previous_line
+from training.data import collect, package_bytes, write_manifest
+from training.evaluate import ModelCompleter, case_record, make_cases, newline_token_ids, score, summary_table
+from training.fim import FimMix, build_examples, encode_examples
+from training.licenses import package_licenses
+from training.ngram import NGramModel
+from training.tokenizer import SPECIAL_TOKENS, save_tokenizer, special_ids, train_tokenizer
+from training.train import TrainSettings, mean_loss, train, windows_of
+
+CONFIG = Path(__file__).parent / "configs" / "ling-nano.json"
+TOKENIZER_SAMPLE_BYTES = 40_000_000
+NGRAM_ORDERS = (3, 4, 5, 6)
+
+
+def generation_config(cfg: LingConfig) -> dict:
+    return {
+        "eos_token_id": list(range(len(SPECIAL_TOKENS))),  # any special token ends a completion
+        "pad_token_id": 0,
+        "do_sample": False,
+        "max_new_tokens": 64,
+        "max_length": cfg.max_position_embeddings,
+    }
+
+
+def stream_of(tok, texts: list[str]) -> torch.Tensor:
+    """Plain left-to-right ids of each text followed by <|endoftext|>, as one int16 tensor."""
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(0)
+    return torch.tensor(ids, dtype=torch.int16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--max-train-bytes", type=int, default=200_000_000)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
+    ap.add_argument("--train-seconds", type=float, default=TrainSettings.max_seconds)
+    ap.add_argument("--cases-per-kind", type=int, default=400)
+    ap.add_argument("--heldout-windows", type=int, default=None, help="cap on held-out windows for the loss (default: all)")
+    ap.add_argument("--seed", type=int, default=TrainSettings.seed)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    t_start = time.time()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model_dir, res_dir = args.out / "ling-nano", args.out / "results"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    res_dir.mkdir(parents=True, exist_ok=True)
+    timings = {}
+
+    def mark(what: str, since: float) -> float:
+        timings[what] = round(time.time() - since, 1)
+        print(f"[{time.time() - t_start:7.1f}s] {what}: {timings[what]}s", flush=True)
+        return time.time()
+
+    t = time.time()
+    corpus = collect(args.max_train_bytes)
+    write_manifest(corpus, res_dir / "data_manifest.json")
+    print(json.dumps(corpus.stats), flush=True)
+    t = mark("collect", t)
+
+    cfg_dict = json.loads(CONFIG.read_text())
+    cfg_dict["vocab_size"] = args.vocab_size
+    cfg = LingConfig.from_dict(cfg_dict)
+    sample, size = [], 0
+    for f in corpus.train:  # the training files are in name-hash order: a spread over packages
+        if size >= TOKENIZER_SAMPLE_BYTES:
+            break
+        sample.append(f.text)
+        size += len(f.text)
+    tok = train_tokenizer(sample, args.vocab_size)
+    save_tokenizer(tok, model_dir, cfg.max_position_embeddings)
+    assert special_ids(tok) == {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    t = mark("tokenizer", t)
+
+    examples = build_examples(corpus.train, args.seed, FimMix())
+    ids = encode_examples(tok, examples)
+    stream = torch.tensor([i for ex in ids for i in ex], dtype=torch.int16)
+    heldout_stream = stream_of(tok, [f.text for f in corpus.heldout])
+    t = mark("encode", t)
+    print(f"training stream {stream.numel()} tokens, held-out {heldout_stream.numel()}", flush=True)
+
+    # the baseline counts the very token stream the model trains on
+    ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
+    t = mark("ngram", t)
+
+    settings = TrainSettings(batch_size=args.batch_size, max_seconds=args.train_seconds, seed=args.seed)
+    model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device)
+    t = mark("train", t)
+
+    save_checkpoint(model, model_dir, dtype=torch.bfloat16)
+    (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
+    del model
+    shipped = load_model(model_dir, device=args.device, dtype=torch.float32)
+    held_windows = windows_of(heldout_stream, settings.seq_len)[: args.heldout_windows]
+    held_loss, held_mtp = mean_loss(shipped, held_windows, 16, args.device, bf16=False, with_mtp=True)
+    t = mark("heldout_loss", t)
+
+    cases = make_cases(corpus.heldout, args.cases_per_kind, args.seed)
+    preds = {"ling-nano": ModelCompleter(shipped, tok, args.device).complete_all(cases)}
+    t_model = time.time() - t
+    preds["repeat previous line"] = [repeat_previous_line(c.prefix) for c in cases]
+    newline_ids = newline_token_ids(tok)
+    ngram_scores = {}
+    for order in NGRAM_ORDERS:
+        ngram.order = order
+        completer = NGramCompleter(ngram, tok, newline_ids, set(range(len(SPECIAL_TOKENS))))
+        p = [completer.complete(c.prefix) for c in cases]
+        ngram_scores[order] = (score(cases, p), p)
+    best = max(ngram_scores, key=lambda o: ngram_scores[o][0]["all"]["edit_similarity"])
+    preds[f"token {best}-gram"] = ngram_scores[best][1]
+    results = {name: score(cases, p) for name, p in preds.items()}
+    t = mark("evaluate", t)
+
+    n_params = sum(p.numel() for p in shipped.parameters())
+    weights_bytes = (model_dir / "model.safetensors").stat().st_size
+    report = {
+        "model": "ling-nano",
+        "machine": {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+                    "torch": torch.__version__, "python": platform.python_version()},
+        "config": cfg.to_dict(),
+        "parameters": n_params,
+        "weights_bytes": weights_bytes,
+        "data": {**corpus.stats, "training_stream_tokens": stream.numel(),
+                 "heldout_tokens": heldout_stream.numel(), "bytes_per_token_heldout":
+                     round(sum(len(f.text) for f in corpus.heldout) / max(1, heldout_stream.numel() - len(corpus.heldout)), 3)},
+        "training": summary,
+        "heldout": {"loss_nats_per_token": round(held_loss, 4), "mtp_loss_nats_per_token": round(held_mtp, 4),
+                    "windows": len(held_windows), "seq_len": settings.seq_len,
+                    "note": "shipped bf16 weights computed in fp32, plain left-to-right held-out files"},
+        "evaluation": {"cases_per_kind": args.cases_per_kind, "results": results,
+                       "ngram_by_order": {str(o): s for o, (s, _) in ngram_scores.items()},
+                       "model_eval_seconds": round(t_model, 1), "max_new_tokens": 48,
+                       "prompt": "PSM: last 768 prefix tokens, first 256 suffix tokens; greedy, cut at the first newline"},
+        "timings_seconds": timings,
+        "samples": [case_record(cases[i], {n: p[i] for n, p in preds.items()})
+                    for i in sorted(set(range(min(20, len(cases)))) | set(range(max(0, len(cases) - 20), len(cases))))],
+    }
+    report["timings_seconds"]["total"] = round(time.time() - t_start, 1)
+    (res_dir / "nano_eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    plots.training_curve(res_dir / "train_log.jsonl", res_dir / "nano_training_curve.png",
+                         f"ling-nano: {n_params / 1e6:.1f}M parameters, {summary['train_tokens'] / 1e6:.0f}M tokens")
+    plots.eval_chart(results, res_dir / "nano_eval.png")
+    (model_dir / "training_curve.png").write_bytes((res_dir / "nano_training_curve.png").read_bytes())
+    licenses = package_licenses(list(package_bytes(corpus.train))[:40])
+    (res_dir / "data_licenses.json").write_text(json.dumps(licenses, indent=1) + "\n")
+    (model_dir / "MODEL_CARD.md").write_text(card.model_card(report, package_bytes(corpus.train), licenses))
+    mark("report", t)
+    print(summary_table(results), flush=True)
+    print(json.dumps({"heldout": report["heldout"], "training": summary, "timings": timings}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
