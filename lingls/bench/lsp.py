@@ -4,7 +4,9 @@ A block of a real Python file (by default the standard library's textwrap.py) is
 character at a time; each keystroke sends didChange + textDocument/inlineCompletion, as VS Code does, and
 waits for the answer. Latency is measured at the client. The server reports, per request, how long it waited
 on the engine (loading, generating) and in its debounce; the rest is the LSP's own overhead: JSON-RPC, document
-sync, prompt building, post-processing, scheduling. Target: overhead p95 <= 2 ms.
+sync, prompt building, post-processing, scheduling. Target: overhead p95 <= 2 ms. For scale, the run also
+times an empty request (a document the server does not have) at the same pacing: the floor that pipes and
+the operating system set, whatever the server does.
 
 `--engine instant` swaps the model for one that answers at once (through the server's engine hook), which
 isolates the LSP's own cost from a CPU model competing with it for the same cores.
@@ -30,6 +32,7 @@ from lingls.lsp.engines import TEST_ENGINE_ENV
 from lingls.lsp.positions import length_in
 from lingls.runtime.engine import EngineStats, FimTemplate
 
+FLOOR_SAMPLES = 50
 STATS_BATCH = 256  # the server keeps its last 512 request timings; fetch them well before they roll over
 TARGET_OVERHEAD_P95_MS = 2.0
 
@@ -156,6 +159,16 @@ async def run(a: argparse.Namespace) -> dict:
     await ask()  # waits for the engine to load; not a keystroke
     load_s = time.perf_counter() - t0
 
+    # The floor: the same pacing, a request the server answers at once (a document it does not have).
+    floor_ms = []
+    nowhere = {"textDocument": {"uri": uri + ".absent"}, "position": {"line": 0, "character": 0},
+               "context": {"triggerKind": 2}}
+    for _ in range(FLOOR_SAMPLES):
+        await asyncio.sleep(a.interval_ms / 1000)
+        t = time.perf_counter()
+        await client.request("textDocument/inlineCompletion", nowhere)
+        floor_ms.append((time.perf_counter() - t) * 1000)
+
     client_ms: list[float] = []
     timings: list[dict] = []
     shown = 0
@@ -199,6 +212,8 @@ async def run(a: argparse.Namespace) -> dict:
         "latency_ms": summary(client_ms),
         "engine_wait_ms": summary(engine_ms),
         "overhead_ms": summary(overhead),
+        # An empty request at the same pacing: what the pipes and the OS cost (a VM waking idle vCPUs, say).
+        "round_trip_floor_ms": summary(floor_ms),
         "overhead_in_handler_ms": summary(handler),  # of which inside the server's completion handler
         "overhead_by_source_ms": {k: summary(v) for k, v in by_source.items()},
         "answers_shown": shown,
@@ -248,6 +263,8 @@ def main(argv: list[str]) -> int:
         print(f"  LSP overhead         p50 {ovh['p50']:.2f} ms  p95 {ovh['p95']:.2f} ms  "
               f"(target p95 <= {TARGET_OVERHEAD_P95_MS} ms: {'met' if result['target_met'] else 'NOT met'})")
         print(f"    of which in the completion handler  p50 {hnd['p50']:.2f} ms  p95 {hnd['p95']:.2f} ms")
+        flo = result["round_trip_floor_ms"]
+        print(f"    empty request round trip (floor)    p50 {flo['p50']:.2f} ms  p95 {flo['p95']:.2f} ms")
         print(f"  answers: {result['sources']}, engine calls {result['counters']['engine_calls']}", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
