@@ -22,6 +22,7 @@ def tiny_model(tiny_dir):
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """The model core's own generation: a full-sequence forward per token, argmax, no state."""
     ids = list(prompt)
+    device = model.lm_head.weight.device
     for _ in range(n):
-        ids.append(int(model.logits(torch.tensor(ids))[-1].argmax()))
+        ids.append(int(model.logits(torch.tensor(ids, device=device))[-1].argmax()))
     return ids[len(prompt):]
