@@ -45,6 +45,11 @@ class Generation:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    async def finished(self) -> None:
+        """Wait until the stream is closed (after stop(), within one decode step)."""
+        if self._task is not None:
+            await self._task
+
     def progress(self) -> asyncio.Future:
         """A future resolved when the text grows or the generation ends."""
         return self._progress

@@ -145,9 +145,11 @@ class Core:
         self.notifier.log("info", f"lingls: engine {engine.name} ready ({fim} prompts)")
 
     async def shutdown(self) -> None:
-        for state in self._docs.values():
-            for gen in state.generations:
-                gen.stop()
+        """Stop every generation, wait for their streams to close, then close the engine."""
+        generations = [gen for state in self._docs.values() for gen in state.generations]
+        for gen in generations:
+            gen.stop()
+        await asyncio.gather(*(gen.finished() for gen in generations))
         await self.engines.close()
 
     # ---- documents -------------------------------------------------------------------------------------
