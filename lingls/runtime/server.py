@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "tp", 1) > 1:
             from lingls.runtime.distributed import TensorParallelEngine
 
-            engine = TensorParallelEngine(args.model, args.tp, dtype=args.dtype)
+            engine = TensorParallelEngine(args.model, args.tp, device=args.device, dtype=args.dtype)
         else:
             from lingls.runtime.local import LocalEngine
 
