@@ -96,3 +96,11 @@ async def test_a_corrupt_checkpoint_fails_the_request_with_a_clear_error(tmp_pat
     engine = LocalEngine(str(tmp_path), device="cpu")
     with pytest.raises(EngineError, match="cannot load the model"):
         await collect(engine, GenerateRequest("x"))
+
+
+async def test_the_embedded_model_is_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a random stand-in, if needed, goes here
+    engine = LocalEngine(device="cpu")
+    assert engine.fim is not None and engine.count_tokens("def f():\n    pass\n") > 0
+    chunks = [c async for c in engine.stream(GenerateRequest("def add(a, b):\n    return", max_tokens=4))]
+    assert chunks[-1].finish in ("length", "stop") and chunks[-1].usage["completion_tokens"] >= 1
