@@ -112,8 +112,11 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits:
     return out
 
 
+MAX_QUERIES = 16  # the kernel keeps a step's queries in registers: decode and verify steps, not prefills
+
+
 def mla_decode(q_lat, q_rope, cache, positions, scale: float):
-    """Latent attention output [T, H, R] fp32: the kernel on CUDA, the reference elsewhere."""
-    if triton is not None and cache.is_cuda:
+    """Latent attention output [T, H, R] fp32: the kernel for CUDA decode/verify steps, the reference otherwise."""
+    if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
         return mla_decode_triton(q_lat, q_rope, cache, positions, scale)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)

@@ -21,25 +21,9 @@ from typing import Iterator
 
 import torch
 
-from lingls.kernels import mla as _mla
-from lingls.model import ling as _ling
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.sampling import sample
-
-
-MLA_KERNEL_MAX_QUERIES = 16  # the decode kernel holds all queries of a step in registers
-
-
-def _mla_any_length(q_lat, q_rope, cache, positions, scale):
-    """Prefill chunks have hundreds of queries: beyond the decode kernel's reach, they take the reference."""
-    if q_lat.shape[0] > MLA_KERNEL_MAX_QUERIES:
-        return _mla.mla_decode_reference(q_lat, q_rope, cache, positions, scale)
-    return _mla.mla_decode(q_lat, q_rope, cache, positions, scale)
-
-
-if _ling.mla_decode is _mla.mla_decode:  # until the model dispatches long queries itself
-    _ling.mla_decode = _mla_any_length
 
 
 @dataclass(frozen=True)
