@@ -118,7 +118,10 @@ class _Job:
     submitted: float = field(default_factory=time.perf_counter)
 
     def post(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the engine was shut down): nobody is listening
+            pass
 
     def stop(self, reason: str) -> None:
         if not self.cancel.is_set():
