@@ -58,7 +58,7 @@ def _kda_inputs(b, t, h, d, seed):
     return q, k, v, gate, beta, s0
 
 
-@pytest.mark.parametrize("t, chunk", [(1, 32), (31, 8), (100, 32), (129, 64)])
+@pytest.mark.parametrize("t, chunk", [(1, 16), (31, 8), (100, 16), (129, 16), (50, 64)])
 def test_chunked_kda_equals_recurrent(t, chunk):
     q, k, v, g, beta, s0 = _kda_inputs(2, t, 3, 16, t)
     o_ref, s_ref = ref.kda_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(), s0.double())
