@@ -34,6 +34,7 @@ def _rank(rank: int, size: int, rendezvous: str, ckpt: str, out: str) -> None:
         steps += [all_gather_last(model.head(model.step(ids[i:i + 1], state, torch.arange(i, i + 1)))) for i in range(30, 40)]
     if rank == 0:
         torch.save({"full": full, "steps": torch.cat(steps)}, out)
+    dist.barrier()  # no rank tears its connections down while another still reads from them
     dist.destroy_process_group()
 
 
