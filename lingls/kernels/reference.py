@@ -86,7 +86,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16):
     """
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     b, t_len, h, dk = k.shape
-    steepest = float(-g.min()) if g.numel() else 0.0
+    steepest = float(-g.detach().min()) if g.numel() else 0.0
     c = max(1, min(chunk, int(80.0 // steepest) if steepest > 0 else chunk))
     pad = -t_len % c
     if pad:  # padded steps: no decay (g = 0) and no write (beta = 0), so the state passes through unchanged
