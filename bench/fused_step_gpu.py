@@ -1,0 +1,105 @@
+"""The fused kernels in the model's step on the GPU: correctness, then step time before and after.
+
+One TP=4 rank's shard of Ling-3.0-flash (random bf16 weights, all-reduce stubbed), LAYERS layers, an 8k
+context. For T = 1 and 9: the plain step (`LingForCausalLM.step`, torch ops) and `FusedStep` (the Triton
+kernels) from the same state, compared (relative error of the hidden state), then each captured in a CUDA
+graph and timed (median of replays) next to the step's byte floor. Writes JSON, prints a table.
+
+    python bench/fused_step_gpu.py OUT.json [LAYERS]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from lingls.bench.step import build_flash, copy_bandwidth, median_ms
+from lingls.model.ling import Router
+from lingls.runtime.fused_step import FusedStep
+
+CONTEXT = 8192
+
+
+def graphed(fn):
+    """Capture fn() once (after warm-up on a side stream) and return a replay closure."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def floor_bytes(model, t: int, distinct: int) -> int:
+    """Weights a T-token step reads (every expert counted only if routed) + KDA state r/w + MLA latent KV."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "word_embeddings" in name:
+            total += t * p.shape[1] * p.element_size()
+        elif ".mlp.experts." in name:
+            total += p[0].numel() * p.element_size() * distinct
+        else:
+            total += p.numel() * p.element_size()
+    n_kda = len(model.kda_slot)
+    heads, d = model.config.num_attention_heads // model.par.size, model.config.head_dim
+    total += 2 * n_kda * heads * d * d * 4
+    total += len(model.mla_slot) * CONTEXT * model.config.latent_dim * 2
+    return total
+
+
+def main(out: str, layers: int) -> int:
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    model = build_flash(layers, tp=4, rank=0)
+    vocab = model.config.vocab_size
+    state = model.new_state(CONTEXT + 64)
+    state.latent.normal_()
+    state.kda.normal_(std=0.01)
+    fused = FusedStep(model, kernels=True)
+    rows, ok = [], True
+    for t in (1, 9):
+        ids = torch.randint(0, vocab, (t,), device="cuda")
+        pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
+        with torch.inference_mode():
+            s_ref, s_fused = state.clone(), state.clone()
+            want = model.step(ids, s_ref, pos).float()
+            got = fused.step(ids, s_fused, pos).float()
+            rel = ((got - want).norm() / want.norm()).item()
+            rel_state = ((s_fused.kda - s_ref.kda).norm() / s_ref.kda.norm()).item()
+            counts: list[int] = []
+            hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
+                     for m in model.modules() if isinstance(m, Router)]
+            model.step(ids, state.clone(), pos)
+            for h in hooks:
+                h.remove()
+            distinct = round(sum(counts) / max(len(counts), 1))
+            work = state.clone()
+            plain = graphed(lambda: model.step(ids, work, pos))
+            plain_ms = median_ms(plain, reps=30)
+            fast = graphed(lambda: fused.step(ids, work, pos))
+            fused_ms = median_ms(fast, reps=30)
+        floor_ms = floor_bytes(model, t, distinct) / bw * 1e3
+        ok &= rel < 3e-2
+        rows.append(dict(T=t, rel_err_hidden=rel, rel_err_kda_state=rel_state, distinct_experts=distinct,
+                         plain_graph_ms=plain_ms, fused_graph_ms=fused_ms, floor_ms=floor_ms,
+                         fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
+    result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{layers} layers, copy {bw / 1e12:.2f} TB/s")
+    print(f"{'T':>3} {'rel err':>8} {'plain ms':>9} {'fused ms':>9} {'floor ms':>9} {'fused/floor':>11} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['T']:>3} {r['rel_err_hidden']:>8.1e} {r['plain_graph_ms']:>9.3f} {r['fused_graph_ms']:>9.3f} "
+              f"{r['floor_ms']:>9.3f} {r['fused_over_floor']:>11.2f} {r['speedup']:>8.2f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "fused_step.json", int(sys.argv[2]) if len(sys.argv) > 2 else 42))
