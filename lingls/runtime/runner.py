@@ -84,6 +84,10 @@ class ModelRunner:
         self.fence = _Fence(dev, 2, self.max_t)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # speculative decoding (speculative.Speculator) swaps in a prefill step that also feeds its drafter the
+        # prompt's hidden states, and takes over `decode`
+        self.prefill_step = model.step
+        self.spec = None
 
     # ---- one step ----------------------------------------------------------------------------------------
     def bucket(self, end: int) -> int:
@@ -166,7 +170,7 @@ class ModelRunner:
         cache = self.cache
         start = cache.begin(prompt)
         try:
-            if len(prompt) - start == 1:  # a keystroke after a snapshot: one decode step (a graph replay)
+            if len(prompt) - start == 1 and self.spec is None:  # a keystroke after a snapshot: one decode step
                 self.set_sampling(sampling)
                 self.ids[:1].fill_(prompt[-1])
                 self.pos.fill_(start)
@@ -181,7 +185,7 @@ class ModelRunner:
             for b in bounds:
                 ids = torch.tensor(prompt[a:b], dtype=torch.long, device=self.device)
                 positions = torch.arange(a, b, device=self.device)
-                h = self.model.step(ids, self.state, positions, kv_len=b)
+                h = self.prefill_step(ids, self.state, positions, kv_len=b)
                 cache.tokens.extend(prompt[a:b])
                 cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
                 a = b
@@ -204,6 +208,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, max_new: int, greedy: bool) -> Iterator[int]:
         """The step loop after `prefill`: launch step j, then read token j (chosen by the step before)."""
+        if self.spec is not None:
+            yield from self.spec.decode(max_new, greedy)
+            return
         cache, fence = self.cache, self.fence
         position = len(cache.tokens)  # host-side mirror of self.pos
         max_new = min(max_new, self.capacity - position)

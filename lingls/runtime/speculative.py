@@ -1,0 +1,558 @@
+"""Speculative decoding at batch 1: a drafter proposes K tokens, one target forward of K+1 tokens checks them.
+
+A round, all on the device (the host only launches it, and reads its result one round later):
+1. draft: the drafter writes K tokens after the current token `cur` (at position P, sampled, not yet consumed).
+2. verify: the target consumes [cur, d_1..d_K] at P..P+K in one forward and chooses a token after each. The KDA
+   layers run `kernels.kda.kda_step` in staged mode: the live recurrent and conv states are only read, and the
+   state after every position is written to a stage buffer. MLA layers write their latent rows at P..P+K as
+   usual: rows past the accepted ones hold rejected tokens, but a query at position x only sees rows <= x and
+   every row a later query sees is rewritten (by the next round's forward) before it is read.
+3. accept: n = the accepted drafts (greedy: the leading drafts equal to the target's argmax; sampling: the
+   standard rejection rule, `rejection_sample`), the round's tokens are d_1..d_n plus one token of the target's
+   own (the correction, or the bonus when all K pass), so every round yields n + 1 >= 1 tokens.
+4. commit: `kda.commit(n, ...)` copies the staged state after position P+n into the live state, reading n on
+   the device; the drafter absorbs what the target computed (MTP rows, block-drafter context KV, lookup
+   history), the last token becomes `cur` and the position advances by n + 1, all indexed by n on the device.
+The host posts [n, tokens] to a pinned buffer and reads round r while round r+1 runs (on CPU, synchronously).
+On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a CUDA graph.
+
+Drafters share one small interface (`Drafter`): MTP (the checkpoint's next-token-prediction layer chained K
+times), prompt lookup (the longest recent n-gram match in the prompt and the text generated so far, found on
+the device), the DSpark-style block drafter (`lingls.model.draft`), and `Fallback(lookup, model drafter)`.
+`--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first that has a
+draft wins: lookup when it matches, else the model drafter).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from lingls.kernels import kda
+from lingls.model.config import KDA
+from lingls.model.ling import LingForCausalLM
+from lingls.runtime.runner import ModelRunner, _Fence
+from lingls.runtime.sampling import uniform_hash
+
+DEFAULT_K = 4
+COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution `sampling.sample` draws from: softmax(logits / T) cut to the top-p nucleus, renormalised."""
+    probs = (logits.float() / temperature.clamp_min(1e-5)).softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    kept = sorted_p * ((sorted_p.cumsum(-1) - sorted_p) < top_p)
+    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))
+
+
+def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, positions: torch.Tensor,
+                     temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor):
+    """The standard speculative-sampling rule, so the output is distributed as the target's samples.
+
+    logits [..., K+1, V]: the target's at the K+1 verified positions; drafts [..., K]; q [..., K, V] the
+    drafter's distributions the drafts were sampled from, or None for drafts chosen deterministically (q is
+    then one-hot); positions [..., K+1]: the positions the chosen tokens occupy (they key the random stream).
+    Draft i is accepted with probability min(1, p(d_i) / q(d_i)); at the first rejection the token is drawn
+    from max(0, p - q) renormalised; if all pass, a bonus token from p_K. Returns (n [...] accepted drafts,
+    tokens [..., K+1] whose first n + 1 are the round's output). The coin of a position and its residual draw
+    use different keys of the hash, so they are independent of each other and of the drafts.
+    """
+    p = target_probs(logits, temperature, top_p)
+    k = drafts.shape[-1]
+    d = drafts.unsqueeze(-1)
+    p_d = p[..., :k, :].gather(-1, d).squeeze(-1)
+    if q is None:
+        q_d = torch.ones_like(p_d)
+        resid = p[..., :k, :].scatter(-1, d, 0.0)
+    else:
+        q_d = q.float().gather(-1, d).squeeze(-1)
+        resid = (p[..., :k, :] - q.float()).clamp_min(0.0)
+    coin = uniform_hash(seed, positions[..., :k], torch.full_like(drafts, COIN))
+    n = (coin * q_d < p_d).long().cumprod(-1).sum(-1)
+    resid = torch.cat([resid, p[..., k:, :]], -2)
+    ids = torch.arange(p.shape[-1], device=p.device)
+    choice = (resid / -torch.log(uniform_hash(seed, positions.unsqueeze(-1), ids))).argmax(-1)
+    steps = torch.arange(k + 1, device=p.device)
+    tokens = torch.where(steps < n.unsqueeze(-1), torch.cat([drafts, choice[..., k:]], -1), choice)
+    return n, tokens
+
+
+def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
+    """Greedy verification: (n, tokens) with tokens the target's argmax at each position and n the number of
+    leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding would produce)."""
+    tokens = logits.argmax(-1)
+    return (drafts == tokens[:-1]).long().cumprod(0).sum(), tokens
+
+
+# ---- drafters --------------------------------------------------------------------------------------------------
+class Drafter:
+    """What a drafter sees. All device-side methods have fixed shapes and never read a value on the host.
+
+    - `target_layers`: the target layers whose outputs (residual stream) it reads, concatenated, as `feats`.
+    - `prefill(h, feats, ids, positions, start)`: after each prefill step of the target over ids at
+      positions start..; h is the target's pre-norm hidden [T, hidden].
+    - `begin(tokens, cur, pos)`: before the first round; tokens = what the state has consumed (host list),
+      cur [1] the first sampled token at position pos [1] (device).
+    - `propose(cur, pos, kv_len) -> (drafts [K], q [K, V] or None)`.
+    - `accept(h, feats, tokens, n, positions, kv_len)`: after a verify over positions P..P+K; tokens[i] is
+      the token at position P+i+1 for i <= n (rows past n are garbage and must only land where masked).
+    - `live()`: device tensors that carry state between rounds (saved around CUDA-graph capture).
+    """
+
+    target_layers: tuple[int, ...] = ()
+    name = "drafter"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def prefill(self, h, feats, ids, positions, start: int) -> None:
+        pass
+
+    def begin(self, tokens: list[int], cur: torch.Tensor, pos: torch.Tensor) -> None:
+        pass
+
+    def propose(self, cur, pos, kv_len: int):
+        raise NotImplementedError
+
+    def accept(self, h, feats, tokens, n, positions, kv_len: int) -> None:
+        pass
+
+    def live(self) -> list[torch.Tensor]:
+        return []
+
+
+class LookupDrafter(Drafter):
+    """Prompt lookup on the device: find the latest earlier end j of the longest match (min_ngram..max_ngram
+    tokens) of the sequence's last tokens, and draft what followed it. A match that overlaps the end repeats
+    with its period (j + 1 + i mod (P - j)), which also drafts runs like `----`. `found` says whether any match
+    of at least min_ngram tokens exists (Fallback uses it)."""
+
+    name = "lookup"
+
+    def __init__(self, k: int, capacity: int, device, max_ngram: int = 4, min_ngram: int = 2):
+        super().__init__(k)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.hist = torch.full((capacity + k + 2,), -1, dtype=torch.long, device=device)  # token at each position
+        self.idx = torch.arange(self.hist.shape[0], device=device)
+        self.steps = torch.arange(k, device=device)
+        self.found = torch.zeros((), dtype=torch.bool, device=device)
+
+    def begin(self, tokens, cur, pos):
+        n = len(tokens)
+        self.hist[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.hist[n:n + 1].copy_(cur)
+
+    def propose(self, cur, pos, kv_len):
+        hist, size = self.hist, self.hist.shape[0]
+        run = torch.ones(size, dtype=torch.bool, device=hist.device)
+        length = torch.zeros(size, dtype=torch.long, device=hist.device)
+        for o in range(self.max_ngram):
+            tail = hist.gather(0, (pos - o).clamp_min(0))  # the token o places before the end
+            shifted = torch.cat([hist.new_full((o,), -1), hist[: size - o]]) if o else hist
+            run = run & (shifted == tail) & (pos >= o)
+            length += run
+        ok = (self.idx < pos) & (length >= self.min_ngram)
+        score = torch.where(ok, length * size + self.idx, -1)  # longest first, then latest
+        best = score.argmax()
+        self.found.copy_(score.max() >= 0)
+        period = (pos - best).clamp_min(1)
+        return hist.gather(0, (best + 1 + self.steps % period).clamp(max=size - 1)), None
+
+    def accept(self, h, feats, tokens, n, positions, kv_len):
+        self.hist.index_copy_(0, positions + 1, tokens)
+
+
+class MTPDrafter(Drafter):
+    """The checkpoint's MTP layer, chained: row x of its latent cache mixes the target's hidden at x with the
+    token at x+1 and predicts x+2. After each verify the rows of the consumed positions are recomputed from the
+    target's real hidden states; drafting then chains the layer on its own output (standing in for the target
+    hidden it does not have yet), writing provisional rows that the next round overwrites."""
+
+    name = "mtp"
+
+    def __init__(self, model: LingForCausalLM, state, k: int):
+        if not model.mtp_layers:
+            raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): use another drafter")
+        super().__init__(k)
+        self.model, self.state = model, state
+        dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.h_last = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # target hidden, last prefilled
+        self.last_at: int | None = None  # its position (host)
+        self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
+
+    def _argmax(self, x):
+        return self.model.par.all_gather_last(self.model.mtp_head(x)).argmax(-1)
+
+    def prefill(self, h, feats, ids, positions, start):
+        rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
+        if self.last_at == start - 1:  # the previous step's last row waited for this step's first token
+            rows_h, rows_pos, rows_next = torch.cat([self.h_last, rows_h]), torch.cat([positions[:1] - 1, rows_pos]), ids
+        if rows_h.shape[0]:
+            self.model.mtp_step(rows_h, rows_next, self.state, rows_pos, kv_len=start + ids.shape[0])
+        self.h_last.copy_(h[-1:])
+        self.last_at = start + ids.shape[0] - 1
+
+    def begin(self, tokens, cur, pos):
+        # a prompt that was entirely cached leaves no hidden state: its first drafts are just weaker
+        if self.last_at == len(tokens) - 1:
+            self.x.copy_(self.model.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens)))
+
+    def propose(self, cur, pos, kv_len):
+        x, tok = self.x, self._argmax(self.x)
+        drafts = [tok]
+        for i in range(1, self.k):
+            x = self.model.mtp_step(x, tok, self.state, pos + (i - 1), kv_len=kv_len)
+            tok = self._argmax(x)
+            drafts.append(tok)
+        return torch.cat(drafts), None
+
+    def accept(self, h, feats, tokens, n, positions, kv_len):
+        x = self.model.mtp_step(h, tokens, self.state, positions, kv_len=kv_len)
+        self.x.copy_(x.index_select(0, n))
+        self.last_at = None
+
+    def live(self):
+        return [self.x]
+
+
+class BlockDrafterRuntime(Drafter):
+    """The DSpark-style block drafter at run time: its context KV cache (one row per consumed position, from the
+    target's hidden states after `target_layers`) and the block forward + semi-autoregressive Markov sampling."""
+
+    name = "block"
+
+    def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int):
+        super().__init__(k)
+        cfg = drafter.config
+        self.model, self.drafter = model, drafter
+        self.target_layers = tuple(cfg.target_layers)
+        dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        shape = (cfg.num_layers, capacity + k + 1, cfg.num_heads, cfg.head_dim)
+        self.ctx_k = torch.zeros(shape, device=dev, dtype=dtype)
+        self.ctx_v = torch.zeros(shape, device=dev, dtype=dtype)
+        self.steps = torch.arange(k, device=dev)
+        self.block_mask = torch.ones(k, k, dtype=torch.bool, device=dev)
+
+    def _absorb(self, feats, positions):
+        k, v = self.drafter.context_kv(feats, positions)
+        self.ctx_k.index_copy_(1, positions, k.to(self.ctx_k.dtype))
+        self.ctx_v.index_copy_(1, positions, v.to(self.ctx_v.dtype))
+
+    def prefill(self, h, feats, ids, positions, start):
+        self._absorb(feats, positions)
+
+    def propose(self, cur, pos, kv_len):
+        m, dr = self.model, self.drafter
+        x = dr.block_input(m.model.word_embeddings, cur[0], self.k)
+        ctx_rows = torch.arange(kv_len, device=x.device)
+        visible = torch.cat([(ctx_rows < pos).expand(self.k, kv_len), self.block_mask], -1)
+        h = dr.blocks(x, pos + self.steps, self.ctx_k[:, :kv_len], self.ctx_v[:, :kv_len], visible)
+        logits = m.par.all_gather_last(m.lm_head(h)).float()
+        prev, drafts = cur[0], []
+        for i in range(self.k):  # semi-autoregressive: each draft biases the next through the Markov head
+            prev = (logits[i] + dr.markov_bias(prev).float()).argmax()
+            drafts.append(prev)
+        return torch.stack(drafts), None
+
+    def accept(self, h, feats, tokens, n, positions, kv_len):
+        self._absorb(feats, positions)
+
+
+class Fallback(Drafter):
+    """Lookup first (code repeats itself: when it matches it is nearly free and often long), the model drafter
+    otherwise. Both run every round (fixed shapes); the choice is a `where` on the device."""
+
+    def __init__(self, lookup: LookupDrafter, other: Drafter):
+        super().__init__(lookup.k)
+        self.lookup, self.other = lookup, other
+        self.target_layers = other.target_layers
+        self.name = f"{lookup.name}+{other.name}"
+
+    def prefill(self, *a):
+        self.lookup.prefill(*a)
+        self.other.prefill(*a)
+
+    def begin(self, *a):
+        self.lookup.begin(*a)
+        self.other.begin(*a)
+
+    def propose(self, cur, pos, kv_len):
+        d_lookup, _ = self.lookup.propose(cur, pos, kv_len)
+        d_other, _ = self.other.propose(cur, pos, kv_len)
+        return torch.where(self.lookup.found, d_lookup, d_other), None
+
+    def accept(self, *a):
+        self.lookup.accept(*a)
+        self.other.accept(*a)
+
+    def live(self):
+        return self.lookup.live() + self.other.live()
+
+
+def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K) -> Drafter | None:
+    """Build the drafter named by a `--draft` string (None for "none")."""
+    parts = [p for p in spec.split("+") if p]
+    if not parts or parts == ["none"]:
+        return None
+    made = [_one_drafter(p, runner, k) for p in parts]
+    if len(made) == 1:
+        return made[0]
+    if len(made) != 2 or not isinstance(made[0], LookupDrafter) or isinstance(made[1], LookupDrafter):
+        raise ValueError(f"--draft {spec}: combine as lookup+DRAFTER (lookup first, one model drafter after it)")
+    return Fallback(made[0], made[1])
+
+
+def _one_drafter(name: str, runner: ModelRunner, k: int) -> Drafter:
+    if name == "lookup":
+        return LookupDrafter(k, runner.capacity, runner.device)
+    if name == "mtp":
+        return MTPDrafter(runner.model, runner.state, k)
+    from lingls.model.draft import DraftConfigError, is_drafter_dir, load_drafter
+
+    if not is_drafter_dir(name):
+        raise ValueError(f"--draft {name}: not none, mtp, lookup or a block-drafter directory")
+    model = runner.model
+    try:
+        drafter = load_drafter(name, model.config, device=runner.device, dtype=model.lm_head.weight.dtype)
+    except DraftConfigError as e:
+        raise ValueError(f"--draft {name}: {e}") from None
+    return BlockDrafterRuntime(model, drafter, min(k, drafter.config.block_size), runner.capacity)
+
+
+# ---- the speculative runner ------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0  # drafts accepted
+    tokens: int = 0  # tokens produced by rounds (accepted + one per round)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify step (the accepted drafts plus the target's own token), as SGLang reports it."""
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+
+class _Clock:
+    """Draft and verify times per round: wall clock on CPU (synchronous), CUDA events on GPU (read with the
+    round's result, which the host has already waited for, so timing adds no synchronisation)."""
+
+    def __init__(self, device: torch.device, slots: int):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(slots)]
+        self.times = [[0.0, 0.0, 0.0] for _ in range(slots)]
+
+    def mark(self, slot: int, i: int) -> None:
+        if self.cuda:
+            self.events[slot][i].record()
+        else:
+            self.times[slot][i] = time.perf_counter()
+
+    def read(self, slot: int) -> tuple[float, float]:
+        if self.cuda:
+            e = self.events[slot]
+            return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
+        t = self.times[slot]
+        return t[1] - t[0], t[2] - t[1]
+
+
+class Speculator:
+    """Speculative decoding for one ModelRunner: installs itself as the runner's prefill step (so the drafter
+    sees the prompt's hidden states) and decode loop."""
+
+    def __init__(self, runner: ModelRunner, drafter: Drafter):
+        model = runner.model
+        if not model.config.kda_safe_gate:
+            raise ValueError("speculative verification stages KDA through kernels.kda.kda_step, which implements "
+                             "the safe gate only (kda_safe_gate: true)")
+        k = drafter.k
+        if runner.use_graphs and k + 1 > 16:
+            raise ValueError(f"K={k}: verify steps of more than 16 tokens cannot be captured (expert gather limit)")
+        self.runner, self.model, self.drafter, self.k = runner, model, drafter, k
+        state, dev = runner.state, runner.device
+        self.stage_kda = torch.zeros(state.kda.shape[0], k + 1, *state.kda.shape[1:], device=dev, dtype=state.kda.dtype)
+        self.stage_conv = torch.zeros(state.conv.shape[0], k + 1, *state.conv.shape[1:], device=dev, dtype=state.conv.dtype)
+        self.conv_w = {i: torch.stack([c.weight.detach().squeeze(1) for c in (layer.attention.q_conv1d,
+                                       layer.attention.k_conv1d, layer.attention.v_conv1d)]).contiguous()
+                       for i, layer in enumerate(model.decoder_layers) if layer.kind == KDA}
+        self.ids = torch.zeros(k + 1, dtype=torch.long, device=dev)  # [cur, drafts]
+        self.q = None  # drafter distributions of the pending round (None: deterministic drafts)
+        self.arange = torch.arange(k + 1, device=dev)
+        self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)  # [n, tokens...]
+        self.fence = _Fence(dev, 2, k + 2)
+        self.clock = _Clock(dev, 2)
+        self.stats = SpecStats()
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        runner.prefill_step = self._prefill_step
+        runner.spec = self
+
+    # ---- target forwards ---------------------------------------------------------------------------------------
+    def _target(self, ids, positions, kv_len: int, staged: bool):
+        """The target's step over ids (as `LingForCausalLM.step`), with KDA staged per position when `staged`,
+        and the residual stream after the drafter's target layers kept as features."""
+        m, state = self.model, self.runner.state
+        h = m.model.word_embeddings(ids)
+        kept = {}
+        for i, layer in enumerate(m.decoder_layers):
+            if staged and layer.kind == KDA:
+                h = self._kda_staged(i, layer, h)
+            else:
+                h = m._layer_step(i, layer, h, state, positions, kv_len)
+            if i in self.drafter.target_layers:
+                kept[i] = h
+        feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if kept else None
+        return h, feats
+
+    def _kda_staged(self, i, layer, h):
+        m, state = self.model, self.runner.state
+        attn, s = layer.attention, m.kda_slot[i]
+        x = layer.input_layernorm(h)
+        o = kda.kda_step(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.f_proj(x), attn.b_proj(x),
+                         attn.g_proj(x), state.conv[s], self.conv_w[i], attn.A_log, attn.dt_bias, attn.o_norm.weight,
+                         state.kda[s], lower_bound=attn.lower_bound, eps=attn.eps,
+                         stage=(self.stage_kda[s], self.stage_conv[s]))
+        return layer._mlp(h + m.par.all_reduce(attn.dense(o)))
+
+    def _prefill_step(self, ids, state, positions, kv_len):
+        h, feats = self._target(ids, positions, kv_len, staged=False)
+        self.drafter.prefill(h, feats, ids, positions, kv_len - ids.shape[0])
+        return h
+
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def _draft(self, kv_len: int) -> None:
+        r = self.runner
+        drafts, q = self.drafter.propose(r.ids[:1], r.pos, kv_len)
+        self.ids[:1].copy_(r.ids[:1])
+        self.ids[1:].copy_(drafts)
+        self.q = q
+
+    def _verify(self, kv_len: int, greedy: bool) -> None:
+        r, m, state = self.runner, self.model, self.runner.state
+        positions = r.pos + self.arange
+        h, feats = self._target(self.ids, positions, kv_len, staged=True)
+        logits = m.par.all_gather_last(m.head(h))
+        if greedy:
+            n, tokens = accept_greedy(logits, self.ids[1:])
+        else:
+            n, tokens = rejection_sample(logits, self.ids[1:], self.q, positions + 1, r.temperature, r.top_p, r.seed)
+        n = n.view(1)
+        kda.commit(n, state.kda, self.stage_kda, state.conv, self.stage_conv)
+        self.drafter.accept(h, feats, tokens, n, positions, kv_len)
+        r.ids[:1].copy_(tokens.index_select(0, n))
+        r.pos.add_(n + 1)
+        self.result[:1].copy_(n)
+        self.result[1:].copy_(tokens)
+
+    def _launch(self, kv_len: int, greedy: bool, slot: int) -> None:
+        self.clock.mark(slot, 0)
+        self._run(("draft", kv_len), lambda: self._draft(kv_len))
+        self.clock.mark(slot, 1)
+        self._run(("verify", kv_len, greedy), lambda: self._verify(kv_len, greedy))
+        self.clock.mark(slot, 2)
+        self.fence.post(slot, self.result)
+
+    def _run(self, key: tuple, body) -> None:
+        if not self.runner.use_graphs:
+            body()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(body)
+        graph.replay()
+
+    def _capture(self, body) -> torch.cuda.CUDAGraph:
+        """Capture one phase. Its warm-up and capture runs advance the round state, so that is saved and
+        restored (rows they wrote past the current position are masked and rewritten, as in any round)."""
+        r = self.runner
+        live = [r.state.kda, r.state.conv, r.ids, r.pos, self.ids, self.result, *self.drafter.live()]
+        saved = [x.clone() for x in live]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        if r._pool is None:
+            r._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=r._pool):
+            body()
+        for dst, src in zip(live, saved):
+            dst.copy_(src)
+        return graph
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, max_new: int, greedy: bool) -> Iterator[int]:
+        """Like `ModelRunner.decode`: yield up to max_new tokens after `prefill`. The host launches round r+1,
+        then reads round r. When it stops (max_new, or the iterator is closed), it still reads every launched
+        round so that the prefix cache's token list matches what the state has consumed."""
+        r, k, fence, cache = self.runner, self.k, self.fence, self.runner.cache
+        position = len(cache.tokens)  # host mirror of r.pos, as of the rounds read so far
+        self.drafter.begin(cache.tokens, r.ids[:1], r.pos)
+        self.result[:1].zero_()  # the prefill's token: a pseudo-round with no drafts
+        self.result[1:2].copy_(r.ids[:1])
+        fence.post(0, self.result)
+        unread = [(0, False)]  # (slot, is a round) of posted results, oldest first
+        emitted, launched = 0, 0
+        try:
+            while unread:
+                rounds_unread = sum(is_round for _, is_round in unread)
+                top = position + (k + 1) * rounds_unread  # the furthest r.pos can be now
+                if emitted + len(unread) < max_new and top + k + 1 < r.capacity:
+                    slot = (launched + 1) % 2
+                    self._launch(r.bucket(top + k + 1), greedy, slot)
+                    launched += 1
+                    unread.append((slot, True))
+                slot, is_round = unread.pop(0)
+                n, tokens = self._read(slot, is_round)
+                position += n + 1 if is_round else 0
+                # tokens[:n] were consumed by their own round; the last by the next round, if it was launched
+                cache.tokens.extend(tokens[:n] + (tokens[n:] if unread else []))
+                for token in tokens:
+                    if emitted == max_new:
+                        break
+                    emitted += 1
+                    yield token
+                if emitted == max_new:
+                    self._drain(unread)
+                    return
+        except GeneratorExit:
+            self._drain(unread)
+            raise
+        except BaseException:
+            cache.reset()
+            raise
+
+    def _read(self, slot: int, is_round: bool) -> tuple[int, list[int]]:
+        n, *tokens = self.fence.read(slot, self.k + 2)
+        if is_round:
+            s = self.stats
+            s.rounds += 1
+            s.drafted += self.k
+            s.accepted += n
+            s.tokens += n + 1
+            draft_s, verify_s = self.clock.read(slot)
+            s.draft_s += draft_s
+            s.verify_s += verify_s
+        return n, tokens[: n + 1]
+
+    def _drain(self, unread: list) -> None:
+        """Account for the rounds still in flight (their consumed tokens) without emitting them."""
+        while unread:
+            slot, is_round = unread.pop(0)
+            n, tokens = self._read(slot, is_round)
+            self.runner.cache.tokens.extend(tokens[:n] + (tokens[n:] if unread else []))
+
+
+def attach(runner: ModelRunner, spec: str, k: int = DEFAULT_K) -> Speculator | None:
+    """Make `runner` decode speculatively with the drafter(s) named by `spec` (None for "none")."""
+    drafter = make_drafter(spec, runner, k)
+    return Speculator(runner, drafter) if drafter is not None else None
