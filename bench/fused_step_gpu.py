@@ -62,6 +62,7 @@ def main(out: str, layers: int) -> int:
     state.latent.normal_()
     state.kda.normal_(std=0.01)
     fused = FusedStep(model, kernels=True)
+    fused_ref = FusedStep(model, kernels=False)  # the same wiring on the plain-torch references (fp32 math)
     rows, ok = [], True
     for t in (1, 9):
         ids = torch.randint(0, vocab, (t,), device="cuda")
@@ -71,6 +72,9 @@ def main(out: str, layers: int) -> int:
             want = model.step(ids, s_ref, pos).float()
             got = fused.step(ids, s_fused, pos).float()
             rel = ((got - want).norm() / want.norm()).item()
+            ref_out = fused_ref.step(ids, state.clone(), pos).float()
+            rel_kernels = ((got - ref_out).norm() / ref_out.norm()).item()  # kernels vs their references
+            rel_plain = ((want - ref_out).norm() / ref_out.norm()).item()  # the bf16 torch step vs the references
             rel_state = ((s_fused.kda - s_ref.kda).norm() / s_ref.kda.norm()).item()
             counts: list[int] = []
             hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
@@ -86,7 +90,8 @@ def main(out: str, layers: int) -> int:
             fused_ms = median_ms(fast, reps=30)
         floor_ms = floor_bytes(model, t, distinct) / bw * 1e3
         ok &= rel < 3e-2
-        rows.append(dict(T=t, rel_err_hidden=rel, rel_err_kda_state=rel_state, distinct_experts=distinct,
+        rows.append(dict(T=t, rel_err_hidden=rel, rel_kernels_vs_references=rel_kernels,
+                         rel_plain_vs_references=rel_plain, rel_err_kda_state=rel_state, distinct_experts=distinct,
                          plain_graph_ms=plain_ms, fused_graph_ms=fused_ms, floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
     result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
@@ -94,6 +99,9 @@ def main(out: str, layers: int) -> int:
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{layers} layers, copy {bw / 1e12:.2f} TB/s")
+    for r in rows:
+        print(f"T={r['T']}: |fused - plain| {r['rel_err_hidden']:.1e}, |fused - references| "
+              f"{r['rel_kernels_vs_references']:.1e}, |plain - references| {r['rel_plain_vs_references']:.1e}")
     print(f"{'T':>3} {'rel err':>8} {'plain ms':>9} {'fused ms':>9} {'floor ms':>9} {'fused/floor':>11} {'speedup':>8}")
     for r in rows:
         print(f"{r['T']:>3} {r['rel_err_hidden']:>8.1e} {r['plain_graph_ms']:>9.3f} {r['fused_graph_ms']:>9.3f} "
