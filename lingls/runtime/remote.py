@@ -289,16 +289,15 @@ class RemoteEngine:
         if isinstance(event, dict) and "error" in event:
             raise EngineError(f"the completion server at {self.base} reported an error: {_error_detail(event)}")
         try:
-            if "choices" in event:
+            if self.profile == "llama.cpp":
+                text, last = event["content"], bool(event.get("stop"))
+            else:
                 if isinstance(event.get("usage"), dict):
                     self._count_usage(event["usage"])
                 if not event["choices"]:  # the usage-only event that ends some streams
                     return "", True
                 choice = event["choices"][0]
-                text = choice.get("text") or ""
-                last = bool(choice.get("finish_reason"))
-            else:
-                text, last = event.get("content") or "", bool(event.get("stop"))
+                text, last = choice.get("text") or "", bool(choice.get("finish_reason"))
         except (KeyError, IndexError, TypeError, AttributeError):
             raise EngineError(f"the completion server at {self.base} sent an event of unknown shape: "
                               f"{json.dumps(event)[:80]}") from None

@@ -207,9 +207,9 @@ def params(line: int, col: int, uri: str = URI) -> lsp.InlineCompletionParams:
         text_document=lsp.TextDocumentIdentifier(uri), position=lsp.Position(line, col))
 
 
-async def complete(client, line: int, col: int, timeout: float = 60) -> list[str]:
+async def complete(client, line: int, col: int, uri: str = URI, timeout: float = 60) -> list[str]:
     """The texts of the answer; every request must be answered (the timeout is only a hang detector)."""
-    result = await asyncio.wait_for(client.text_document_inline_completion_async(params(line, col)), timeout)
+    result = await asyncio.wait_for(client.text_document_inline_completion_async(params(line, col, uri)), timeout)
     items = result.items if isinstance(result, lsp.InlineCompletionList) else (result or [])
     return [item.insert_text for item in items]
 
