@@ -133,7 +133,8 @@ class LocalEngine:
     """The Engine protocol over a ModelRunner on a worker thread."""
 
     def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,
-                 capacity: int | None = None, use_graphs: bool | None = None):
+                 capacity: int | None = None, use_graphs: bool | None = None, draft: str | None = None,
+                 draft_k: int | None = None):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         check_model_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -142,6 +143,7 @@ class LocalEngine:
         self.stats = EngineStats()
         self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)
         self.device, self.dtype, self.capacity, self.use_graphs = device, dtype, capacity, use_graphs
+        self.draft, self.draft_k = draft, draft_k  # speculative decoding: a --draft string (speculative.py)
         self.runner = None
         self.load_progress = "not loaded"
         self._load_lock = threading.Lock()
@@ -177,6 +179,13 @@ class LocalEngine:
             self.load_progress = "capturing decode graphs"
             runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
             runner.warmup(greedy_only=True)
+            if self.draft and self.draft != "none":
+                from lingls.runtime.speculative import DEFAULT_K, attach
+
+                try:
+                    attach(runner, self.draft, self.draft_k or DEFAULT_K)
+                except ValueError as e:
+                    raise EngineError(str(e)) from None
             self.runner = runner
             self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
 

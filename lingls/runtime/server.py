@@ -122,9 +122,24 @@ class Server:
             ("lingls_prefix_tokens_saved_total", "Prompt tokens not prefilled thanks to prefix reuse.",
              cache.tokens_saved if cache else 0),
         ]
+        spec = getattr(runner, "spec", None)
+        if spec is not None:
+            st = spec.stats
+            counters += [
+                ("lingls_spec_rounds_total", "Speculative rounds (one target verify step each).", st.rounds),
+                ("lingls_spec_drafted_tokens_total", "Tokens drafted.", st.drafted),
+                ("lingls_spec_accepted_tokens_total", "Drafted tokens accepted by the target.", st.accepted),
+                ("lingls_spec_round_tokens_total", "Tokens produced by speculative rounds (accepted + one each).", st.tokens),
+                ("lingls_spec_draft_seconds_total", "Time spent drafting.", round(st.draft_s, 6)),
+                ("lingls_spec_verify_seconds_total", "Time spent in target verify steps (with commit).", round(st.verify_s, 6)),
+            ]
         lines = []
         for name, help, value in counters:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {value}"]
+        if spec is not None:
+            name = "lingls_spec_accept_length"
+            lines += [f"# HELP {name} Mean tokens per verify step (accept length).", f"# TYPE {name} gauge",
+                      f"{name} {spec.stats.accept_length:.4f}"]
         lines += self.ttft.render() + self.tpot.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
@@ -274,17 +289,19 @@ async def serve(server: Server, host: str, port: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="lingls serve: %(message)s", stream=sys.stderr)
-    if getattr(args, "draft", "none") not in (None, "none"):
-        log.warning("--draft %s: speculative decoding is not implemented yet; serving without a drafter", args.draft)
+    draft = getattr(args, "draft", None) or "none"
     try:
         if getattr(args, "tp", 1) > 1:
+            if draft != "none":
+                log.warning("--draft %s: speculative decoding runs without --tp for now; serving without a drafter", draft)
             from lingls.runtime.distributed import TensorParallelEngine
 
             engine = TensorParallelEngine(args.model, args.tp, device=args.device, dtype=args.dtype)
         else:
             from lingls.runtime.local import LocalEngine
 
-            engine = LocalEngine(args.model, device=args.device, dtype=args.dtype)
+            engine = LocalEngine(args.model, device=args.device, dtype=args.dtype, draft=draft,
+                                 draft_k=getattr(args, "draft_k", None))
     except EngineError as e:
         print(f"lingls serve: {e}", file=sys.stderr)
         return 2
