@@ -8,6 +8,8 @@ output adds its own rounding (1e-2, the bf16 band of the method).
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.kernels import gemv as G
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.kernels import kda
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

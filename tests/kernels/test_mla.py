@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.kernels.mla import mla_decode_reference, mla_decode_triton
 
 

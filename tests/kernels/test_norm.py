@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.kernels import norm
 
 from .test_kda import compile_for_sm90

@@ -8,6 +8,8 @@ the hash equals the runtime's. Tensor parallel: shards with offsets, combined, e
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.kernels import sampling as S
 from lingls.runtime import sampling as runtime_sampling
 

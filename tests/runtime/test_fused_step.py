@@ -4,6 +4,8 @@ references, and with the real Triton kernels (run by Triton's interpreter when t
 import pytest
 import torch
 
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.fused_step import FusedStep
 from tests.model.conftest import randomize, small_config
