@@ -1,7 +1,7 @@
 """Which Engine serves completions, created once, lazily and off the event loop.
 
-`endpoint` set: `runtime.remote.RemoteEngine` (its other options from LINGLS_* variables, see
-`RemoteEngine.from_env`); otherwise `runtime.local.LocalEngine` (the embedded ling-nano
+`endpoint` set: `runtime.remote.RemoteEngine` (`model` then names the server's model; its other options come
+from LINGLS_* variables, see `RemoteEngine.from_env`); otherwise `runtime.local.LocalEngine` (the embedded ling-nano
 unless `model` names a directory). Loading a model takes seconds, so it runs on a worker thread while the
 server keeps answering; a failure is reported once and not retried on every keystroke, only after the
 settings change.
@@ -31,7 +31,7 @@ def make_engine(settings: Settings) -> Engine:
     if settings.endpoint:
         from lingls.runtime.remote import RemoteEngine
 
-        return RemoteEngine.from_env(settings.endpoint, settings.api_key, os.environ)
+        return RemoteEngine.from_env(settings.endpoint, settings.api_key, settings.model, os.environ)
     from lingls.runtime.local import LocalEngine
 
     engine = LocalEngine(model_dir=settings.model, device=settings.device)

@@ -76,7 +76,7 @@ class RemoteEngine:
     """The Engine protocol over HTTP. Construct it off the event loop: it asks the server what it is."""
 
     @classmethod
-    def from_env(cls, endpoint: str, api_key: str | None, env) -> "RemoteEngine":
+    def from_env(cls, endpoint: str, api_key: str | None, model: str | None, env) -> "RemoteEngine":
         """An engine for `endpoint` with the options that editors cannot send yet, from `env`:
         LINGLS_API_KEY (when `api_key` is None), LINGLS_SERVER_PROFILE (one of PROFILES), LINGLS_FIM (see
         parse_fim), LINGLS_READ_TIMEOUT (seconds without a byte from the server before it counts as down)."""
@@ -86,7 +86,7 @@ class RemoteEngine:
                 settings.read_timeout = float(timeout)
             except ValueError:
                 raise EngineError(f"LINGLS_READ_TIMEOUT={timeout!r} is not a number of seconds") from None
-        return cls(endpoint, api_key=api_key or env.get("LINGLS_API_KEY") or None,
+        return cls(endpoint, api_key=api_key or env.get("LINGLS_API_KEY") or None, model=model,
                    profile=env.get("LINGLS_SERVER_PROFILE") or "auto", fim=parse_fim(env.get("LINGLS_FIM")),
                    settings=settings)
 
