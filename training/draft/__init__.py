@@ -1,0 +1,1 @@
+"""Distillation of the DSpark-style block drafter (`lingls.model.draft`) from ling-nano."""
