@@ -10,27 +10,13 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from tests.kernels.conftest import rel  # noqa: E402
+
 from lingls.kernels import gemv as G
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every scratch buffer the module allocates starts as NaN, so a read of an unwritten partial shows."""
-    real = torch.empty
-
-    def empty(*shape, dtype=None, device=None):
-        out = real(*shape, dtype=dtype, device=device)
-        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-1)
-
-    monkeypatch.setattr(G.torch, "empty", empty)
 
 
 # (T, N, K, swiglu, residual, split_k): ragged N and K, forced and planned splits

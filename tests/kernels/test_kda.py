@@ -15,16 +15,13 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from tests.kernels.conftest import rel  # noqa: E402
+
 from lingls.kernels import kda
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LB = -5.0
 
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
-    return ((a - b).norm() / b.norm()).item()
 
 
 def make(t, h, d, dtype, gen, fused=False):

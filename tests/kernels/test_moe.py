@@ -12,27 +12,11 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from tests.kernels.conftest import rel  # noqa: E402
+
 from lingls.kernels import moe as M
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    real = torch.empty
-
-    def empty(*shape, dtype=None, device=None):
-        out = real(*shape, dtype=dtype, device=device)
-        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-1)
-
-    monkeypatch.setattr(M.torch, "empty", empty)
-    monkeypatch.setattr(M.torch, "empty_like", lambda x: empty(*x.shape, dtype=x.dtype, device=x.device))
 
 
 def make(gen, h, e, i, i_s, tied_router=False):

@@ -5,6 +5,8 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from tests.kernels.conftest import rel  # noqa: E402
+
 from lingls.kernels import norm
 
 from .test_kda import compile_for_sm90
@@ -21,11 +23,6 @@ def assert_sum_rounded_like_torch(a, b):
         step = torch.finfo(torch.bfloat16).eps * b.float().abs()
         assert ((a.float() - b.float()).abs() <= step).all()
 
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite elements"
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("t,n,dtype,with_residual", [
