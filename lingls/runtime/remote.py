@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -426,16 +425,3 @@ def _why(e: BaseException) -> str:
         return "no data within the read timeout"
     return str(e) or type(e).__name__
 
-
-def wait_until_up(endpoint: str, timeout: float = 60.0) -> bool:
-    """Block until GET /health answers 200 (for scripts and tests that start a server)."""
-    deadline = time.monotonic() + timeout
-    url = endpoint.rstrip("/") + "/health"
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
-    return False
