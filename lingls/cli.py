@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--max-tokens", type=int, default=64)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bench.add_argument("what", choices=["step", "prefix", "lsp", "spec"])
+    bench.add_argument("what", choices=["step", "prefix", "lsp", "spec", "remote"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see lingls bench WHAT --help)")
     return parser
 

@@ -344,8 +344,7 @@ class Core:
 
     def _failed(self, exc: BaseException) -> str:
         self.counters.errors += 1
-        self._once("engine-generate", "error", f"lingls: the engine failed: {describe_failure(exc, self.settings)}",
-                   show=True)
+        self._once("engine-generate", "error", describe_failure(exc, self.settings), show=True)
         return "failed"
 
     async def _wait(self, req: _Request, fut: asyncio.Future | None, timeout: float | None = None) -> bool:

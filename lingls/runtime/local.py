@@ -153,6 +153,11 @@ class LocalEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    @property
+    def running(self) -> bool:
+        """Whether a generation holds the runner now."""
+        return self._current is not None
+
     # ---- loading (on the worker thread) ------------------------------------------------------------------
     def load(self) -> None:
         """Load the weights and build the runner (idempotent). Raises EngineError with what went wrong."""
@@ -183,7 +188,10 @@ class LocalEngine:
                 from lingls.runtime.speculative import DEFAULT_K, attach
 
                 try:
-                    attach(runner, self.draft, self.draft_k or DEFAULT_K)
+                    # on CPU a verify step costs ~1.6 decode steps at K=4, so short drafts pay best there
+                    # (bench/results/spec_cpu*.json); on a GPU it costs about one
+                    k = self.draft_k or (DEFAULT_K if device.startswith("cuda") else 2)
+                    attach(runner, self.draft, k)
                 except ValueError as e:
                     raise EngineError(str(e)) from None
             self.runner = runner

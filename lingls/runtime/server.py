@@ -105,8 +105,13 @@ class Server:
         return web.json_response({"status": "ok", "model": self.model_name})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lingls"}]})
+        """The model, with its FIM template so a remote client renders prompts exactly as in-process."""
+        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lingls"}
+        fim = self.engine.fim
+        if fim is not None:
+            entry["fim"] = {"prefix": fim.prefix, "suffix": fim.suffix, "middle": fim.middle,
+                            "file_sep": fim.file_sep, "eos": list(fim.eos)}
+        return web.json_response({"object": "list", "data": [entry]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.engine.stats
@@ -136,6 +141,9 @@ class Server:
         lines = []
         for name, help, value in counters:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {value}"]
+        name = "lingls_running"
+        lines += [f"# HELP {name} Generations running now (0 or 1: batch 1).", f"# TYPE {name} gauge",
+                  f"{name} {int(self.engine.running)}"]
         if spec is not None:
             name = "lingls_spec_accept_length"
             lines += [f"# HELP {name} Mean tokens per verify step (accept length).", f"# TYPE {name} gauge",
