@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
-    serve.add_argument("--draft", default="none", help="speculative drafter(s): none, mtp, lookup, a directory, or a+b")
+    serve.add_argument("--draft", default="none",
+                       help="speculative drafter: none, mtp, lookup, a block-drafter directory, or lookup+DRAFTER")
+    serve.add_argument("--draft-k", type=int, default=None, help="drafted tokens per round (default 2 on CPU, 4 on GPU)")
     serve.add_argument("--dtype", default=None, help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
 
     complete = sub.add_parser("complete", help="print the completion at PATH:LINE:COL (1-based)")
