@@ -81,18 +81,25 @@ class FusedStep:
                             normalize=self.cfg.norm_topk_prob, scale=self.cfg.routed_scaling_factor)
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
-        """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm)."""
+    def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None,
+             stage: tuple[torch.Tensor, torch.Tensor] | None = None, keep: tuple[int, ...] | None = None):
+        """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm).
+
+        Speculative verify: `stage` = (stage_kda [n_kda, >=T, H, D, D], stage_conv [n_kda, >=T, 3, C, K-1])
+        receives every layer's KDA state after each position instead of the live state (see `kda.commit`), and
+        `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
         if input_ids.shape[0] > MAX_TOKENS:
             raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
         residual = model.model.word_embeddings(input_ids)
         x, residual = ops.add_rms_norm(residual, None, self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
+        kept = {}
         for i, entry in enumerate(self.layers):
             layer = entry["layer"]
             if layer.kind == KDA:
-                a = self._kda(entry, x, state, model.kda_slot[i])
+                slot = model.kda_slot[i]
+                a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
                 cache = state.latent[model.mla_slot[i]]
                 cache.index_copy_(0, positions, layer.attention.latent(x, positions))
@@ -105,15 +112,18 @@ class FusedStep:
                                                self.cfg.rms_norm_eps)
             else:
                 residual = residual + m
-        return residual
+            if keep and i in keep:
+                kept[i] = residual.clone()  # the stream is updated in place by the next layer
+        return residual if keep is None else (residual, kept)
 
-    def _kda(self, entry, x, state, slot: int) -> torch.Tensor:
+    def _kda(self, entry, x, state, slot: int, stage) -> torch.Tensor:
         attn: KimiDeltaAttention = entry["layer"].attention
         c, h = attn.heads * attn.d, attn.heads
         p = self.ops.linear(x, entry["proj"])
         q, k, v, f, g, b = p.split([c, c, c, c, c, h], dim=1)
         o = self.ops.kda_step(q, k, v, f, b, g, state.conv[slot], entry["conv"], attn.A_log, attn.dt_bias,
-                              attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps)
+                              attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps,
+                              stage=stage)
         return self.ops.linear(o, attn.dense.weight)
 
     def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 from lingls.kernels import kda
 from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
+from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.runner import ModelRunner, _Fence
 from lingls.runtime.sampling import uniform_hash
 
@@ -399,6 +400,12 @@ class Speculator:
         """The target's step over ids (as `LingForCausalLM.step`), with KDA staged per position when `staged`,
         and the residual stream after the drafter's target layers kept as features."""
         m, state = self.model, self.runner.state
+        fused = self.runner.fused
+        if fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:  # the fused kernels (CUDA)
+            h, kept = fused.step(ids, state, positions, kv_len, keep=tuple(self.drafter.target_layers),
+                                 stage=(self.stage_kda, self.stage_conv) if staged else None)
+            feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if self.drafter.target_layers else None
+            return h, feats
         h = m.model.word_embeddings(ids)
         kept = {}
         for i, layer in enumerate(m.decoder_layers):

@@ -49,3 +49,25 @@ def test_fusing_rows_keeps_one_copy_of_each_weight(model):
 def test_prefill_sized_inputs_are_refused(model):
     with pytest.raises(ValueError, match="prefill"):
         FusedStep(model, kernels=False).step(torch.zeros(17, dtype=torch.long), model.new_state(32), torch.arange(17))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
+def test_staged_verify_and_kept_layers(model, kernels):
+    """With `stage`, the live KDA state is left alone and stage[t] holds the state after position t; `keep`
+    returns the named layers' outputs (what a block drafter reads)."""
+    ids = torch.randint(0, 96, (25,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        state = model.new_state(64)
+        model.step(ids[:20], state, torch.arange(20))
+        n_kda = state.kda.shape[0]
+        stage = (torch.zeros(n_kda, 5, *state.kda.shape[1:]), torch.zeros(n_kda, 5, *state.conv.shape[1:]))
+        live = state.clone()
+        fused = FusedStep(model, kernels=kernels)
+        h, kept = fused.step(ids[20:25], live, torch.arange(20, 25), stage=stage, keep=(1, 2))
+        assert torch.equal(live.kda, state.kda)  # untouched: only staged
+        for t in (0, 2, 4):  # the state after position 20 + t is the state of running t + 1 tokens
+            want = state.clone()
+            model.step(ids[20:21 + t], want, torch.arange(20, 21 + t))
+            assert (stage[0][:, t] - want.kda).abs().max().item() < 1e-5
+        assert (h - model.step(ids[20:25], state.clone(), torch.arange(20, 25))).abs().max().item() < 1e-5
+        assert set(kept) == {1, 2} and kept[1].shape == h.shape
