@@ -10,7 +10,12 @@ from lingls.model.ling import LingForCausalLM
 
 from .conftest import randomize, small_config
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
 
 
 def build(seed=0, **over):

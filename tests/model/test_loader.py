@@ -13,7 +13,12 @@ from lingls.model.random_checkpoint import write_random_checkpoint
 
 from .conftest import randomize, small_config
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
 
 
 @pytest.fixture
