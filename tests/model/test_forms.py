@@ -11,7 +11,6 @@ from lingls.model.ling import LingForCausalLM
 from .conftest import randomize, small_config
 
 
-
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

@@ -14,7 +14,6 @@ from lingls.model.random_checkpoint import write_random_checkpoint
 from .conftest import randomize, small_config
 
 
-
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
