@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from lingls.bench.step import median_ms
 from lingls.kernels import kda, norm
 
 LB, EPS = -5.0, 1e-6
@@ -241,20 +242,6 @@ def graph_us(cx: Ctx, launches: list, reps: int = 100) -> float:
     return statistics.median(times) * 1e3 / len(launches)
 
 
-def eager_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) * 1e3
-
-
 def kda_bytes(cx: Ctx, t: int, staged: bool) -> int:
     state, conv = cx.h * cx.d * cx.d * 4, 3 * cx.c * 3 * 2
     reads = state + conv + t * (5 * cx.c + cx.h) * 2 + 3 * cx.c * 4 * 2 + cx.h * 4 + cx.c * 4 + cx.d * 2
@@ -275,7 +262,7 @@ def time_kda(cx: Ctx, t: int, staged: bool, bw: float, **kw) -> dict:
 
 def time_reference(cx: Ctx, t: int, bw: float) -> dict:
     inp = cx.step_inputs(t)
-    us = eager_us(lambda: kda.kda_step_reference(**inp, lower_bound=LB, eps=EPS), reps=10)
+    us = median_ms(lambda: kda.kda_step_reference(**inp, lower_bound=LB, eps=EPS), reps=10, warm=1) * 1e3
     floor = kda_bytes(cx, t, False) / bw * 1e6
     return dict(op="kda_step_reference (torch, eager)", t=t, staged=False, us=us, floor_us=floor, x_floor=us / floor)
 
