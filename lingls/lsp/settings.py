@@ -7,8 +7,9 @@ typo never stops completions.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Mapping
 
 # camelCase key sent by editors -> (field name, accepted types, check)
 _KEYS = {
@@ -75,8 +76,14 @@ class Settings:
         return replace(self, **changes), warnings
 
 
-def from_cli(args: Any) -> Settings:
-    """Defaults overridden by the command line (`--endpoint`, `--model`, `--device`, `--max-tokens`)."""
+# Environment variables read at start (after the defaults, before the command line and the editor's settings).
+ENV = {"LINGLS_ENDPOINT": "endpoint", "LINGLS_MODEL": "model", "LINGLS_DEVICE": "device"}
+
+
+def from_cli(args: Any, environ: Mapping[str, str] = os.environ) -> Settings:
+    """Defaults, overridden by LINGLS_ENDPOINT / LINGLS_MODEL / LINGLS_DEVICE, overridden by the command line
+    (`--endpoint`, `--model`, `--device`, `--max-tokens`); the editor's settings come on top of these."""
+    from_env = {name: environ[var] for var, name in ENV.items() if environ.get(var)}
     names = {f.name for f in fields(Settings)}
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    return replace(Settings(), **given)
+    return replace(Settings(), **{**from_env, **given})
