@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -151,8 +151,10 @@ def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tup
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               par: Parallel | None = None) -> LingForCausalLM:
-    """Load a Ling-3.0 checkpoint directory (config.json + safetensors) as rank `par.rank`'s model."""
+               par: Parallel | None = None, progress: Callable[[int, int], None] | None = None) -> LingForCausalLM:
+    """Load a Ling-3.0 checkpoint directory (config.json + safetensors) as rank `par.rank`'s model.
+
+    `progress(bytes_loaded, bytes_total)` is called after each tensor (minutes pass on a 255 GB checkpoint)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -182,8 +184,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     model = model.to_empty(device=device)
     full_params = dict(full.named_parameters())
+    total = sum(p.numel() * (4 if _is_fp32(n) else dtype.itemsize) for n, p in model.named_parameters())
+    done = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if progress is not None:
+                progress(done, total)
+                done += p.numel() * (4 if _is_fp32(name) else dtype.itemsize)
             p.data = p.data.to(torch.float32 if _is_fp32(name) else dtype)
             m = _EXPERT_PARAM.match(name)
             if m:
@@ -191,6 +198,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 continue
             d, lo, hi = _shard(full_params[name].shape, p.shape, par, name)
             p.copy_(reader.read(name, d, lo, hi))
+    if progress is not None:
+        progress(total, total)
     return model.eval()
 
 

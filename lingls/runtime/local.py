@@ -172,9 +172,13 @@ class LocalEngine:
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = getattr(torch, self.dtype) if self.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
             t0 = time.perf_counter()
-            self.load_progress = f"loading weights from {self.model_dir} to {device}"
+            def progress(done: int, total: int) -> None:
+                self.load_progress = (f"loading weights from {self.model_dir} to {device}: "
+                                      f"{done / max(total, 1):.0%} of {total / 1e9:.2f} GB")
+
+            progress(0, 0)
             try:
-                model = load_model(self.model_dir, device=device, dtype=dtype)
+                model = load_model(self.model_dir, device=device, dtype=dtype, progress=progress)
             except (CheckpointError, ConfigError) as e:
                 raise EngineError(f"cannot load the model: {e}") from None
             except (OSError, RuntimeError) as e:

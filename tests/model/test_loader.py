@@ -146,3 +146,11 @@ def test_index_naming_a_missing_shard(tmp_path, model):
     next(tmp_path.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="do not exist"):
         load_model(tmp_path)
+
+
+def test_progress_is_reported_up_to_the_total(tmp_path, model):
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    seen = []
+    load_model(tmp_path, progress=lambda done, total: seen.append((done, total)))
+    assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] > 0
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
