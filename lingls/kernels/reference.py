@@ -73,7 +73,7 @@ def kda_recurrent(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), s
 
 
-def kda_chunked(q, k, v, g, beta, state, chunk: int = 16):
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | None = None):
     """The same function as `kda_recurrent`, computed a chunk at a time (for long prefills).
 
     Within a chunk, with G_t the cumulative log decay, the state's corrections u_t solve a unit lower-triangular
@@ -86,7 +86,11 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16):
     """
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     b, t_len, h, dk = k.shape
-    steepest = float(-g.detach().min()) if g.numel() else 0.0
+    # the steepest step decay: known from the gate's bound when it has one, else read from g (a host sync)
+    if lower_bound is not None:
+        steepest = -lower_bound
+    else:
+        steepest = float(-g.detach().min()) if g.numel() else 0.0
     c = max(1, min(chunk, int(80.0 // steepest) if steepest > 0 else chunk))
     pad = -t_len % c
     if pad:  # padded steps: no decay (g = 0) and no write (beta = 0), so the state passes through unchanged

@@ -128,20 +128,21 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         if state is None:
             state = x.new_zeros(b, self.heads, self.d, self.d, dtype=torch.float32)
-        o, state = delta_rule(q, k, v, g, beta, state)
+        o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
         o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)
         return self.dense(o.to(x.dtype).reshape(b, t, -1)), torch.stack(new_conv, 1), state
 
 
-def delta_rule(q, k, v, g, beta, state):
-    """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms."""
+def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
+    """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms.
+    `lower_bound`: the gate's bound when it is the safe (bounded) gate, so the chunked form needs no host read."""
     t = q.shape[1]
     if t >= CHUNKED_KDA_MIN_TOKENS:
         if q.is_cuda and _fla_chunk_kda() is not None:
             o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
                                     output_final_state=True, use_qk_l2norm_in_kernel=False)
             return o, s
-        return ref.kda_chunked(q, k, v, g, beta, state)
+        return ref.kda_chunked(q, k, v, g, beta, state, lower_bound=lower_bound)
     return ref.kda_recurrent(q, k, v, g, beta, state)
 
 
