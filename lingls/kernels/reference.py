@@ -6,6 +6,8 @@ kernel in this package is tested against them. Shapes use B (batch), T (tokens),
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -119,10 +121,16 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | N
     return o[:, :t_len], s
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """Rope frequencies, computed once per (dim, theta, device): every MLA layer of every step reuses them."""
+    with torch.inference_mode(False):
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
     """cos, sin of each rotated pair's angle: [T, dim/2] fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[:, None] * _inv_freq(dim, theta, positions.device)[None, :]
     return angles.cos(), angles.sin()
 
 
