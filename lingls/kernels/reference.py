@@ -179,3 +179,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Te
         act = act.clamp(max=limit)
         up = up.clamp(-limit, limit)
     return act * up
+
+
+def uniform_hash(seed: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in (0, 1) from int64 seed [1], positions [T, 1] and token ids [T, V] (or broadcastable):
+    the counter-based random stream every sampler of the project draws from (torch and Triton alike)."""
+    m32 = 0xFFFFFFFF
+    x = (ids * 0x9E3779B1 + positions * 0x85EBCA77 + seed * 0xC2B2AE3D) & m32
+    x = (((x >> 16) ^ x) * 0x045D9F3B) & m32
+    x = (((x >> 16) ^ x) * 0x045D9F3B) & m32
+    x = (x >> 16) ^ x
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))

@@ -24,18 +24,7 @@ import triton
 import triton.language as tl
 
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, counters
-
-_M32 = 0xFFFFFFFF
-
-
-def uniform_hash(seed: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The counter-based uniform (0, 1) stream of `lingls.runtime.sampling.uniform_hash`, restated here so the
-    kernel package does not import the runtime; a test holds the two equal."""
-    x = (ids * 0x9E3779B1 + positions * 0x85EBCA77 + seed * 0xC2B2AE3D) & _M32
-    x = (((x >> 16) ^ x) * 0x045D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x045D9F3B) & _M32
-    x = (x >> 16) ^ x
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+from lingls.kernels.reference import uniform_hash
 
 
 @triton.jit

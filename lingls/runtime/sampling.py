@@ -11,16 +11,7 @@ from __future__ import annotations
 
 import torch
 
-_M32 = 0xFFFFFFFF
-
-
-def uniform_hash(seed: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Uniform floats in (0, 1) from int64 seed [1], positions [T, 1] and token ids [T, V] (or broadcastable)."""
-    x = (ids * 0x9E3779B1 + positions * 0x85EBCA77 + seed * 0xC2B2AE3D) & _M32
-    x = (((x >> 16) ^ x) * 0x045D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x045D9F3B) & _M32
-    x = (x >> 16) ^ x
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+from lingls.kernels.reference import uniform_hash
 
 
 def sample(logits: torch.Tensor, positions: torch.Tensor, greedy: bool, temperature: torch.Tensor | None = None,
