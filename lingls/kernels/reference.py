@@ -75,7 +75,8 @@ def kda_recurrent(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), s
 
 
-def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | None = None):
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | None = None,
+                scan: bool | None = None):
     """The same function as `kda_recurrent`, computed a chunk at a time (for long prefills).
 
     Within a chunk, with G_t the cumulative log decay, the state's corrections u_t solve a unit lower-triangular
@@ -84,7 +85,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | N
     e^G_t e^-G_s turns both into matrix products; it stays finite in fp32 while a chunk's total decay is under
     ~80 nats, so the chunk is shortened when the gates are steep (16 steps at Ling's bound of -5). Everything
     that does not depend on the incoming state is computed for all chunks at once; only the state is carried
-    from chunk to chunk.
+    from chunk to chunk, by a loop or a parallel scan (`scan`; default: the scan on CUDA, the loop elsewhere).
     """
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     b, t_len, h, dk = k.shape
@@ -111,14 +112,37 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16, lower_bound: float | N
                                           unitriangular=True)
     u_free, u_state = solve.split([v.shape[-1], dk], dim=-1)  # U = u_free - u_state @ S0
     decay_to_end = (cum[:, :, :, -1:] - cum).exp()  # [B, H, N, C, Dk], every exponent <= 0
-    s = state.float()
+    carry = _carry_scan if (q.is_cuda if scan is None else scan) else _carry_loop
+    o, s = carry(state.float(), q_fwd, m, u_free, u_state, (k * decay_to_end).transpose(-1, -2), cum[:, :, :, -1])
+    return o.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, -1)[:, :t_len], s
+
+
+def _carry_loop(s, q_fwd, m, u_free, u_state, k_end, chunk_decay):
+    """Chunk by chunk: N small steps; the cheapest on a CPU, where the work rather than launches counts."""
     outs = []
-    for i in range(n):
+    for i in range(q_fwd.shape[2]):
         u = u_free[:, :, i] - u_state[:, :, i] @ s
         outs.append(q_fwd[:, :, i] @ s + m[:, :, i] @ u)
-        s = s * cum[:, :, i, -1].exp().unsqueeze(-1) + (k[:, :, i] * decay_to_end[:, :, i]).transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * c, h, -1)
-    return o[:, :t_len], s
+        s = s * chunk_decay[:, :, i].exp().unsqueeze(-1) + k_end[:, :, i] @ u
+    return torch.stack(outs, dim=2), s
+
+
+def _carry_scan(s0, q_fwd, m, u_free, u_state, k_end, chunk_decay):
+    """All chunks at once: chunk i maps its incoming state affinely, S_{i+1} = P_i S_i + Q_i (with U_i = u_free
+    - u_state S_i substituted), and a parallel scan composes the maps in log2(N) batched steps. More arithmetic
+    than the loop but a few dozen launches instead of hundreds: the form for GPUs (training, long prefills)."""
+    n, dk = q_fwd.shape[2], q_fwd.shape[-1]
+    maps = torch.cat([torch.diag_embed(chunk_decay.exp()) - k_end @ u_state, k_end @ u_free], dim=-1)
+    shift = 1
+    while shift < n:  # Hillis-Steele: afterwards maps[i] is chunks max(0, i-2*shift+1) .. i composed
+        later, earlier = maps[:, :, shift:], maps[:, :, :-shift]
+        composed = later[..., :dk] @ earlier + F.pad(later[..., dk:], (dk, 0))
+        maps = torch.cat([maps[:, :, :shift], composed], dim=2)
+        shift *= 2
+    s0 = s0.unsqueeze(2)  # [B, H, 1, Dk, Dv]
+    after = maps[..., :dk] @ s0 + maps[..., dk:]  # the state after each chunk
+    starts = torch.cat([s0, after[:, :, :-1]], dim=2)
+    return q_fwd @ starts + m @ (u_free - u_state @ starts), after[:, :, -1]
 
 
 @functools.lru_cache(maxsize=16)

@@ -62,13 +62,27 @@ def _kda_inputs(b, t, h, d, seed):
     return q, k, v, gate, beta, s0
 
 
-@pytest.mark.parametrize("t, chunk", [(1, 16), (31, 8), (100, 16), (129, 16), (50, 64)])
-def test_chunked_kda_equals_recurrent(t, chunk):
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+@pytest.mark.parametrize("t, chunk", [(1, 16), (31, 8), (100, 16), (129, 16), (50, 64), (16 * 13, 16)])
+def test_chunked_kda_equals_recurrent(t, chunk, scan):
     q, k, v, g, beta, s0 = _kda_inputs(2, t, 3, 16, t)
     o_ref, s_ref = ref.kda_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(), s0.double())
-    o, s = ref.kda_chunked(q, k, v, g, beta, s0, chunk=chunk)
+    o, s = ref.kda_chunked(q, k, v, g, beta, s0, chunk=chunk, scan=scan)
     assert (o - o_ref).abs().max().item() < 1e-4
     assert (s - s_ref).abs().max().item() < 1e-4
+
+
+def test_scan_and_loop_carry_the_same_gradients():
+    """Training runs the scan form on GPUs: its backward must be the loop's."""
+    grads = []
+    for scan in (False, True):
+        xs = [x.requires_grad_() for x in _kda_inputs(1, 70, 2, 8, 3)]
+        with torch.enable_grad():
+            o, s = ref.kda_chunked(*xs, chunk=8, scan=scan)
+            (o.square().sum() + s.square().sum()).backward()
+        grads.append([x.grad for x in xs])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_recurrent_kda_is_the_delta_rule():
