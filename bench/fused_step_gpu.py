@@ -36,6 +36,24 @@ def graphed(fn):
     return graph.replay
 
 
+def kernel_profile(fn, reps: int = 10, top: int = 14) -> list[dict]:
+    """Device time per kernel name over `reps` eager calls of fn, per call, largest first (CUPTI via
+    torch.profiler; eager so every launch is attributed, while the graph times above include the gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [dict(kernel=e.key[:90], us_per_step=e.device_time_total / reps, launches_per_step=e.count / reps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    return [dict(kernel="(all kernels)", us_per_step=total, launches_per_step=sum(r["launches_per_step"] for r in rows))] + rows[:top]
+
+
 def floor_bytes(model, t: int, distinct: int) -> int:
     """Weights a T-token step reads (every expert counted only if routed) + KDA state r/w + MLA latent KV."""
     total = 0
@@ -88,12 +106,16 @@ def main(out: str, layers: int) -> int:
             plain_ms = median_ms(plain, reps=30)
             fast = graphed(lambda: fused.step(ids, work, pos))
             fused_ms = median_ms(fast, reps=30)
+            profile = kernel_profile(lambda: fused.step(ids, work, pos))
         floor_ms = floor_bytes(model, t, distinct) / bw * 1e3
+        print(f"T={t} fused step, device time per kernel (eager):")
+        for p in profile:
+            print(f"  {p['us_per_step']:8.1f} us  {p['launches_per_step']:6.1f} x  {p['kernel']}")
         ok &= rel < 3e-2
         rows.append(dict(T=t, rel_err_hidden=rel, rel_kernels_vs_references=rel_kernels,
                          rel_plain_vs_references=rel_plain, rel_err_kda_state=rel_state, distinct_experts=distinct,
                          plain_graph_ms=plain_ms, fused_graph_ms=fused_ms, floor_ms=floor_ms,
-                         fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
+                         fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms, kernels=profile))
     result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows)
     with open(out, "w") as f:

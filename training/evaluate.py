@@ -126,9 +126,10 @@ class ModelCompleter:
                 break
             t = int(lens[live].max())
             t = min(width, -(-t // 64) * 64)
-            h = self.model.hidden(buf[live, :t])
-            last = h[torch.arange(live.numel(), device=dev), lens[live] - 1]
-            nxt = self.model.head(last).argmax(-1)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=buf.is_cuda):  # the shipped weights are bf16
+                h = self.model.hidden(buf[live, :t])
+                last = h[torch.arange(live.numel(), device=dev), lens[live] - 1]
+                nxt = self.model.head(last).argmax(-1)
             buf[live, lens[live]] = nxt
             lens[live] += 1
             for r, tok in zip(live.tolist(), nxt.tolist()):

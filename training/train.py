@@ -37,6 +37,7 @@ class TrainSettings:
     eval_seconds: float = 30.0  # held-out probe loss at the first log step after this many seconds
     log_every: int = 10
     seed: int = 1234
+    tf32: bool = True  # TF32 for the fp32 matmuls left under autocast (the chunked KDA's): bench/train_throughput.py
 
 
 class PackedStream:
@@ -155,6 +156,7 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
           device: str = "cuda") -> tuple[LingForCausalLM, dict]:
     """Train from scratch; returns the model and a summary. One JSON line per log step goes to log_path."""
     torch.manual_seed(s.seed)
+    torch.backends.cuda.matmul.allow_tf32 = s.tf32
     model = LingForCausalLM(cfg).to(device)
     model.init_weights(0.02, generator=torch.Generator(device=device).manual_seed(s.seed))
     model.train()
