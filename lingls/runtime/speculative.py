@@ -391,6 +391,10 @@ class Speculator:
         self.fence = _Fence(dev, 2, k + 2)
         self.clock = _Clock(dev, 2)
         self.stats = SpecStats()
+        # simulated acceptance (benchmarks at random weights, where real drafts are never accepted): a long
+        # device tensor [1] whose value, clamped to 0..K, replaces every round's accepted count (set it before
+        # the first round; graphs read its current value at each replay)
+        self.force_accept: torch.Tensor | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         runner.prefill_step = self._prefill_step
         runner.spec = self
@@ -451,6 +455,9 @@ class Speculator:
         else:
             n, tokens = rejection_sample(logits, self.ids[1:], self.q, positions + 1, r.temperature, r.top_p, r.seed)
         n = n.view(1)
+        if self.force_accept is not None:  # the round claims the first n drafts, then the target's own token
+            n = self.force_accept.view(1).clamp(0, self.k)
+            tokens = torch.where(self.arange < n, torch.cat([self.ids[1:], tokens[-1:]]), tokens)
         kda.commit(n, state.kda, self.stage_kda, state.conv, self.stage_conv)
         self.drafter.accept(h, feats, tokens, n, positions, kv_len)
         r.ids[:1].copy_(tokens.index_select(0, n))
@@ -462,7 +469,7 @@ class Speculator:
         self.clock.mark(slot, 0)
         self._run(("draft", kv_len), lambda: self._draft(kv_len))
         self.clock.mark(slot, 1)
-        self._run(("verify", kv_len, greedy), lambda: self._verify(kv_len, greedy))
+        self._run(("verify", kv_len, greedy, self.force_accept is not None), lambda: self._verify(kv_len, greedy))
         self.clock.mark(slot, 2)
         self.fence.post(slot, self.result)
 
