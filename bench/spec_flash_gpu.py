@@ -1,0 +1,386 @@
+"""Speculative decoding at Ling-3.0-flash shapes with SIMULATED acceptance: TPOT as a function of the forced
+acceptance length a = 0..K and of K.
+
+Random weights accept no drafts, so every round's accepted count is forced to a (`Speculator.force_accept`,
+a device tensor: nothing is read on the host). A round is what `Speculator.decode` launches: the MTP drafter
+(the checkpoint's MTP layer, random here, chained K steps) drafts K tokens; one verify step of K+1 tokens runs
+the fused step (KDA staged per position, MLA KV written by position); the target head, the forced accept,
+`kda.commit` of the accepted position, the MTP rows of the verified positions, the position advance and the
+post of [n, tokens] to pinned memory; each phase is one CUDA graph (captured by speculative.py itself). The
+host loop is decode's: launch round r+1, then read round r.
+
+Reported per (K, a): draft and verify GPU times (CUDA events around each graph, medians over the rounds),
+round = their sum (median), TPOT = median round / (a + 1) tokens (the a accepted drafts + the target's token),
+and loop TPOT = host-loop wall time per round / (a + 1). Also the plain decode step (T = 1, graph) for
+comparison. Context: positions run up to --context (8192), reading --context MLA rows per MLA layer.
+
+Modes (--tp N, default 4):
+- N GPUs visible (and no --stub): N processes (torch.multiprocessing), NCCL all-reduce and all-gather
+  (`distributed.make_parallel`), each holding its shard of all layers: the real TP=N time. E.g. --tp 2 on two H200.
+- otherwise: rank 0's shard of a TP=N deployment alone on one GPU, all-reduce and all-gather stubbed (identity):
+  the per-rank compute of TP=N without communication (--tp 4 on one H200: ~63 GB of weights).
+--tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
+
+    python3 bench/spec_flash_gpu.py --out $OUT/spec_flash.json             # one H200: TP=4 rank-0 shard
+    python3 bench/spec_flash_gpu.py --tp 2 --out $OUT/spec_flash_tp2.json  # two H200: the full model, TP=2
+Writes the JSON after every phase and a PNG beside it; exits 0 when every phase ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
+
+import torch  # noqa: E402
+
+from lingls.model.config import LingConfig, flash_config  # noqa: E402
+from lingls.model.ling import LingForCausalLM, Parallel  # noqa: E402
+from lingls.runtime.runner import ModelRunner  # noqa: E402
+from lingls.runtime.speculative import MTPDrafter, SpecStats, Speculator  # noqa: E402
+
+LABEL = "SIMULATED acceptance (forced accept count; random weights)"
+TARGET = {"tpot_ms": 1.0, "a": 6, "k": 8, "what": "full model, TP=2 (two H200), real NCCL all-reduce"}
+
+
+def build(args, par: Parallel, device: str) -> LingForCausalLM:
+    """Random weights built on the device (as lingls.bench.step.build_flash, but keeping the MTP layer)."""
+    if args.tiny:
+        from lingls.runtime.local import tiny_config_dict
+
+        cfg = LingConfig.from_dict({**tiny_config_dict(8192), "num_nextn_predict_layers": 1})
+        dtype = torch.float32
+    else:
+        cfg, dtype = flash_config(args.layers), torch.bfloat16
+        cfg.num_nextn_predict_layers = 1
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg, par).to(dtype)
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias", "expert_bias")):
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+    torch.manual_seed(par.rank)
+    model.init_weights(std=0.5 if args.tiny else 0.02)
+    return model.eval()
+
+
+class Timer:
+    """Median time of fn() in ms: CUDA events on GPU, the wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def median_ms(self, fn, reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rounds_at(spec: Speculator, a: int, rounds: int, context: int) -> dict:
+    """`rounds` rounds with the accepted count forced to a, through decode's own host loop."""
+    r, k = spec.runner, spec.k
+    kv = r.bucket(context)
+    p0 = context - (rounds + 4) * (k + 1)  # every round of this run ends before `context`
+    spec.force_accept.fill_(a)
+    r.pos.fill_(p0)
+    for slot in (0, 1):  # warm-up (the first one captures the graphs)
+        spec._launch(kv, True, slot)
+        spec._read(slot, True)
+    r.pos.fill_(p0)
+    spec.stats = SpecStats()
+    sync(r.device)
+    t0 = time.perf_counter()
+    spec._launch(kv, True, 0)
+    ns, parts = [], []
+    for i in range(1, rounds + 1):
+        if i < rounds:
+            spec._launch(kv, True, i % 2)
+        n, _ = spec._read((i - 1) % 2, True)
+        ns.append(n)
+        parts.append(spec.clock.read((i - 1) % 2))
+    sync(r.device)
+    loop_ms = (time.perf_counter() - t0) / rounds * 1e3
+    draft = statistics.median(p[0] for p in parts) * 1e3
+    verify = statistics.median(p[1] for p in parts) * 1e3
+    round_ms = statistics.median(p[0] + p[1] for p in parts) * 1e3
+    return {"k": k, "a": a, "draft_ms": draft, "verify_ms": verify, "round_ms": round_ms,
+            "tpot_ms": round_ms / (a + 1), "loop_round_ms": loop_ms, "loop_tpot_ms": loop_ms / (a + 1),
+            "forced_count_honoured": all(n == a for n in ns), "rounds": rounds}
+
+
+def run_rank(args, par: Parallel, device: torch.device) -> dict:
+    t_start = time.perf_counter()
+    rank0 = par.rank == 0
+    say = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
+    stopped = torch.zeros(1, device=device)
+
+    def out_of_time() -> bool:  # the same answer on every rank, or they would part ways in a collective
+        stopped.fill_(float(time.perf_counter() - t_start > args.budget_s))
+        return par.all_reduce(stopped).item() > 0
+
+    res = {"what": f"speculative decoding TPOT vs forced acceptance length: {LABEL}", "label": LABEL,
+           "tpot_convention": "median(draft + verify GPU time per round) / (a + 1); loop_tpot: host-loop wall "
+                              "time per round / (a + 1)",
+           "drafter": "mtp (the model's MTP layer chained K steps, torch ops; random weights)",
+           "mode": args.mode, "tiny": args.tiny, "tp": args.tp, "ranks": par.size, "layers": args.layers,
+           "context": args.context,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "target": TARGET,
+           "rows": [], "target_step_ms": {}, "errors": {}, "skipped": []}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save():
+        if rank0 and args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+    try:
+        model = build(args, par, str(device))
+        res["weights_GB_per_rank"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+        runner = ModelRunner(model, capacity=args.context + 64, min_bucket=256,
+                             verify_sizes=tuple(k + 1 for k in args.ks))
+    except Exception as e:
+        res["errors"]["build"] = repr(e)
+        say("building the model failed:", traceback.format_exc())
+        save()
+        return res
+    runner.state.latent.normal_()
+    runner.state.kda.normal_(std=0.01)
+    runner.ids[:1].fill_(17)
+    sync(device)
+    res["build_s"] = time.perf_counter() - t_start
+    res["fused_step"] = runner.fused is not None
+    say(f"{LABEL}\n{res['mode']}: {args.layers} layers, {res['weights_GB_per_rank']:.1f} GB per rank, "
+        f"context {args.context}, fused step: {runner.fused is not None}, built in {res['build_s']:.1f} s")
+    timer = Timer(device)
+    kv = runner.bucket(args.context)
+    try:  # the plain decode step (T = 1), for comparison
+        runner.pos.fill_(args.context - args.reps - 8)
+        with torch.inference_mode():
+            runner.run_step(1, kv, True)  # captures the graph
+            res["plain_decode_ms"] = timer.median_ms(lambda: runner.run_step(1, kv, True), args.reps)
+        say(f"plain decode step (T=1): {res['plain_decode_ms']:.3f} ms/token")
+    except Exception as e:
+        res["errors"]["plain_decode"] = repr(e)
+        say("plain decode failed:", traceback.format_exc())
+    save()
+    for k in args.ks:
+        if out_of_time():
+            res["skipped"].append(f"K={k} (time budget)")
+            continue
+        try:
+            runner.pos.fill_(args.context - 2 * (k + 1))
+            with torch.inference_mode():  # the target's own K+1-token step (+ head, argmax), no drafter or commit
+                runner.run_step(k + 1, kv, True)
+                res["target_step_ms"][k] = timer.median_ms(lambda: runner.run_step(k + 1, kv, True), args.reps)
+            say(f"K={k}: plain target step of {k + 1} tokens {res['target_step_ms'][k]:.3f} ms")
+            spec = Speculator(runner, MTPDrafter(model, runner.state, k))
+            spec.force_accept = torch.zeros(1, dtype=torch.long, device=device)
+            spec.drafter.x.normal_()
+            for a in range(k + 1):
+                if a and out_of_time():
+                    res["skipped"].append(f"K={k} a>={a} (time budget)")
+                    break
+                with torch.inference_mode():
+                    row = rounds_at(spec, a, args.rounds, args.context)
+                res["rows"].append(row)
+                say(f"K={k} a={a}: draft {row['draft_ms']:.3f} + verify {row['verify_ms']:.3f} = round "
+                    f"{row['round_ms']:.3f} ms, TPOT {row['tpot_ms']:.3f} ms (loop {row['loop_tpot_ms']:.3f})")
+                save()
+        except Exception as e:
+            res["errors"][f"K={k}"] = repr(e)
+            say(f"K={k} failed:", traceback.format_exc())
+        spec = None
+        runner.spec = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    res["total_s"] = time.perf_counter() - t_start
+    save()
+    if rank0:
+        report(res, args)
+    return res
+
+
+def report(res: dict, args) -> None:
+    rows = res["rows"]
+    plain = res.get("plain_decode_ms")
+    print(f"\n{LABEL}\n{res['mode']}, context {res['context']}; TPOT = median round / (a + 1)")
+    print(f"{'K':>3} {'a':>3} {'draft ms':>9} {'verify ms':>10} {'round ms':>9} {'TPOT ms':>8} {'loop TPOT':>10}"
+          f" {'speedup':>8}")
+    for r in rows:
+        gain = f"{plain / r['tpot_ms']:8.2f}" if plain else f"{'-':>8}"
+        print(f"{r['k']:>3} {r['a']:>3} {r['draft_ms']:>9.3f} {r['verify_ms']:>10.3f} {r['round_ms']:>9.3f} "
+              f"{r['tpot_ms']:>8.3f} {r['loop_tpot_ms']:>10.3f} {gain}")
+    if plain:
+        print(f"plain decode step (no speculation): {plain:.3f} ms/token (speedup = this / TPOT)")
+    for k, ms in res["target_step_ms"].items():
+        print(f"plain target step of K+1={k + 1} tokens (no drafter, no commit): {ms:.3f} ms")
+    hit = [r for r in rows if r["k"] == TARGET["k"] and r["a"] == TARGET["a"]]
+    if hit:
+        print(f"K={TARGET['k']}, a={TARGET['a']}: TPOT {hit[0]['tpot_ms']:.3f} ms here ({res['mode']}); target "
+              f"<= {TARGET['tpot_ms']} ms for the {TARGET['what']}")
+    if not all(r["forced_count_honoured"] for r in rows):
+        print("WARNING: some round's accepted count differs from the forced one")
+    for what, err in res["errors"].items():
+        print(f"ERROR in {what}: {err}")
+    for what in res["skipped"]:
+        print(f"skipped: {what}")
+    print(f"total {res['total_s']:.1f} s")
+    if args.out and rows:
+        try:
+            plot(res, Path(args.out).with_suffix(".png"))
+            print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+        except Exception as e:
+            print("plot failed:", repr(e))
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    ks = sorted({r["k"] for r in rows})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k in ks:
+        mine = [r for r in rows if r["k"] == k]
+        ax.plot([r["a"] for r in mine], [r["tpot_ms"] for r in mine], "o-", label=f"K={k}")
+    if res.get("plain_decode_ms"):
+        ax.axhline(res["plain_decode_ms"], color="gray", ls="--", label="plain decode (no speculation)")
+    ax.plot([TARGET["a"]], [TARGET["tpot_ms"]], "r*", ms=14, label=f"target: full model TP=2, K={TARGET['k']}")
+    ax.set_xlabel("forced acceptance length a (accepted drafts per round)")
+    ax.set_ylabel("TPOT, ms (median round / (a + 1))")
+    ax.set_yscale("log")
+    ax.set_title(f"SIMULATED acceptance: {res['mode']}, ctx {res['context']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    med = {k: [r for r in rows if r["k"] == k] for k in ks}
+    draft = [statistics.median(r["draft_ms"] for r in med[k]) for k in ks]
+    verify = [statistics.median(r["verify_ms"] for r in med[k]) for k in ks]
+    x = range(len(ks))
+    ax2.bar(x, draft, label="draft (MTP, K chained steps)")
+    ax2.bar(x, verify, bottom=draft, label="verify (K+1 tokens) + accept + commit")
+    ax2.set_xticks(list(x), [f"K={k}" for k in ks])
+    ax2.set_ylabel("ms per round (median)")
+    ax2.set_title("where a round's time goes", fontsize=9)
+    ax2.legend(fontsize=8)
+    shapes = "tiny random model (script check)" if res["tiny"] else f"Ling-3.0-flash shapes, {res['layers']} layers"
+    fig.suptitle(f"{shapes}: {LABEL}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rank_main(rank: int, size: int, port: int, args) -> None:
+    from lingls.runtime.distributed import make_parallel, set_safe_env
+    import torch.distributed as dist
+
+    set_safe_env()
+    cuda = not args.tiny
+    if args.tiny:
+        torch.set_num_threads(1)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, **({"device_id": torch.device("cuda", rank)} if cuda else {}))
+    try:
+        run_rank(args, make_parallel(rank, size), torch.device("cuda", rank) if cuda else torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 4; 1 with --tiny)")
+    p.add_argument("--stub", action="store_true", help="rank 0's shard on one device even when --tp GPUs exist")
+    p.add_argument("--ks", default="8,4,2", help="drafted tokens per round (each <= 15), in the order run")
+    p.add_argument("--layers", type=int, default=42)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds per (K, a)")
+    p.add_argument("--reps", type=int, default=30, help="timed plain decode steps")
+    p.add_argument("--budget-s", type=float, default=180.0, help="start no new phase after this many seconds")
+    p.add_argument("--tiny", action="store_true", help="tiny random model on CPU (checks the script)")
+    p.add_argument("--out", default="bench/results/spec_flash.json")
+    args = p.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.tp = args.tp or (1 if args.tiny else 4)
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny ops: more threads only contend
+        args.layers = 4
+        args.context = min(args.context, 256)
+    elif not torch.cuda.is_available():
+        print("spec_flash_gpu: needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    gpus = 0 if args.tiny else torch.cuda.device_count()
+    ranks = args.tp if args.tp > 1 and not args.stub and (args.tiny or gpus >= args.tp) else 1
+    if ranks > 1:
+        args.mode = f"full model TP={args.tp}, {ranks} {'CPU (gloo)' if args.tiny else 'GPU (NCCL)'} ranks"
+    elif args.tp > 1:
+        args.mode = f"TP={args.tp} rank-0 shard on one device, all-reduce stubbed"
+    else:
+        args.mode = "TP=1, one device"
+    if ranks == 1:
+        device = torch.device("cpu" if args.tiny else "cuda")
+        res = run_rank(args, Parallel(0, args.tp), device)
+        return 0 if not res["errors"] and not res["skipped"] else 1
+    import torch.multiprocessing as mp
+
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(rank, ranks, port, args)) for rank in range(ranks)]
+    for proc in procs:
+        proc.start()
+    deadline = time.time() + args.budget_s + 120
+    for proc in procs:
+        proc.join(timeout=max(1.0, deadline - time.time()))
+    codes = []
+    for proc in procs:
+        if proc.is_alive():
+            print(f"rank process {proc.pid} still running at the deadline: terminated", file=sys.stderr)
+            proc.terminate()
+            proc.join(10)
+        codes.append(proc.exitcode)
+    try:
+        res = json.loads(Path(args.out).read_text())
+        ok = not res["errors"] and not res["skipped"]
+    except (OSError, ValueError, KeyError):
+        ok = False
+    return 0 if ok and all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

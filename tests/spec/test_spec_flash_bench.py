@@ -1,0 +1,29 @@
+"""bench/spec_flash_gpu.py (simulated-acceptance TPOT at Ling-3.0-flash shapes, for the GPU) runs end to end at tiny
+shapes on CPU: every (K, a) is measured, every round accepts exactly the forced count, the JSON says so."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "spec_flash_gpu.py"
+
+
+def test_tiny_run_measures_every_forced_acceptance(tmp_path):
+    spec = importlib.util.spec_from_file_location("spec_flash_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    out = tmp_path / "spec.json"
+    try:
+        rc = bench.main(["--tiny", "--ks", "3,1", "--rounds", "3", "--reps", "2", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    assert rc == 0 and not res["errors"] and not res["skipped"]
+    assert [(r["k"], r["a"]) for r in res["rows"]] == [(3, 0), (3, 1), (3, 2), (3, 3), (1, 0), (1, 1)]
+    assert all(r["forced_count_honoured"] and r["tpot_ms"] > 0 for r in res["rows"])
+    assert "SIMULATED" in res["label"] and res["plain_decode_ms"] > 0
