@@ -18,10 +18,12 @@ Modes (--tp N, default 4):
 - N GPUs visible (and no --stub): N processes (torch.multiprocessing), NCCL all-reduce and all-gather
   (`distributed.make_parallel`), each holding its shard of all layers: the real TP=N time. E.g. --tp 2 on two H200.
 - otherwise: rank 0's shard of a TP=N deployment alone on one GPU, all-reduce and all-gather stubbed (identity):
-  the per-rank compute of TP=N without communication (--tp 4 on one H200: ~63 GB of weights).
+  the per-rank compute of TP=N without communication (--tp 4 on one H200: 64.5 GB of weights with the MTP layer;
+  --stub forces this mode).
+K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; no new phase starts after --budget-s.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
-    python3 bench/spec_flash_gpu.py --out $OUT/spec_flash.json             # one H200: TP=4 rank-0 shard
+    python3 bench/spec_flash_gpu.py --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
     python3 bench/spec_flash_gpu.py --tp 2 --out $OUT/spec_flash_tp2.json  # two H200: the full model, TP=2
 Writes the JSON after every phase and a PNG beside it; exits 0 when every phase ran.
 """
@@ -290,7 +292,7 @@ def plot(res: dict, path: Path) -> None:
     verify = [statistics.median(r["verify_ms"] for r in med[k]) for k in ks]
     x = range(len(ks))
     ax2.bar(x, draft, label="draft (MTP, K chained steps)")
-    ax2.bar(x, verify, bottom=draft, label="verify (K+1 tokens) + accept + commit")
+    ax2.bar(x, verify, bottom=draft, label="verify (K+1 tokens) + accept + commit + MTP rows")
     ax2.set_xticks(list(x), [f"K={k}" for k in ks])
     ax2.set_ylabel("ms per round (median)")
     ax2.set_title("where a round's time goes", fontsize=9)
