@@ -1,0 +1,132 @@
+"""The one-shot peer all-reduce without GPUs.
+
+- Its kernel's logic (slots, parities, flags, epochs, fixed-order sum) in Triton's interpreter: the ranks' receive
+  buffers all live in this process, and each rank's push half runs before any rank's reduce half (the interpreter
+  runs programs one after another, so one launch per rank would wait forever for a peer that has not run yet).
+- The fallback (gloo on CPU, two processes): the same sums, and `PeerAllReduce.create` agrees, on every rank, to
+  step aside.
+The real thing (two GPUs, NVLink, CUDA graphs, against NCCL) is bench/tp_gpu.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+
+from lingls.runtime import peer_allreduce as pa
+
+needs_triton = pytest.mark.skipif(pa.triton is None or (not torch.cuda.is_available()
+                                                         and os.environ.get("TRITON_INTERPRET") != "1"),
+                                  reason="needs Triton (its interpreter on CPU)")
+
+
+def simulated_ranks(world: int, max_bytes: int = 16 * 2560 * 2) -> list[pa.PeerAllReduce]:
+    layout = pa._Layout(world, max_bytes)
+    buffers = [torch.zeros(layout.total, dtype=torch.uint8) for _ in range(world)]
+    return [pa.PeerAllReduce(r, world, buffers[r], buffers, max_bytes) for r in range(world)]
+
+
+def all_reduce(ranks, xs, outs=None):
+    outs = xs if outs is None else outs
+    for r, x in zip(ranks, xs):
+        r.launch(x, outs[ranks.index(r)], push=True, reduce=False)
+    for r, x in zip(ranks, xs):
+        r.launch(x, outs[ranks.index(r)], push=False, reduce=True)
+    return outs
+
+
+@needs_triton
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_the_same_sum_call_after_call(world):
+    ranks = simulated_ranks(world)
+    g = torch.Generator().manual_seed(world)
+    for call, t in enumerate([1, 16, 3, 1, 9]):  # sizes change between calls, as verify and decode steps do
+        xs = [torch.randn(t, 2560, generator=g).bfloat16() for _ in range(world)]
+        want = sum(x.float() for x in xs)
+        outs = all_reduce(ranks, xs, [torch.empty_like(x) for x in xs])
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])  # bit-identical on every rank: the sum runs in rank order
+        # the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): within one bf16 step
+        torch.testing.assert_close(outs[0].float(), want, rtol=2**-7, atol=2**-7)
+        programs = -(-t * 2560 // pa.BLOCK)
+        assert all(int(r.error) == 0 for r in ranks)
+        assert ranks[0].epochs[:programs].min() >= 1
+    # program 0 took part in all five calls: epoch 5, and its flags on every rank say so
+    assert [int(r.epochs[0]) for r in ranks] == [5] * world
+    for r in ranks:
+        assert [int(f) for i, f in enumerate(r.flags[:world]) if i != r.rank] == [5] * (world - 1)
+
+
+@needs_triton
+def test_float32_in_place_is_exact_and_parities_alternate():
+    ranks = simulated_ranks(2)
+    layout = ranks[0].layout
+    received = ranks[0].buffer[layout.flag_bytes:].view(torch.float32).view(2, 2, -1)  # [parity, slot, elems]
+    for call in range(4):
+        xs = [torch.randn(5, 1000) for _ in range(2)]  # 5000 elements: the last program is partial
+        partial1, want = xs[1].flatten().clone(), xs[0] + xs[1]
+        all_reduce(ranks, xs)  # in place, as the model calls it
+        assert torch.equal(xs[0], want) and torch.equal(xs[1], want)
+        # call c runs epoch c + 1: rank 1's partial landed in rank 0's buffer, slot 1 of parity (c + 1) % 2
+        assert torch.equal(received[(call + 1) % 2, 1, :5000], partial1)
+
+
+@needs_triton
+def test_a_missing_peer_sets_the_error_flag_instead_of_hanging():
+    ranks = simulated_ranks(2)
+    x = torch.ones(2560, dtype=torch.bfloat16)
+    ranks[0].launch(x, x.clone(), push=False, reduce=True, max_spin=3)  # rank 1 never pushed
+    assert ranks[0].failed()
+
+
+def test_message_limits():
+    ranks = simulated_ranks(2)
+    r = ranks[0]
+    assert r.layout.max_bytes >= 16 * 2560 * 2
+    assert not r.fits(torch.zeros(16, 2560, dtype=torch.bfloat16))  # a CPU tensor never takes the peer path
+    assert r.layout.flag_bytes % 256 == 0 and r.layout.flag_bytes >= r.layout.max_programs * 2 * 8
+
+
+# ---- the fallback over gloo: two CPU processes -------------------------------------------------------------
+def _gloo_rank(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        from lingls.runtime.distributed import make_parallel
+
+        par = make_parallel(rank, world)
+        peer = pa.PeerAllReduce.create()  # no CUDA here: every rank must answer None, and none may hang
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(t, 2560, generator=g).bfloat16() for t in (1, 9, 16) for _ in range(world)]
+        sums = []
+        for i in range(0, len(xs), world):
+            mine = xs[i + rank].clone()
+            sums.append(torch.equal(par.all_reduce(mine), sum(x.float() for x in xs[i:i + world]).bfloat16()))
+        results.put((rank, peer is None, sums))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, repr(e), []))
+
+
+def test_gloo_fallback_sums_on_two_cpu_processes():
+    ctx = multiprocessing.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    assert got == [(0, True, [True] * 3), (1, True, [True] * 3)]
