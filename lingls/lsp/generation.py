@@ -34,6 +34,10 @@ class Generation:
         self.error: BaseException | None = None
         self.readers = 0  # requests waiting on it now
         self.started = time.perf_counter()
+        # Time spent inside the engine's stream (awaiting its next chunk): what the LSP does not own.
+        self._engine_s = 0.0
+        self._engine_since: float | None = None
+        self.first_chunk_at: float | None = None
         self._progress = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task | None = None
 
@@ -67,10 +71,30 @@ class Generation:
             return typed
         return None
 
+    def engine_time(self, now: float | None = None) -> float:
+        """Seconds spent so far awaiting the engine's stream (up to `now` while a chunk is awaited)."""
+        since = self._engine_since
+        if since is None:
+            return self._engine_s
+        return self._engine_s + max(0.0, (time.perf_counter() if now is None else now) - since)
+
     async def _run(self, engine: Engine, request: GenerateRequest) -> None:
         stream = engine.generate(request)
+        clock = time.perf_counter
         try:
-            async for chunk in stream:
+            chunks = stream.__aiter__()
+            while True:
+                self._engine_since = t = clock()
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    now = clock()
+                    self._engine_s += now - t
+                    self._engine_since = None
+                if self.first_chunk_at is None:
+                    self.first_chunk_at = now
                 self.text += chunk
                 self._wake()
                 # Enough: the block (or, mid-line, the line) is over.

@@ -188,7 +188,11 @@ class Core:
 
     # ---- completion ------------------------------------------------------------------------------------
 
-    async def complete(self, uri: str, line: int, column: int, invoked: bool = False) -> list[Item]:
+    async def complete(self, uri: str, line: int, column: int, invoked: bool = False,
+                       timing: dict | None = None) -> list[Item]:
+        """The items for a cursor. `timing` (the transport's record of this request, if any) gets this
+        request's timings: engine_ms (inside the engine's stream or loading it), debounce_ms, source,
+        total_ms, and perf_counter timestamps of its phases (t_start, t_prompt, t_started, t_answer)."""
         if not self.initialized:
             raise NotInitialized("lingls has not received initialize yet")
         self.counters.requests += 1
@@ -199,7 +203,9 @@ class Core:
         if not self.settings.language_enabled(state.doc.language_id):
             return []
         req = self._supersede(state)
-        timing = {"engine_ms": 0.0, "debounce_ms": 0.0, "source": "none"}
+        if timing is None:
+            timing = {}
+        timing.update(engine_ms=0.0, debounce_ms=0.0, source="none", t_start=req.started)
         try:
             items = await self._complete(state, req, line, column, invoked, timing)
         except asyncio.CancelledError:
@@ -208,7 +214,8 @@ class Core:
         finally:
             if state.request is req:
                 state.request = None
-            timing["total_ms"] = (time.perf_counter() - req.started) * 1000
+            timing["t_answer"] = now = time.perf_counter()
+            timing["total_ms"] = (now - req.started) * 1000
             self.timings.append(timing)
         self.counters.answered += bool(items)
         self.counters.shown += len(items)
@@ -282,8 +289,9 @@ class Core:
         if engine is None or doc.edits != place.edits:
             return ()  # no engine, superseded, or the text moved on: a newer request will come
         timing["source"] = "model"
-        gen = self._start(state, engine, doc.text, place.offset, site)
+        gen = self._start(state, engine, doc.text, place.offset, site, timing=timing)
         status, text = await self._read(req, gen, "", site, timing)
+        timing["t_first_chunk"] = gen.first_chunk_at
         return (gen, "", text) if status == "ok" else ()
 
     async def _samples(self, state: _DocState, req: _Request, place: "_Place", site: Site, seen: set[str],
@@ -330,9 +338,11 @@ class Core:
                         return "stopped", ""
                 elif gen.done or not typed.startswith(gen.text):
                     return "diverged", ""
-                t = time.perf_counter()
+                # Only the part of the wait spent inside the engine's stream is the engine's; the rest
+                # (waking this task, the generation's own clean-up per chunk) is the LSP's.
+                before = gen.engine_time()
                 ok = await self._wait(req, gen.progress())
-                timing["engine_ms"] += (time.perf_counter() - t) * 1000
+                timing["engine_ms"] += (gen.engine_time() - before) * 1000
                 if not ok:
                     return "superseded", ""
         except asyncio.CancelledError:
@@ -368,11 +378,13 @@ class Core:
         return engine
 
     def _start(self, state: _DocState, engine: Engine, text: str, offset: int, site: Site,
-               temperature: float = 0.0, seed: int | None = None) -> Generation:
+               temperature: float = 0.0, seed: int | None = None, timing: dict | None = None) -> Generation:
         """Build the prompt and start one generation (stopping any other: the runtime is batch-1)."""
         if self._running is not None:
             self._running.stop()
         doc = state.doc
+        if timing is not None:
+            timing["t_prompt"] = time.perf_counter()
         prompt = build_prompt(text, offset, fim=engine.fim, counter=self._counter, budget=self.settings.prompt_tokens,
                               chunks=self._ring.chunks_for(doc.uri), path=self._label(doc.uri))
         specials = engine.fim.special_tokens() if engine.fim else ()
@@ -380,6 +392,8 @@ class Core:
         gen.start(engine, GenerateRequest(prompt.text, max_tokens=self.settings.max_tokens,
                                           temperature=temperature, seed=seed, parts=prompt.parts))
         self._running = gen
+        if timing is not None:
+            timing["t_started"] = time.perf_counter()
         self.counters.engine_calls += 1
         state.generations.append(gen)
         for old in state.generations[:-KEEP_GENERATIONS]:
