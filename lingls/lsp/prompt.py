@@ -41,6 +41,28 @@ class TokenCounter:
         self._count = count
         self._cache: dict[str, int] = {}
         self._capacity = capacity
+        # The last walk up from a line start: (start, region start, region text, [(line start, cost)], whole).
+        self._above: tuple[int, int, str, list[tuple[int, int]], bool] | None = None
+
+    def lines_above(self, text: str, start: int, budget: int) -> list[tuple[int, int]]:
+        """(line start, token count) of the lines above offset `start`, nearest first, until their sum exceeds
+        `budget` or the text begins. Typing changes the cursor's line only, so the last walk is reused when
+        the text above `start` that it covered is unchanged (one string comparison instead of ~150 lines)."""
+        memo = self._above
+        if memo is not None and memo[0] == start:
+            _, top, region, lines, whole = memo
+            if ((whole or sum(c for _, c in lines) > budget) and text.startswith(region, top)
+                    and (top == 0 or text[top - 1] == "\n")):
+                return lines
+        lines, used, top = [], 0, start
+        while top > 0 and used <= budget:
+            prev = text.rfind("\n", 0, top - 1) + 1
+            cost = self.line(text[prev:top])
+            lines.append((prev, cost))
+            used += cost
+            top = prev
+        self._above = (start, top, text[top:start], lines, top == 0)
+        return lines
 
     def line(self, line: str) -> int:
         n = self._cache.get(line)
@@ -106,13 +128,12 @@ def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -
     if offset - start > budget * 3:
         start = offset - budget * 3
     used = counter.line(text[start:offset])
-    while start > 0:
-        prev = text.rfind("\n", 0, start - 1) + 1
-        cost = counter.line(text[prev:start])
-        if used + cost > budget:
-            break
-        used += cost
-        start = prev
+    if start > 0 and used <= budget:
+        for prev, cost in counter.lines_above(text, start, budget - used):
+            if used + cost > budget:
+                break
+            used += cost
+            start = prev
     return start, used
 
 
