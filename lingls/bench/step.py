@@ -4,6 +4,8 @@ Modes:
 - `shard`: one TP=4 rank's shard (all 42 layers, a quarter of the heads / expert and dense widths / vocab) on
   one GPU with the all-reduce stubbed out: the per-rank step time of a 4-GPU deployment.
 - `full`: the whole model (TP=1) at a reduced depth, for GPUs that cannot hold more.
+- `tp`: the whole model at TP=2 on two GPUs (all 42 layers), NCCL against the peer all-reduce, plus the
+  all-reduces alone: runs bench/tp_gpu.py from this checkout (two processes; see that file).
 For T = 1 (decode) and T = 2..16 (verify) it reports the median CUDA-graph step time and the step's byte
 floor: the bytes it must read (every weight but the routed experts, the distinct routed experts of that step
 as routed, the embedding rows, the KDA state read and written, the MLA latent KV of the context) over the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -242,12 +245,30 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def tp_mode(a) -> int:
+    """`--mode tp`: bench/tp_gpu.py does the work (it needs a repo checkout: bench/ is not installed)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "tp_gpu.py"
+    if (a.tp or 2) != 2:
+        print("lingls bench step --mode tp: only --tp 2 is implemented", file=sys.stderr)
+        return 2
+    if not script.exists():
+        print(f"lingls bench step --mode tp: needs a checkout of the repository ({script} is missing)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(script), "--layers", str(a.layers or 42), "--out", str(Path(a.out).parent)]
+    return subprocess.call(cmd, env={**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                     "NVSHMEM_DISABLE_NVLS": "1"})
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lingls bench step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=["shard", "full", "peers"], default="shard",
-                   help="peers: only the side-by-side run at --peer-layers (a fresh process has the whole GPU)")
+    p.add_argument("--mode", choices=["shard", "full", "peers", "tp"], default="shard",
+                   help="peers: only the side-by-side run at --peer-layers (a fresh process has the whole GPU); "
+                        "tp: the whole model at TP=2 on two GPUs, NCCL vs the peer all-reduce (bench/tp_gpu.py)")
     p.add_argument("--layers", type=int, help="decoder layers (default: 42 for shard, 6 for full)")
-    p.add_argument("--tp", type=int, default=4, help="shard mode: the tensor-parallel degree whose rank is run")
+    p.add_argument("--tp", type=int, default=None,
+                   help="shard mode: the tensor-parallel degree whose rank is run (default 4); tp mode: 2")
     p.add_argument("--tokens", default="1,2,4,8,16", help="step sizes T")
     p.add_argument("--context", type=int, default=8192, help="tokens of context (MLA KV) per step")
     p.add_argument("--reps", type=int, default=50)
@@ -259,7 +280,9 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("lingls bench step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    tp = a.tp if a.mode == "shard" else 1
+    if a.mode == "tp":
+        return tp_mode(a)
+    tp = (a.tp or 4) if a.mode == "shard" else 1
     layers = a.layers or (42 if a.mode == "shard" else 6)
     tokens = [int(t) for t in a.tokens.split(",")]
     bw = copy_bandwidth()

@@ -137,12 +137,17 @@ class PeerAllReduce:
 
     def __init__(self, rank: int, world: int, buffer: torch.Tensor, peers: list[torch.Tensor], max_bytes: int,
                  group=None):
+        if max_bytes % 512:
+            raise ValueError(f"max_bytes must be a multiple of 512 (the kernel's alignment hints), got {max_bytes}")
         self.rank, self.world, self.group = rank, world, group
         self.layout = _Layout(world, max_bytes)
         self.buffer, self.peers = buffer, peers  # the peers' mapped buffers stay referenced: they stay mapped
         device = buffer.device
         base = buffer.data_ptr()
-        self.deltas = torch.tensor([p.data_ptr() - base for p in peers], dtype=torch.int64, device=device)
+        deltas = [p.data_ptr() - base for p in peers]
+        if any(d % 512 for d in deltas):
+            raise ValueError("peer buffers are not 512-byte aligned")
+        self.deltas = torch.tensor(deltas, dtype=torch.int64, device=device)
         self.flags = buffer[:self.layout.flag_bytes].view(torch.int64)
         self._data = {dt: buffer[self.layout.flag_bytes:].view(dt) for dt in DTYPES}
         self.epochs = torch.zeros(self.layout.max_programs, dtype=torch.int64, device=device)  # never wraps
@@ -156,7 +161,7 @@ class PeerAllReduce:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         reason = None
         payload = None
-        layout = _Layout(world, max_elems * torch.tensor([], dtype=dtype).element_size())
+        layout = _Layout(world, -(-max_elems * torch.tensor([], dtype=dtype).element_size() // 512) * 512)
         try:
             if triton is None:
                 raise RuntimeError("triton is not installed")
@@ -190,11 +195,11 @@ class PeerAllReduce:
                     torch.empty(16, dtype=torch.uint8, device=device).copy_(peer[:16])  # enables peer access
                     peers.append(peer)
                 torch.cuda.synchronize(device)
+                self = cls(rank, world, buffer, peers, layout.max_bytes, group)
             except Exception as e:  # noqa: BLE001
                 reason = f"rank {rank}: {e!r}"
         if not _agree(reason, group):
             return None
-        self = cls(rank, world, buffer, peers, layout.max_bytes, group)
         dist.barrier(group=group)  # every rank's epochs and flags exist before anyone writes to a peer
         if check:
             reason = self._self_check()
