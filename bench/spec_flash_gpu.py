@@ -16,7 +16,8 @@ comparison. Context: positions run up to --context (8192), reading --context MLA
 
 Modes (--tp N, default 4):
 - N GPUs visible (and no --stub): N processes (torch.multiprocessing), NCCL all-reduce and all-gather
-  (`distributed.make_parallel`), each holding its shard of all layers: the real TP=N time. E.g. --tp 2 on two H200.
+  (`distributed.make_parallel`: its peer all-reduce by default, LINGLS_ALLREDUCE=nccl for NCCL's), each holding
+  its shard of all layers: the real TP=N time. E.g. --tp 2 on two H200.
 - otherwise: rank 0's shard of a TP=N deployment alone on one GPU, all-reduce and all-gather stubbed (identity):
   the per-rank compute of TP=N without communication (--tp 4 on one H200: 64.5 GB of weights with the MTP layer;
   --stub forces this mode).
@@ -143,13 +144,16 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
 
     def out_of_time() -> bool:  # the same answer on every rank, or they would part ways in a collective
         stopped.fill_(float(time.perf_counter() - t_start > args.budget_s))
-        return par.all_reduce(stopped).item() > 0
+        if par.size > 1 and torch.distributed.is_initialized():  # the process group itself, not the model's path
+            torch.distributed.all_reduce(stopped)
+        return stopped.item() > 0
 
+    allreduce = ("LINGLS_ALLREDUCE=" + os.environ.get("LINGLS_ALLREDUCE", "peer (default)")) if par.size > 1 else "stubbed"
     res = {"what": f"speculative decoding TPOT vs forced acceptance length: {LABEL}", "label": LABEL,
            "tpot_convention": "median(draft + verify GPU time per round) / (a + 1); loop_tpot: host-loop wall "
                               "time per round / (a + 1)",
            "drafter": "mtp (the model's MTP layer chained K steps, torch ops; random weights)",
-           "mode": args.mode, "tiny": args.tiny, "tp": args.tp, "ranks": par.size, "layers": args.layers,
+           "mode": args.mode, "all_reduce": allreduce, "tiny": args.tiny, "tp": args.tp, "ranks": par.size, "layers": args.layers,
            "context": args.context,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "target": TARGET,
