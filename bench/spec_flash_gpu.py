@@ -148,13 +148,13 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
             torch.distributed.all_reduce(stopped)
         return stopped.item() > 0
 
-    allreduce = ("LINGLS_ALLREDUCE=" + os.environ.get("LINGLS_ALLREDUCE", "peer (default)")) if par.size > 1 else "stubbed"
+    allreduce = "LINGLS_ALLREDUCE=" + os.environ.get("LINGLS_ALLREDUCE", "peer (default)")
     res = {"what": f"speculative decoding TPOT vs forced acceptance length: {LABEL}", "label": LABEL,
            "tpot_convention": "median(draft + verify GPU time per round) / (a + 1); loop_tpot: host-loop wall "
                               "time per round / (a + 1)",
            "drafter": "mtp (the model's MTP layer chained K steps, torch ops; random weights)",
-           "mode": args.mode, "all_reduce": allreduce, "tiny": args.tiny, "tp": args.tp, "ranks": par.size, "layers": args.layers,
-           "context": args.context,
+           "mode": args.mode, "all_reduce": allreduce if par.size > 1 else "stubbed", "tiny": args.tiny,
+           "tp": args.tp, "ranks": par.size, "layers": args.layers, "context": args.context,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "target": TARGET,
            "rows": [], "target_step_ms": {}, "errors": {}, "skipped": []}
