@@ -14,9 +14,9 @@ How:
   program p of the peers only, through flag (p, src): no grid-wide barrier is needed.
 - Program p's epoch lives in device memory (`epochs[p]`) and the kernel advances it, so the op needs nothing
   from the host per call: it is CUDA-graph capturable and a graph can be replayed any number of times.
-- Epoch e writes into parity e % 2. A rank can run at most one epoch ahead of a peer (to start e+1 it needs
-  the peer's flag of e, which the peer raises only after it finished reading e-1), so a fast rank's write of
-  e+1 lands in the other parity from the one a slow peer may still be reading.
+- Epoch e writes into parity e % 2. A rank can be at most one epoch ahead of a peer: to finish e it needs the
+  peer's flag of e, which the peer raises in its call e, after its call e-1 (the reads of e-1) completed. So
+  while a slow peer may still read e, a fast rank writes at most e+1: into the other parity.
 - Stores to peers, then a CTA barrier, then a flag write with release semantics at system scope; the waiter
   polls its flag with acquire semantics at system scope, then a CTA barrier, then reads the slots (volatile
   loads: the data was written by another GPU). The sum is formed in fp32 in rank order 0..WORLD-1, so every
@@ -51,7 +51,7 @@ except ImportError:  # CPU-only installs: the fallback serves there
 log = logging.getLogger(__name__)
 
 BLOCK = 1024  # elements per program (2 KB of bf16: 16-byte vectors over 4 warps)
-MAX_SPIN = 1 << 24  # flag polls before a program gives up (seconds on an H200: far beyond any legitimate skew)
+MAX_SPIN = 1 << 24  # flag polls before a program gives up (~10 s or more: far beyond any legitimate skew)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -210,7 +210,8 @@ class PeerAllReduce:
     def _self_check(self) -> str | None:
         """One real all-reduce of known values (a peer that cannot be written shows up here, once)."""
         try:
-            x = torch.full((3000,), float(self.rank + 1), dtype=torch.bfloat16, device=self.buffer.device)
+            # two tokens of hidden state: compiles the variant that decode steps use, outside any graph capture
+            x = torch.full((2, 2560), float(self.rank + 1), dtype=torch.bfloat16, device=self.buffer.device)
             self(x)
             want = self.world * (self.world + 1) / 2
             if self.failed() or not bool((x == want).all()):
@@ -253,7 +254,7 @@ def _agree(reason: str | None, group) -> bool:
     dist.all_gather_object(reasons, reason, group=group)
     bad = [r for r in reasons if r]
     if bad:
-        log.info("peer all-reduce not used: %s", bad[0])
+        log.warning("peer all-reduce not used (the process group's all-reduce serves): %s", bad[0])
     return not bad
 
 
@@ -261,9 +262,11 @@ def make_all_reduce(group=None):
     """The all-reduce a tensor-parallel rank should use: `LINGLS_ALLREDUCE` = peer | nccl (default: peer where
     possible). Collective on NCCL groups: every rank must call it at the same point.
 
-    The default is the peer path because at batch 1 it is several times faster than NCCL (README, bench/tp_gpu.py)
-    and it verifies itself at setup; it falls back to the process group's own all-reduce when any rank lacks
-    CUDA, Triton, peer access or a shared host, or when the self-check fails. `nccl` forces the fallback."""
+    The default is the peer path: NCCL spends ~22 us on each of a decode step's 84 small all-reduces, which one
+    kernel writing into peer memory should cut to a few (bench/tp_gpu.py measures both), and the path checks
+    itself at setup. Every rank falls back to the process group's own all-reduce when any rank lacks CUDA,
+    Triton, peer access or a shared host, or gets a wrong sum or a timeout in the self-check (a kernel fault,
+    which kills the CUDA context, cannot be fallen back from: set `nccl` then). `nccl` forces the fallback."""
     mode = os.environ.get("LINGLS_ALLREDUCE", "peer").lower()
     if mode not in ("peer", "nccl"):
         raise ValueError(f"LINGLS_ALLREDUCE must be peer or nccl, got {mode!r}")
@@ -274,8 +277,4 @@ def make_all_reduce(group=None):
 
     if mode == "nccl" or dist.get_world_size(group) == 1 or "nccl" not in dist.get_backend(group):
         return plain
-    peer = PeerAllReduce.create(group)
-    if peer is None:
-        log.warning("LINGLS_ALLREDUCE=peer: falling back to NCCL (see the log line above for why)")
-        return plain
-    return peer
+    return PeerAllReduce.create(group) or plain  # None: some rank could not, and every rank logged why

@@ -24,9 +24,16 @@ needs_triton = pytest.mark.skipif(pa.triton is None or (not torch.cuda.is_availa
                                   reason="needs Triton (its interpreter on CPU)")
 
 
+def aligned_zeros(nbytes: int) -> torch.Tensor:
+    """A CUDA allocation is 512-byte aligned, which the kernel's vector hints rely on; a CPU one only 64."""
+    raw = torch.zeros(nbytes + 512, dtype=torch.uint8)
+    start = -raw.data_ptr() % 512
+    return raw[start:start + nbytes]
+
+
 def simulated_ranks(world: int, max_bytes: int = 16 * 2560 * 2) -> list[pa.PeerAllReduce]:
     layout = pa._Layout(world, max_bytes)
-    buffers = [torch.zeros(layout.total, dtype=torch.uint8) for _ in range(world)]
+    buffers = [aligned_zeros(layout.total) for _ in range(world)]
     return [pa.PeerAllReduce(r, world, buffers[r], buffers, max_bytes) for r in range(world)]
 
 
