@@ -174,6 +174,8 @@ def phase_coll(rank: int, world: int, put, args: dict) -> None:
     from lingls.runtime.distributed import make_parallel
     from lingls.runtime.peer_allreduce import PeerAllReduce
 
+    put("gpu", torch.cuda.get_device_name())
+    put("peer_access", torch.cuda.can_device_access_peer(rank, 1 - rank))
     latency("nccl", nccl_all_reduce, put)
     os.environ.pop("LINGLS_ALLREDUCE", None)
     put("make_parallel_default", type(make_parallel(rank, world).all_reduce).__name__)
@@ -247,6 +249,8 @@ def weight_bytes(layers: int, tp: int, rank: int) -> int:
 
 
 def phase_model(rank: int, world: int, put, args: dict) -> None:
+    """NCCL first, for T = 1 and 9; then the peer all-reduce (set up only now, and only if phase coll found it
+    correct), so a peer path that breaks the CUDA context cannot take the NCCL numbers with it."""
     from fused_step_gpu import floor_bytes
 
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
@@ -254,15 +258,13 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
     from lingls.runtime.fused_step import FusedStep
     from lingls.runtime.peer_allreduce import PeerAllReduce
 
-    peer = PeerAllReduce.create()  # before the weights: its IPC mapping makes a context on the peer GPU too
-    put("peer_created", peer is not None)
     bw = copy_bandwidth()
     put("copy_TBps", bw / 1e12)
     layers = args["layers"]
     torch.cuda.empty_cache()  # the copy's 4 GiB go back before free memory is read
     free = torch.cuda.mem_get_info()[0]
     need = weight_bytes(layers, world, rank)
-    if need > free - 10e9:  # 10 GB for state, graphs, NCCL, Triton
+    if need > free - 10e9:  # 10 GB for state, graphs, NCCL, Triton and the peer path's context on this GPU
         layers = max(1, int(layers * (free - 10e9) / need))
         put("note", f"{args['layers']} layers need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free: ran {layers}")
     sizes = [0] * world
@@ -287,12 +289,13 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
     state.kda.normal_(std=0.01)
     fused = FusedStep(model, kernels=True)
     vocab = model.config.vocab_size
-    for t in (1, 9):
-        torch.manual_seed(t)  # the same token ids on both ranks
-        ids = torch.randint(0, vocab, (t,), device="cuda")
-        pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
-        row = {"T": t}
-        with torch.inference_mode():
+    rows, inputs, outs = {}, {}, {}
+    with torch.inference_mode():
+        for t in (1, 9):
+            torch.manual_seed(t)  # the same token ids on both ranks
+            ids = torch.randint(0, vocab, (t,), device="cuda")
+            pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
+            inputs[t] = ids, pos
             par.all_reduce = counted
             counts: list[int] = []
             hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
@@ -303,34 +306,45 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
             distinct = round(sum(counts) / max(len(counts), 1))
             count[0] = 0
             fused.step(ids, state.clone(), pos)
-            row["all_reduces_per_step"] = count[0]
-            row["floor_ms"] = floor_bytes(model, t, distinct) / bw * 1e3
-            row["distinct_experts"] = distinct
-            outs = {}
-            for name, op in (("nccl", nccl_all_reduce), ("peer", peer)):
-                if op is None:
-                    continue
+            rows[t] = {"T": t, "all_reduces_per_step": count[0], "distinct_experts": distinct,
+                       "floor_ms": floor_bytes(model, t, distinct) / bw * 1e3}
+            put(f"T{t}", dict(rows[t]))
+
+        def measure(name: str, op) -> None:
+            for t, (ids, pos) in inputs.items():
+                row = rows[t]
                 try:
                     par.all_reduce = op
-                    outs[name] = fused.step(ids, state.clone(), pos).clone()
+                    outs[name, t] = fused.step(ids, state.clone(), pos).clone()
                     work = state.clone()
                     replay = capture(lambda: fused.step(ids, work, pos))
                     dist.barrier()
                     row[f"{name}_ms"] = median_ms(replay, reps=30)
                     row[f"{name}_over_floor"] = row[f"{name}_ms"] / row["floor_ms"]
-                    both = torch.empty(world, *outs[name].shape, device="cuda", dtype=outs[name].dtype)
-                    dist.all_gather_into_tensor(both, outs[name])
+                    both = torch.empty(world, *outs[name, t].shape, device="cuda", dtype=outs[name, t].dtype)
+                    dist.all_gather_into_tensor(both, outs[name, t])
                     row[f"{name}_ranks_identical"] = torch.equal(both[0], both[-1])
+                    del replay
                 except Exception as e:  # noqa: BLE001
                     row[f"{name}_error"] = repr(e)[:300]
                 put(f"T{t}", dict(row))
-            if len(outs) == 2:
-                a, b = outs["nccl"].float(), outs["peer"].float()
-                row["peer_equals_nccl"] = torch.equal(a, b)
-                row["rel_diff_peer_vs_nccl"] = ((a - b).norm() / a.norm()).item()
-            if peer is not None:
-                row["peer_timed_out"] = peer.failed()
-        put(f"T{t}", row)
+
+        measure("nccl", nccl_all_reduce)
+        if not args.get("peer_ok", True):
+            put("peer_skipped", "phase coll found the peer all-reduce missing, wrong or failing")
+            return
+        peer = PeerAllReduce.create()
+        put("peer_created", peer is not None)
+        if peer is None:
+            return
+        measure("peer", peer)
+        for t in inputs:
+            a, b = outs.get(("nccl", t)), outs.get(("peer", t))
+            if a is not None and b is not None:
+                rows[t]["peer_equals_nccl"] = torch.equal(a, b)
+                rows[t]["rel_diff_peer_vs_nccl"] = ((a.float() - b.float()).norm() / a.float().norm()).item()
+            rows[t]["peer_timed_out"] = peer.failed()
+            put(f"T{t}", dict(rows[t]))
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
@@ -368,6 +382,15 @@ def report(result: dict) -> None:
             print(f"[{phase}] {r['status']} in {r.get('seconds')} s")
 
 
+def peer_ok(coll: dict | None) -> bool:
+    """Whether phase coll (if it ran) saw the peer all-reduce set up, agree with NCCL and never time out."""
+    if coll is None:
+        return True
+    close = all(coll.get(f"{m}_1000_calls_max_abs_diff_vs_nccl", 1.0) <= 0.1 for m in ("eager", "graph"))  # ~1 ulp
+    return (coll.get("peer_created") is True and close and coll.get("peer_timed_out") is False
+            and coll.get("graph_1000_calls_elems_differing_across_ranks") == 0 and "errors" not in coll)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phases", default="coll,model")
@@ -375,15 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     a = p.parse_args(argv)
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = torch.cuda.device_count()  # no CUDA context in this process: the ranks get whole GPUs
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"bench": "tp_gpu", "gpus": n, "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if n < 2:
         print(f"bench/tp_gpu.py needs 2 GPUs, found {n}", file=sys.stderr)
         return 2
-    result["gpu"] = torch.cuda.get_device_name(0)
-    result["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
     try:
         import triton
 
@@ -392,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         result["triton"] = None
     for phase in a.phases.split(","):
         print(f"\n=== phase {phase} (limit {LIMITS[phase]} s)", flush=True)
-        result[phase] = run_phase(phase, {"layers": a.layers}, LIMITS[phase])
+        result[phase] = run_phase(phase, {"layers": a.layers, "peer_ok": peer_ok(result.get("coll"))}, LIMITS[phase])
         (out / "tp_gpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(json.dumps(result[phase], default=str), flush=True)
     report(result)
