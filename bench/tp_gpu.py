@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     n = torch.cuda.device_count()  # no CUDA context in this process: the ranks get whole GPUs
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"bench": "tp_gpu", "gpus": n, "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result: dict = {"bench": "tp_gpu", "gpus": n, "torch": torch.__version__,
+                    "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if n < 2:
         print(f"bench/tp_gpu.py needs 2 GPUs, found {n}", file=sys.stderr)
         return 2
