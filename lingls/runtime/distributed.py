@@ -12,10 +12,9 @@ decode loop and stops when rank 0 marks the request done (stop rules, cancellati
 decisions that only rank 0 makes). NVLink multicast is kept off (NCCL_NVLS_ENABLE=0 and friends).
 
 The all-reduces of the decode and verify steps (two per layer, one to sixteen tokens of hidden state) go through
-`peer_allreduce.PeerAllReduce` on GPUs: one Triton kernel that writes into the peers' memory, where NCCL takes
-~22 us per call at these sizes (bench/tp_gpu.py measures both). `LINGLS_ALLREDUCE=nccl` turns it off; it also
-steps aside by itself (every rank agrees) when any rank lacks peer access, and for messages too large for its
-buffer (prefill chunks).
+the process group (NCCL, ~20 us per call at these sizes inside a CUDA graph on 2 x H200). `LINGLS_ALLREDUCE=peer`
+selects `peer_allreduce.PeerAllReduce` instead, one Triton kernel that writes into the peers' memory; it is
+opt-in because its first run on two H200s faulted (see peer_allreduce.make_all_reduce).
 """
 
 from __future__ import annotations
@@ -136,10 +135,10 @@ class _Rank0Runner:
         self.capacity, self.cache = runner.capacity, runner.cache
         self._seq = 0
 
-    def prefill(self, prompt: list[int], sampling) -> int:
+    def prefill(self, prompt: list[int], sampling, allowed=None) -> int:
         for q in self.queues:
-            q.put(("prefill", list(prompt), sampling))
-        return self.runner.prefill(prompt, sampling)
+            q.put(("prefill", list(prompt), sampling, allowed))  # every rank masks the same first token
+        return self.runner.prefill(prompt, sampling, allowed)
 
     def decode(self, max_new: int, greedy: bool):
         self._seq += 1

@@ -48,6 +48,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     parts: FimParts | None = None
+    heal: bool = True  # token healing of the cursor's token (lingls.runtime.healing), where the engine can
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from lingls.runtime.engine import EngineError, EngineStats, GenerateRequest
+from lingls.runtime.healing import TailStripper
 from lingls.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,9 @@ class LocalEngine:
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         check_model_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.fim = self.tokenizer.fim
+        # a model whose card says it completes best from the prefix alone (ling-nano: MODEL_CARD.md) gets
+        # left-to-right prompts from the language server, though it knows the FIM tokens
+        self.fim = None if self.tokenizer.completion_prompt == "prefix" else self.tokenizer.fim
         self.name = self.model_dir.name
         self.stats = EngineStats()
         self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)
@@ -267,11 +270,12 @@ class LocalEngine:
             self._finish(job, Chunk("", finish="length"), len(ids), 0, 0, None, None)
             return
         sampling = Sampling(req.temperature, req.top_p, req.seed if req.seed is not None else 0)
-        reused = runner.prefill(ids, sampling)
+        ids, tail = tok.heal(ids) if req.heal and job.prompt_ids is None else (ids, "")
+        reused = runner.prefill(ids, sampling, tok.candidates().mask(tail) if tail else None)
         if reused:
             self.stats.extra["reused_requests"] += 1
             self.stats.extra["reused_tokens"] += reused
-        detok, stops = tok.detokenizer(), StopMatcher(req.stop)
+        detok, healed, stops = tok.detokenizer(), TailStripper(tail), StopMatcher(req.stop)
         steps = runner.decode(max_new, sampling.greedy)
         n, finish, ttft, t_first = 0, "length", None, None
         try:
@@ -285,18 +289,18 @@ class LocalEngine:
                     ttft = t_first - job.submitted
                 if token in tok.eos_ids:
                     finish = "stop"
-                    text, _ = stops.feed(detok.flush(), final=True)
+                    text, _ = stops.feed(healed.feed(detok.flush()), final=True)
                     if text:
                         job.post(Chunk(text))
                     break
-                text, hit = stops.feed(detok.push(token))
+                text, hit = stops.feed(healed.feed(detok.push(token)))
                 if text:
                     job.post(Chunk(text, tokens=1))
                 if hit:
                     finish = "stop"
                     break
             else:
-                text, _ = stops.feed(detok.flush(), final=True)
+                text, _ = stops.feed(healed.feed(detok.flush()), final=True)
                 if text:
                     job.post(Chunk(text))
         finally:

@@ -175,9 +175,10 @@ class ModelRunner:
 
     # ---- a request ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], sampling: Sampling) -> int:
+    def prefill(self, prompt: list[int], sampling: Sampling, allowed: torch.Tensor | None = None) -> int:
         """Bring the state to `prompt` (reusing the cached prefix) and choose the first new token on the device
-        (into ids[0]; pos = len(prompt)). Returns how many prompt tokens were reused."""
+        (into ids[0]; pos = len(prompt)), among the `allowed` tokens ([vocab] bool) when given (token healing).
+        Returns how many prompt tokens were reused."""
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.capacity:
@@ -185,7 +186,7 @@ class ModelRunner:
         cache = self.cache
         start = cache.begin(prompt)
         try:
-            if len(prompt) - start == 1 and self.spec is None:  # a keystroke after a snapshot: one decode step
+            if len(prompt) - start == 1 and self.spec is None and allowed is None:  # a keystroke after a snapshot
                 self.set_sampling(sampling)
                 self.ids[:1].fill_(prompt[-1])
                 self.pos.fill_(start)
@@ -206,6 +207,8 @@ class ModelRunner:
                 a = b
             self.set_sampling(sampling)
             logits = self.model.par.all_gather_last(self.model.head(h[-1:]))
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(logits.device)[: logits.shape[-1]], float("-inf"))
             self.pos.fill_(len(prompt))
             self.ids[:1].copy_(sample(logits, self.pos, sampling.greedy, self.temperature, self.top_p, self.seed))
         except BaseException:

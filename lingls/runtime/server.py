@@ -1,6 +1,7 @@
 """`lingls serve`: an OpenAI-compatible HTTP API over one resident model, one request at a time.
 
-Endpoints: POST /v1/completions (prompt, suffix, max_tokens, temperature, top_p, stop, seed, stream),
+Endpoints: POST /v1/completions (prompt, suffix, max_tokens, temperature, top_p, stop, seed, stream, and the
+extension token_healing: true, see lingls.runtime.healing),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
 Batch-1 policy: the model serves one request at a time, and a new completion request preempts the one
@@ -238,8 +239,9 @@ class Server:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError("seed: must be an integer")
+        # token healing changes which tokens come out, so the OpenAI API's clients get it only when they ask
         req = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              stop=tuple(stop), seed=seed)
+                              stop=tuple(stop), seed=seed, heal=body.get("token_healing") is True)
         return req, prompt_ids, bool(body.get("stream", False))
 
     def _observe(self, last) -> None:

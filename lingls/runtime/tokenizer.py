@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from lingls.runtime.engine import EngineError, FimTemplate
+from lingls.runtime.healing import Candidates, heal
 
 _REPLACEMENT = "\ufffd"
 
@@ -57,6 +58,20 @@ class Tokenizer:
                 ids = None
             self.eos_ids |= set(ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else [])
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.completion_prompt = config.get("completion_prompt", "psm")  # how the model's card says to prompt it
+        self._candidates: Candidates | None = None
+
+    def heal(self, ids: list[int]) -> tuple[list[int], str]:
+        """Token healing (lingls.runtime.healing): (prompt without the cursor's token, its text)."""
+        fim_prefix = self._tok.token_to_id(self.fim.prefix) if self.fim else None
+        return heal(ids, self.candidates().texts, self.special_ids | self.eos_ids, fim_prefix)
+
+    def candidates(self) -> Candidates:
+        """The healing masks over this vocabulary (token texts decoded once, on first use)."""
+        if self._candidates is None:
+            texts = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+            self._candidates = Candidates(texts, self.special_ids | self.eos_ids)
+        return self._candidates
 
     def _fim_template(self, config: dict) -> FimTemplate | None:
         texts = {}

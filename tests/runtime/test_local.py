@@ -4,8 +4,10 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from lingls.runtime.engine import Engine, EngineError, GenerateRequest
+from lingls.runtime.healing import strip_tail
 from lingls.runtime.local import LocalEngine, StopMatcher
 
 from .conftest import reference_greedy
@@ -21,15 +23,32 @@ async def collect(engine, request):
 
 
 async def test_protocol_and_greedy_text(engine, tiny_model):
-    assert isinstance(engine, Engine) and engine.fim.prefix == "<|fim_prefix|>"
+    assert isinstance(engine, Engine) and engine.tokenizer.fim.prefix == "<|fim_prefix|>"
+    assert engine.tokenizer.completion_prompt == "prefix" and engine.fim is None  # ling-nano's card: left to right
     prompt = "def add(a, b):\n    return"
     ids = engine.tokenizer.encode(prompt)
     assert engine.count_tokens(prompt) == len(ids)
-    text = "".join([t async for t in engine.generate(GenerateRequest(prompt, max_tokens=12))])
+    text = "".join([t async for t in engine.generate(GenerateRequest(prompt, max_tokens=12, heal=False))])
     want = reference_greedy(tiny_model, ids, 12)
     cut = [i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids]
     assert text == engine.tokenizer.decode(want[: cut[0]] if cut else want)
     assert engine.stats.requests == 1 and engine.stats.generated_tokens >= 1
+
+
+async def test_healed_generation_rechooses_the_cursor_token(engine, tiny_model):
+    """With healing the prompt loses its last token, the first token is chosen among those that agree with
+    its text, and the completion starts after that text."""
+    tok = engine.tokenizer
+    prompt = "def add(a, b):\n    "
+    healed, tail = tok.heal(tok.encode(prompt))
+    assert tail and tok.decode(healed) + tail == prompt
+    with torch.no_grad():
+        logits = tiny_model.logits(torch.tensor(healed))[-1]
+    first = int(logits.masked_fill(~tok.candidates().mask(tail), float("-inf")).argmax())
+    want = [first] + reference_greedy(tiny_model, healed + [first], 11)
+    cut = [i for i, t in enumerate(want) if t in tok.eos_ids]
+    text = "".join([t async for t in engine.generate(GenerateRequest(prompt, max_tokens=12))])
+    assert text == strip_tail(tok.decode(want[: cut[0]] if cut else want), tail)
 
 
 async def test_closing_the_stream_stops_within_one_step(engine):
@@ -101,6 +120,6 @@ async def test_a_corrupt_checkpoint_fails_the_request_with_a_clear_error(tmp_pat
 async def test_the_embedded_model_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a random stand-in, if needed, goes here
     engine = LocalEngine(device="cpu")
-    assert engine.fim is not None and engine.count_tokens("def f():\n    pass\n") > 0
+    assert engine.tokenizer.fim is not None and engine.count_tokens("def f():\n    pass\n") > 0
     chunks = [c async for c in engine.stream(GenerateRequest("def add(a, b):\n    return", max_tokens=4))]
     assert chunks[-1].finish in ("length", "stop") and chunks[-1].usage["completion_tokens"] >= 1
