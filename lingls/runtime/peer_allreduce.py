@@ -191,9 +191,8 @@ class PeerAllReduce:
                         continue
                     if not torch.cuda.can_device_access_peer(device.index, dev):
                         raise RuntimeError(f"cuda:{device.index} cannot access cuda:{dev}")
-                    peer = rebuild(*args)
-                    torch.empty(16, dtype=torch.uint8, device=device).copy_(peer[:16])  # enables peer access
-                    peers.append(peer)
+                    _enable_peer_access(device.index, dev)  # before the mapping is opened
+                    peers.append(rebuild(*args))
                 torch.cuda.synchronize(device)
                 self = cls(rank, world, buffer, peers, layout.max_bytes, group)
             except Exception as e:  # noqa: BLE001
@@ -248,6 +247,34 @@ class PeerAllReduce:
         return bool(self.error.item())
 
 
+def _cudart():
+    """The CUDA runtime library this process already loaded for torch (found in /proc/self/maps)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        raise RuntimeError("libcudart is not loaded")
+    return ctypes.CDLL(sorted(paths)[0])
+
+
+def _enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on `device` address memory of `peer` (cudaDeviceEnablePeerAccess from device's context).
+
+    A peer's IPC buffer is opened on the peer's device, and torch enables access between a pair of devices
+    only in the direction its own copies need; the kernel on this device reads and writes the peer's memory
+    directly, so this direction must be on, or the first store is an illegal address (seen on 2 x H200)."""
+    rt = _cudart()
+    prev = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    try:
+        err = rt.cudaDeviceEnablePeerAccess(peer, 0)
+    finally:
+        torch.cuda.set_device(prev)
+    if err not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
+        raise RuntimeError(f"cudaDeviceEnablePeerAccess(cuda:{device} -> cuda:{peer}) failed with error {err}")
+
+
 def _agree(reason: str | None, group) -> bool:
     """All ranks learn whether any rank failed; the first reason is logged."""
     reasons: list = [None] * dist.get_world_size(group)
@@ -259,15 +286,17 @@ def _agree(reason: str | None, group) -> bool:
 
 
 def make_all_reduce(group=None):
-    """The all-reduce a tensor-parallel rank should use: `LINGLS_ALLREDUCE` = peer | nccl (default: peer where
-    possible). Collective on NCCL groups: every rank must call it at the same point.
+    """The all-reduce a tensor-parallel rank should use: `LINGLS_ALLREDUCE` = nccl | peer (default: nccl).
+    Collective on NCCL groups: every rank must call it at the same point.
 
-    The default is the peer path: NCCL spends ~22 us on each of a decode step's 84 small all-reduces, which one
-    kernel writing into peer memory should cut to a few (bench/tp_gpu.py measures both), and the path checks
-    itself at setup. Every rank falls back to the process group's own all-reduce when any rank lacks CUDA,
-    Triton, peer access or a shared host, or gets a wrong sum or a timeout in the self-check (a kernel fault,
-    which kills the CUDA context, cannot be fallen back from: set `nccl` then). `nccl` forces the fallback."""
-    mode = os.environ.get("LINGLS_ALLREDUCE", "peer").lower()
+    NCCL spends ~20 us on each of a decode step's 84 small all-reduces (measured: bench/results/tp_gpu.json),
+    which one kernel writing into peer memory should cut to a few. But on its first run on two H200s
+    (bench/tp_session.sh) the peer kernel hit an illegal address during setup, also with peer access enabled
+    explicitly, and a kernel fault kills the CUDA context where no fallback can help; so the peer path is opt-in
+    (`peer`) until it has run clean there. With `peer`, every rank falls back to the process group's own
+    all-reduce when any rank lacks CUDA, Triton, peer access or a shared host, or gets a wrong sum or a timeout
+    in the self-check."""
+    mode = os.environ.get("LINGLS_ALLREDUCE", "nccl").lower()
     if mode not in ("peer", "nccl"):
         raise ValueError(f"LINGLS_ALLREDUCE must be peer or nccl, got {mode!r}")
 
