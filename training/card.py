@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.evaluate import summary_table
+from training.evaluate import MODE_NAMES, summary_table
 from training.tokenizer import SPECIAL_TOKENS
 
 
@@ -10,20 +10,41 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _verdict(results: dict) -> str:
-    """One honest sentence: does ling-nano beat both baselines on both metrics (all cases)?"""
-    nano = results["ling-nano"]["all"]
-    others = {k: v["all"] for k, v in results.items() if k != "ling-nano"}
+def _verdict(results: dict, used: str) -> str:
+    """One honest sentence: does ling-nano, prompted the way lingls prompts it, beat both baselines on both
+    metrics (all cases)?"""
+    nano = results[used]["all"]
+    others = {k: v["all"] for k, v in results.items() if not k.startswith("ling-nano")}
     lost = [f"{metric.replace('_', ' ')} vs {name}" for name, m in others.items()
             for metric in ("exact_match", "edit_similarity") if nano[metric] <= m[metric]]
     if not lost:
-        return "**ling-nano beats both baselines on both metrics.**"
-    return ("**This ling-nano does not beat the baselines yet** (not better on: " + ", ".join(lost) +
-            "). It was trained on far fewer tokens than planned (see Training); the weights ship so that lingls "
-            "has a real model of the right architecture and format, and should be replaced by a longer run.")
+        return f"**{used} beats both baselines on both metrics.**"
+    return (f"**{used} does not beat the baselines yet** (not better on: " + ", ".join(lost) +
+            "). The weights ship so that lingls has a real model of the right architecture and format; a longer "
+            "run should replace them.")
 
 
-def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, dict]) -> str:
+def draft_section(log: dict) -> str:
+    """The drafter's part of the card, from the `distill_log.json` that training.draft.distill writes."""
+    cfg, st, last = log["config"], log["settings"], log["log"][-1]
+    return f"""## Draft model (`draft/`)
+A DSpark-style block drafter for speculative decoding (`lingls serve --draft lingls/assets/ling-nano/draft`):
+{cfg['num_layers']} attention layers of width {cfg['hidden_size']} that read ling-nano's residual stream after
+layers {cfg['target_layers']} and draft a block of {cfg['block_size']} tokens in one forward (anchor token + mask
+tokens), through ling-nano's own embedding and lm_head, plus a rank-{cfg['markov_rank']} Markov bias from the
+previous token. Distilled from the frozen ling-nano by `python -m training.draft.distill` for
+{last['seconds']:.0f} s ({last['step']} steps of {st['batch_size']} windows of {st['seq_len']} tokens,
+{st['anchors']} blocks each) on the same training files. Loss = KL(ling-nano || drafter) per block slot
+- {st['accept_weight']} x the expected accepted length / K, where the expected length sums, over the slots, the
+product of the per-slot probabilities that the rejection rule accepts (sum_v min(p_v, q_v)): early slots
+weigh more, since a miss there wastes every slot after it. Held-out at the end: KL {last['heldout_kl']:.3f},
+expected accepted drafts per block {last['heldout_expected_accepted']:.2f}, greedy (argmax agrees) accepted
+{last['heldout_greedy_accepted']:.2f}. bf16 weights; `distill_log.json` has the whole curve.
+"""
+
+
+def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, dict],
+               draft_log: dict | None = None) -> str:
     cfg, data, tr, held, ev = (report["config"], report["data"], report["training"], report["heldout"],
                                report["evaluation"])
     s = tr["settings"]
@@ -34,7 +55,8 @@ def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, 
                          f"{licenses.get(k, {}).get('license', '?')} |" for k, v in top)
     ngram_rows = "\n".join(f"| {o} | {r['all']['exact_match']:.3f} | {r['all']['edit_similarity']:.3f} |"
                            for o, r in ev["ngram_by_order"].items())
-    verdict = _verdict(ev["results"])
+    used = f"ling-nano ({MODE_NAMES[ev['lingls_mode']]})"
+    verdict = _verdict(ev["results"], used)
     specials = ", ".join(f"`{t}` = {i}" for i, t in enumerate(SPECIAL_TOKENS))
     return f"""# ling-nano
 
@@ -89,7 +111,7 @@ weight decay {s['weight_decay']}), peak learning rate {s['lr']}, linear warm-up 
 cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
 {s['mtp_weight']} x MTP cross-entropy (token after next). MoE balance without an auxiliary loss: after each step every
 expert's selection bias moves by {s['bias_rate']} towards the mean load. Whole reproduce run (data, tokenizer,
-training, evaluation): {report['timings_seconds']['total']:.0f} s.
+training, evaluation; the sum of its stages): {report['timings_seconds']['total']:.0f} s.
 
 ![training curve](training_curve.png)
 
@@ -100,8 +122,12 @@ Held-out loss (shipped bf16 weights, fp32 compute, {held['windows']} windows of 
 
 Next-line completion on the held-out files, {ev['cases_per_kind']} cursors of each kind, the same cases for every
 predictor. `line_start`: cursor after the line's indentation, expected completion = the line's code; `mid_line`:
-cursor at a random column inside the code, expected = the rest of the line. ling-nano gets a PSM prompt (last 768
-prefix tokens, first 256 suffix tokens), greedy, cut at the first newline. Baselines: the previous non-blank line
+cursor at a random column inside the code, expected = the rest of the line. ling-nano is prompted three ways: PSM
+and SPM (last 768 prefix tokens, first 256 suffix tokens) and the prefix alone, left to right; always with token
+healing (the prefix's last token is dropped and the completion's first token must agree with its text, because
+a cursor after indentation or inside a word cuts the text where the tokenizer would not); greedy, cut at the
+first newline. lingls prompts it the way that scored best here: **{MODE_NAMES[ev['lingls_mode']]}**
+(`completion_prompt` in tokenizer_config.json). Baselines: the previous non-blank line
 (minus what was typed), and a token n-gram model counted over the same training token stream (greedy with backoff and token
 healing; the best order on these cases is shown). Exact match compares after stripping trailing whitespace; edit
 similarity is rapidfuzz's normalised Indel similarity.
@@ -116,6 +142,7 @@ n-gram order vs score (all cases):
 |---|---|---|
 {ngram_rows}
 
+{draft_section(draft_log) if draft_log else ""}
 ## License notes on the data
 The weights were trained on source code that carries its own licenses. The Python standard library is under the
 PSF License Agreement. Each site-packages package is under its own license, as its distribution metadata states;

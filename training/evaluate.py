@@ -4,7 +4,7 @@ A case is a cursor in a held-out file and the rest of that line as the expected 
 - line_start: the cursor after the line's indentation (where an editor leaves it after Enter); the expected
   completion is the whole code of the line.
 - mid_line: the cursor at a random column inside the line's code; the expected completion is the rest of it.
-The text after the current line is the suffix (the model sees it in PSM order; the baselines don't use it).
+The text after the current line is the suffix (the model sees it in a FIM prompt; the baselines don't use it).
 Metrics per predictor and kind: exact match (after stripping trailing whitespace) and edit similarity
 (rapidfuzz's normalised Indel similarity, 0-1).
 """
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from rapidfuzz import fuzz
 
+from lingls.runtime.healing import Candidates, heal, strip_tail
 from training.baselines import first_line
 from training.fim import SPECIAL_ID
 from training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
@@ -78,27 +79,41 @@ def newline_token_ids(tok) -> set[int]:
             and tok.id_to_token(i) not in SPECIAL_TOKENS}
 
 
-class ModelCompleter:
-    """Greedy one-line completion with a LingForCausalLM over PSM prompts, many cases at a time.
+PROMPT_MODES = ("psm", "spm", "prefix")
+MODE_NAMES = {"psm": "PSM", "spm": "SPM", "prefix": "prefix only"}  # FIM orders, and left to right without suffix
 
+
+class ModelCompleter:
+    """Greedy one-line completion with a LingForCausalLM, many cases at a time, with token healing.
+
+    With token healing (lingls.runtime.healing, as lingls completes): the prompt drops the prefix's last token,
+    the first generated token must agree with its text, and the completion is what comes after that text.
     Prompts are right-padded in one buffer; each step runs the full causal forward over the live rows (a causal
     model's logits at a row's last real token ignore the padding after it) and drops rows that finished.
     Lengths are rounded up to a multiple of 64 so the kernels see few distinct shapes.
     """
 
-    def __init__(self, model, tok, device: str, prefix_tokens: int = 768, suffix_tokens: int = 256,
-                 max_new_tokens: int = 48, batch: int = 96):
-        self.model, self.tok, self.device = model, tok, device
+    def __init__(self, model, tok, device: str, mode: str = "psm", prefix_tokens: int = 768,
+                 suffix_tokens: int = 256, max_new_tokens: int = 48, batch: int = 96):
+        if mode not in PROMPT_MODES:
+            raise ValueError(f"mode must be one of {PROMPT_MODES}")
+        self.model, self.tok, self.device, self.mode = model, tok, device, mode
         self.prefix_tokens, self.suffix_tokens = prefix_tokens, suffix_tokens
         self.max_new, self.batch = max_new_tokens, batch
-        stop = newline_token_ids(tok) | set(range(len(SPECIAL_TOKENS)))
-        self.stop = torch.zeros(tok.get_vocab_size(), dtype=torch.bool)
-        self.stop[list(stop)] = True
+        self.texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
+        self.candidates = Candidates(self.texts, set(range(len(SPECIAL_TOKENS))))
 
-    def prompt(self, prefix: str, suffix: str) -> list[int]:
-        pre = self.tok.encode(prefix, add_special_tokens=False).ids[-self.prefix_tokens:] if prefix else []
+    def prompt(self, prefix: str, suffix: str) -> tuple[list[int], str]:
+        """(prompt ids, healed tail text)."""
+        pre = self.tok.encode(prefix, add_special_tokens=False).ids[-self.prefix_tokens - 1:] if prefix else []
+        pre, tail = heal(pre, self.texts, set(), None) if len(pre) > 1 else (pre, "")
         suf = self.tok.encode(suffix, add_special_tokens=False).ids[: self.suffix_tokens] if suffix else []
-        return [SPECIAL_ID[FIM_PREFIX], *pre, SPECIAL_ID[FIM_SUFFIX], *suf, SPECIAL_ID[FIM_MIDDLE]]
+        p, s, m = SPECIAL_ID[FIM_PREFIX], SPECIAL_ID[FIM_SUFFIX], SPECIAL_ID[FIM_MIDDLE]
+        if self.mode == "psm":
+            return [p, *pre, s, *suf, m], tail
+        if self.mode == "spm":
+            return [s, *suf, p, *pre, m], tail
+        return pre, tail
 
     @torch.no_grad()
     def complete_all(self, cases: list[Case]) -> list[str]:
@@ -107,35 +122,47 @@ class ModelCompleter:
         for start in range(0, len(order), self.batch):
             idx = order[start:start + self.batch]
             prompts = [self.prompt(cases[i].prefix, cases[i].suffix) for i in idx]
-            for i, ids in zip(idx, self._generate(prompts)):
-                out[i] = first_line(self.tok.decode([t for t in ids if t >= len(SPECIAL_TOKENS)]))
+            for i, text in zip(idx, self._generate(prompts)):
+                out[i] = first_line(text)
         return out
 
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
+    def _generate(self, prompts: list[tuple[list[int], str]]) -> list[str]:
+        """The completions past each prompt's tail (up to the first newline after it, or a special token)."""
         dev = self.device
-        lens = torch.tensor([len(p) for p in prompts])
+        lens = torch.tensor([len(p) for p, _ in prompts])
         width = int(lens.max()) + self.max_new
         buf = torch.zeros(len(prompts), width, dtype=torch.long)
-        for r, p in enumerate(prompts):
+        for r, (p, _) in enumerate(prompts):
             buf[r, : len(p)] = torch.tensor(p)
-        buf, lens, stop = buf.to(dev), lens.to(dev), self.stop.to(dev)
-        live = torch.arange(len(prompts), device=dev)
+        first_mask = torch.stack([self.candidates.mask(tail) if tail else self.candidates.ordinary
+                                  for _, tail in prompts]).to(dev)
+        buf, lens = buf.to(dev), lens.to(dev)
+        live = list(range(len(prompts)))
         generated: list[list[int]] = [[] for _ in prompts]
-        for _ in range(self.max_new):
-            if live.numel() == 0:
+        texts = [""] * len(prompts)
+        for step in range(self.max_new):
+            if not live:
                 break
-            t = int(lens[live].max())
-            t = min(width, -(-t // 64) * 64)
+            rows = torch.tensor(live, device=dev)
+            t = min(width, -(-int(lens[rows].max()) // 64) * 64)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=buf.is_cuda):  # the shipped weights are bf16
-                h = self.model.hidden(buf[live, :t])
-                last = h[torch.arange(live.numel(), device=dev), lens[live] - 1]
-                nxt = self.model.head(last).argmax(-1)
-            buf[live, lens[live]] = nxt
-            lens[live] += 1
-            for r, tok in zip(live.tolist(), nxt.tolist()):
-                generated[r].append(tok)
-            live = live[~stop[nxt]]
-        return generated
+                h = self.model.hidden(buf[rows, :t])
+                logits = self.model.head(h[torch.arange(len(live), device=dev), lens[rows] - 1]).float()
+            if step == 0:
+                logits = logits.masked_fill(~first_mask[rows], float("-inf"))
+            nxt = logits.argmax(-1)
+            buf[rows, lens[rows]] = nxt
+            lens[rows] += 1
+            still = []
+            for r, token in zip(live, nxt.tolist()):
+                if token < len(SPECIAL_TOKENS):
+                    continue
+                generated[r].append(token)
+                texts[r] = strip_tail(self.tok.decode(generated[r]), prompts[r][1])
+                if "\n" not in texts[r]:
+                    still.append(r)
+            live = still
+        return texts
 
 
 def summary_table(results: dict) -> str:

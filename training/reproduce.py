@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from lingls.model import LingConfig, load_model, save_checkpoint
 from training import card, plots
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.data import collect, package_bytes, write_manifest
-from training.evaluate import ModelCompleter, case_record, make_cases, newline_token_ids, score, summary_table
+from training.evaluate import (MODE_NAMES, PROMPT_MODES, ModelCompleter, case_record, make_cases, newline_token_ids,
+                               score, summary_table)
 from training.fim import FimMix, build_examples, encode_examples
 from training.licenses import package_licenses
 from training.ngram import NGramModel
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-windows", type=int, default=None, help="cap on held-out windows for the loss (default: all)")
     ap.add_argument("--seed", type=int, default=TrainSettings.seed)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="keep DIR's trained model, tokenizer and training log; redo the data, evaluation and card")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -94,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             break
         sample.append(f.text)
         size += len(f.text)
-    tok = train_tokenizer(sample, args.vocab_size)
-    save_tokenizer(tok, model_dir, cfg.max_position_embeddings)
+    if args.eval_only:
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(sample, args.vocab_size)
+        save_tokenizer(tok, model_dir, cfg.max_position_embeddings)
     assert special_ids(tok) == {s: i for i, s in enumerate(SPECIAL_TOKENS)}
     t = mark("tokenizer", t)
 
@@ -111,20 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     t = mark("ngram", t)
 
     settings = TrainSettings(batch_size=args.batch_size, max_seconds=args.train_seconds, seed=args.seed)
-    model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device)
-    t = mark("train", t)
-
-    save_checkpoint(model, model_dir, dtype=torch.bfloat16)
-    (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
-    del model
+    if args.eval_only:
+        previous = json.loads((res_dir / "nano_eval.json").read_text())
+        summary, timings["train"] = previous["training"], previous["timings_seconds"]["train"]
+    else:
+        model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device)
+        t = mark("train", t)
+        save_checkpoint(model, model_dir, dtype=torch.bfloat16)
+        (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
+        del model
     shipped = load_model(model_dir, device=args.device, dtype=torch.float32)
     held_windows = windows_of(heldout_stream, settings.seq_len)[: args.heldout_windows]
     held_loss, held_mtp = mean_loss(shipped, held_windows, 16, args.device, bf16=False, with_mtp=True)
     t = mark("heldout_loss", t)
 
     cases = make_cases(corpus.heldout, args.cases_per_kind, args.seed)
-    preds = {"ling-nano": ModelCompleter(shipped, tok, args.device).complete_all(cases)}
-    t_model = time.time() - t
+    preds, model_seconds = {}, {}
+    for mode in PROMPT_MODES:
+        t_mode = time.time()
+        preds[f"ling-nano ({MODE_NAMES[mode]})"] = ModelCompleter(shipped, tok, args.device, mode).complete_all(cases)
+        model_seconds[mode] = round(time.time() - t_mode, 1)
     preds["repeat previous line"] = [repeat_previous_line(c.prefix) for c in cases]
     newline_ids = newline_token_ids(tok)
     ngram_scores = {}
@@ -136,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     best = max(ngram_scores, key=lambda o: ngram_scores[o][0]["all"]["edit_similarity"])
     preds[f"token {best}-gram"] = ngram_scores[best][1]
     results = {name: score(cases, p) for name, p in preds.items()}
+    lingls_mode = max(PROMPT_MODES, key=lambda m: results[f"ling-nano ({MODE_NAMES[m]})"]["all"]["edit_similarity"])
+    config_path = model_dir / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "completion_prompt": lingls_mode},
+                                      indent=2) + "\n")
     t = mark("evaluate", t)
 
     n_params = sum(p.numel() for p in shipped.parameters())
@@ -156,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                     "note": "shipped bf16 weights computed in fp32, plain left-to-right held-out files"},
         "evaluation": {"cases_per_kind": args.cases_per_kind, "results": results,
                        "ngram_by_order": {str(o): s for o, (s, _) in ngram_scores.items()},
-                       "model_eval_seconds": round(t_model, 1), "max_new_tokens": 48,
-                       "prompt": "PSM: last 768 prefix tokens, first 256 suffix tokens; greedy, cut at the first newline"},
+                       "model_eval_seconds": model_seconds, "lingls_mode": lingls_mode, "max_new_tokens": 48,
+                       "prompt": "last 768 prefix tokens (the last one healed), first 256 suffix tokens; "
+                                 "greedy, cut at the first newline"},
         "timings_seconds": timings,
         "samples": [case_record(cases[i], {n: p[i] for n, p in preds.items()})
                     for i in sorted(set(range(min(20, len(cases)))) | set(range(max(0, len(cases) - 20), len(cases))))],
     }
-    report["timings_seconds"]["total"] = round(time.time() - t_start, 1)
+    report["timings_seconds"]["total"] = round(sum(timings.values()), 1)  # --eval-only: with the earlier training
     (res_dir / "nano_eval.json").write_text(json.dumps(report, indent=1) + "\n")
     plots.training_curve(res_dir / "train_log.jsonl", res_dir / "nano_training_curve.png",
                          f"ling-nano: {n_params / 1e6:.1f}M parameters, {summary['train_tokens'] / 1e6:.0f}M tokens")
@@ -170,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     (model_dir / "training_curve.png").write_bytes((res_dir / "nano_training_curve.png").read_bytes())
     licenses = package_licenses(list(package_bytes(corpus.train))[:40])
     (res_dir / "data_licenses.json").write_text(json.dumps(licenses, indent=1) + "\n")
-    (model_dir / "MODEL_CARD.md").write_text(card.model_card(report, package_bytes(corpus.train), licenses))
+    draft_log = model_dir / "draft" / "distill_log.json"  # a drafter distilled earlier (training.draft.distill)
+    (model_dir / "MODEL_CARD.md").write_text(card.model_card(
+        report, package_bytes(corpus.train), licenses,
+        json.loads(draft_log.read_text()) if draft_log.is_file() else None))
     mark("report", t)
     print(summary_table(results), flush=True)
     print(json.dumps({"heldout": report["heldout"], "training": summary, "timings": timings}), flush=True)

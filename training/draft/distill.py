@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter.init_weights(generator=torch.Generator().manual_seed(0))
     drafter.to(args.device)
     records = train(target, drafter, windows, held, settings)
-    save_drafter(drafter, args.out)
+    save_drafter(drafter, args.out, dtype=torch.bfloat16)  # shipped like ling-nano: bf16
     (args.out / "distill_log.json").write_text(json.dumps({"settings": asdict(settings), "config": cfg.to_dict(),
                                                            "train_windows": len(windows), "heldout_windows": len(held),
                                                            "log": records}, indent=2) + "\n")
