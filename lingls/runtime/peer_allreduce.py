@@ -8,8 +8,14 @@ raises a flag there, waits for its peers' flags in its own memory, and sums. One
 
 How:
 - Each rank allocates one receive buffer (`_Layout`): flag words [MAX_PROGRAMS, WORLD] int64, then data
-  [2 parities, WORLD slots, slot_bytes]. CUDA IPC handles of the buffers are swapped over torch.distributed
-  (`reduce_tensor` -> `all_gather_object` -> rebuild), so each rank holds every peer's buffer address.
+  [2 parities, WORLD slots, slot_bytes], as a cudaMalloc allocation of its own. Its CUDA IPC handle
+  (cudaIpcGetMemHandle, 64 bytes) goes to the peers over torch.distributed (`all_gather_object`), and each rank
+  opens its peers' handles with its OWN device current (cudaIpcOpenMemHandle with lazy peer access), so the
+  mappings live in the context whose kernels use them. (The first version rebuilt torch's shared CUDA tensors,
+  which maps them in the peer device's context; its kernel faulted on its first access on 2 x H200, with or
+  without peer access enabled; the context is the likely cause, not yet confirmed: bench/peer_probe.py tests
+  the new mapping step by step.) The runtime is called through ctypes on the libcudart torch loaded; the own buffer becomes a tensor
+  through DLPack.
 - The kernel runs `cdiv(n, BLOCK)` programs; program p owns elements [p*BLOCK, (p+1)*BLOCK) and talks to
   program p of the peers only, through flag (p, src): no grid-wide barrier is needed.
 - Program p's epoch lives in device memory (`epochs[p]`) and the kernel advances it, so the op needs nothing
@@ -34,6 +40,7 @@ Not used: torch.distributed._symmetric_memory (its rendezvous hung on the lent m
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils.dlpack
 
 try:
     import triton
@@ -133,18 +141,25 @@ class PeerAllReduce:
 
     Build it collectively with `PeerAllReduce.create(group)`, which returns None on every rank when any rank
     cannot take part (then use the process group's all-reduce). Calling it reduces in place and returns x,
-    like `dist.all_reduce`; messages it cannot take go to `dist.all_reduce`."""
+    like `dist.all_reduce`; messages it cannot take go to `dist.all_reduce`.
 
-    def __init__(self, rank: int, world: int, buffer: torch.Tensor, peers: list[torch.Tensor], max_bytes: int,
-                 group=None):
+    `buffer` is this rank's receive buffer (uint8, `_Layout(world, max_bytes).total` bytes, zeroed, 512-byte
+    aligned); `peers[r]` is rank r's receive buffer as this process addresses it: an int address (or a tensor,
+    whose data_ptr() is taken), mapped so that kernels on this rank's device may read and write it."""
+
+    def __init__(self, rank: int, world: int, buffer: torch.Tensor, peers: list, max_bytes: int, group=None):
         if max_bytes % 512:
             raise ValueError(f"max_bytes must be a multiple of 512 (the kernel's alignment hints), got {max_bytes}")
         self.rank, self.world, self.group = rank, world, group
         self.layout = _Layout(world, max_bytes)
-        self.buffer, self.peers = buffer, peers  # the peers' mapped buffers stay referenced: they stay mapped
+        self.buffer = buffer
+        self._mapping = None  # create(): what close() gives back (own allocation, opened peer mappings)
         device = buffer.device
         base = buffer.data_ptr()
-        deltas = [p.data_ptr() - base for p in peers]
+        addresses = [p if isinstance(p, int) else p.data_ptr() for p in peers]
+        deltas = [a - base for a in addresses]
+        if len(deltas) != world or deltas[rank] != 0:
+            raise ValueError("peers must list every rank's buffer, this rank's own at its rank")
         if any(d % 512 for d in deltas):
             raise ValueError("peer buffers are not 512-byte aligned")
         self.deltas = torch.tensor(deltas, dtype=torch.int64, device=device)
@@ -157,27 +172,35 @@ class PeerAllReduce:
     @classmethod
     def create(cls, group=None, max_elems: int = 16 * 4096, dtype: torch.dtype = torch.bfloat16,
                check: bool = True) -> "PeerAllReduce | None":
-        """Collective: every rank of `group` must call it. Returns the same kind of answer on every rank."""
+        """Collective: every rank of `group` must call it. Returns the same kind of answer on every rank.
+
+        Each rank cudaMallocs its receive buffer (its own allocation: an IPC handle covers a whole allocation,
+        and torch's caching allocator sub-allocates, or uses expandable segments that cudaIpcGetMemHandle
+        refuses) and exports it with cudaIpcGetMemHandle; the handles travel as bytes; each rank opens its
+        peers' handles with ITS OWN device current (cudaIpcOpenMemHandle, lazy peer access), so the mappings
+        live in the context that runs the kernel. (torch's own rebuild of a shared CUDA tensor opens it with
+        the peer's device current; the kernel of the version that used it faulted on 2 x H200.)"""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         reason = None
         payload = None
         layout = _Layout(world, -(-max_elems * torch.tensor([], dtype=dtype).element_size() // 512) * 512)
+        cuda = device = own = None
+        opened: list[int] = []
         try:
             if triton is None:
                 raise RuntimeError("triton is not installed")
             if not torch.cuda.is_available():
                 raise RuntimeError("no CUDA")
-            from torch.multiprocessing.reductions import reduce_tensor
-
             device = torch.device("cuda", torch.cuda.current_device())
-            buffer = torch.zeros(layout.total, dtype=torch.uint8, device=device)
-            torch.cuda.synchronize(device)  # the zeros are in place before a peer can write
-            payload = (socket.gethostname(), device.index, reduce_tensor(buffer))
+            cuda = _cuda()
+            own = cuda.malloc(device.index, -(-layout.total // _ALLOC_ROUND) * _ALLOC_ROUND)  # zeroed, synced
+            handle, offset = cuda.ipc_handle(device.index, own)
+            payload = (socket.gethostname(), device.index, handle, offset)
         except Exception as e:  # noqa: BLE001 - any failure means "not this path", agreed below
             reason = f"rank {rank}: {e!r}"
         payloads: list = [None] * world
         dist.all_gather_object(payloads, payload, group=group)
-        peers: list[torch.Tensor] = []
+        self = None
         if reason is None:
             try:
                 missing = [r for r, p in enumerate(payloads) if p is None]
@@ -185,26 +208,46 @@ class PeerAllReduce:
                     raise RuntimeError(f"ranks {missing} could not allocate a peer buffer")
                 if len({p[0] for p in payloads}) > 1:
                     raise RuntimeError("ranks span several hosts")
-                for r, (_host, dev, (rebuild, args)) in enumerate(payloads):
+                addresses = []
+                for r, (_host, dev, handle, offset) in enumerate(payloads):
                     if r == rank:
-                        peers.append(buffer)
+                        addresses.append(own)
                         continue
-                    if not torch.cuda.can_device_access_peer(device.index, dev):
+                    if dev != device.index and not torch.cuda.can_device_access_peer(device.index, dev):
                         raise RuntimeError(f"cuda:{device.index} cannot access cuda:{dev}")
-                    _enable_peer_access(device.index, dev)  # before the mapping is opened
-                    peers.append(rebuild(*args))
+                    base = cuda.ipc_open(device.index, handle)  # mapped in this device's context
+                    opened.append(base)
+                    addresses.append(base + offset)
+                buffer = _device_view(own, layout.total, device)
+                self = cls(rank, world, buffer, addresses, layout.max_bytes, group)
+                self._mapping = (cuda, device.index, own, opened)
                 torch.cuda.synchronize(device)
-                self = cls(rank, world, buffer, peers, layout.max_bytes, group)
             except Exception as e:  # noqa: BLE001
                 reason = f"rank {rank}: {e!r}"
         if not _agree(reason, group):
+            if self is not None:
+                self.close()
+            elif cuda is not None:  # no kernel ran: nobody writes into these any more
+                _release(cuda, device.index, own, opened)
             return None
         dist.barrier(group=group)  # every rank's epochs and flags exist before anyone writes to a peer
         if check:
             reason = self._self_check()
             if not _agree(reason, group):
-                return None
+                return None  # the mappings stay open: a peer may still be inside its half of the check
         return self
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this rank's. Collective in spirit: call it on every rank after
+        every rank's last all-reduce has completed (a barrier after a synchronize), or a peer may still write
+        here. Unneeded at process exit."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is None:
+            return
+        cuda, device, own, opened = mapping
+        torch.cuda.synchronize(device)
+        self.buffer = self.flags = self._data = None
+        _release(cuda, device, own, opened)
 
     def _self_check(self) -> str | None:
         """One real all-reduce of known values (a peer that cannot be written shows up here, once)."""
@@ -236,6 +279,8 @@ class PeerAllReduce:
     def launch(self, x: torch.Tensor, out: torch.Tensor, push: bool = True, reduce: bool = True,
                max_spin: int = MAX_SPIN) -> None:
         n = x.numel()
+        if n * x.element_size() > self.layout.max_bytes or x.dtype not in DTYPES:
+            raise ValueError(f"{n} x {x.dtype} does not fit the peer buffers ({self.layout.max_bytes} bytes)")
         _one_shot_kernel[(triton.cdiv(n, BLOCK),)](
             x, out, self._data[x.dtype], self.flags, self.deltas, self.epochs, self.error, n,
             self.layout.max_bytes // x.element_size(),
@@ -247,10 +292,17 @@ class PeerAllReduce:
         return bool(self.error.item())
 
 
+# ---- CUDA runtime through ctypes ------------------------------------------------------------------------------
+_ALLOC_ROUND = 2 << 20  # receive buffers are whole 2 MiB allocations: nothing else shares what a handle exports
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t: CUDA_IPC_HANDLE_SIZE bytes, by value
+
+
 def _cudart():
     """The CUDA runtime library this process already loaded for torch (found in /proc/self/maps)."""
-    import ctypes
-
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
     if not paths:
@@ -258,21 +310,160 @@ def _cudart():
     return ctypes.CDLL(sorted(paths)[0])
 
 
-def _enable_peer_access(device: int, peer: int) -> None:
-    """Let kernels on `device` address memory of `peer` (cudaDeviceEnablePeerAccess from device's context).
+class _Cuda:
+    """The few runtime calls the peer mapping needs, with their C signatures; every call names its device and
+    puts the previous current device back. A failed call raises, and its error is cleared from the runtime's
+    last-error slot (or torch's next kernel launch check would report it)."""
 
-    A peer's IPC buffer is opened on the peer's device, and torch enables access between a pair of devices
-    only in the direction its own copies need; the kernel on this device reads and writes the peer's memory
-    directly, so this direction must be on, or the first store is an illegal address (seen on 2 x H200)."""
-    rt = _cudart()
-    prev = torch.cuda.current_device()
-    torch.cuda.set_device(device)
+    def __init__(self, lib=None):
+        c = ctypes
+        self.lib = lib = lib or _cudart()
+        sigs = {
+            "cudaGetDevice": [c.POINTER(c.c_int)],
+            "cudaSetDevice": [c.c_int],
+            "cudaMalloc": [c.POINTER(c.c_void_p), c.c_size_t],
+            "cudaFree": [c.c_void_p],
+            "cudaMemset": [c.c_void_p, c.c_int, c.c_size_t],
+            "cudaDeviceSynchronize": [],
+            "cudaGetLastError": [],
+            "cudaIpcGetMemHandle": [c.POINTER(_IpcMemHandle), c.c_void_p],
+            "cudaIpcOpenMemHandle": [c.POINTER(c.c_void_p), _IpcMemHandle, c.c_uint],
+            "cudaIpcCloseMemHandle": [c.c_void_p],
+        }
+        self.fn = {}
+        for name, args in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, c.c_int
+            self.fn[name] = f
+        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [c.c_int], c.c_char_p
+
+    def check(self, err: int, what: str) -> None:
+        if err:
+            self.fn["cudaGetLastError"]()
+            raise RuntimeError(f"{what} failed: error {err} ({self.lib.cudaGetErrorString(err).decode()})")
+
+    def on(self, device: int, name: str, *args) -> None:
+        """fn name(*args) with `device` current."""
+        prev = ctypes.c_int(-1)
+        self.check(self.fn["cudaGetDevice"](ctypes.byref(prev)), "cudaGetDevice")
+        self.check(self.fn["cudaSetDevice"](device), f"cudaSetDevice({device})")
+        try:
+            self.check(self.fn[name](*args), f"{name} on cuda:{device}")
+        finally:
+            self.fn["cudaSetDevice"](prev.value)
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        """A zeroed allocation of its own (cudaMalloc), complete before this returns."""
+        ptr = ctypes.c_void_p()
+        self.on(device, "cudaMalloc", ctypes.byref(ptr), nbytes)
+        try:
+            self.on(device, "cudaMemset", ptr, 0, nbytes)
+            self.on(device, "cudaDeviceSynchronize")
+        except Exception:
+            self.on(device, "cudaFree", ptr)
+            raise
+        return ptr.value
+
+    def ipc_handle(self, device: int, ptr: int) -> tuple[bytes, int]:
+        """(handle, offset): the handle exports the allocation that holds ptr, which starts offset bytes before
+        ptr (0 for a cudaMalloc'd pointer; asked of the driver where it can tell)."""
+        handle = _IpcMemHandle()
+        self.on(device, "cudaIpcGetMemHandle", ctypes.byref(handle), ctypes.c_void_p(ptr))
+        return ctypes.string_at(ctypes.addressof(handle), 64), ptr - _range_start(ptr)  # all 64 bytes, NULs too
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        """Map a peer's exported allocation into `device`'s context; its base address there."""
+        if len(handle) != 64:
+            raise ValueError(f"an IPC handle has 64 bytes, got {len(handle)}")
+        h = _IpcMemHandle.from_buffer_copy(handle)
+        ptr = ctypes.c_void_p()
+        self.on(device, "cudaIpcOpenMemHandle", ctypes.byref(ptr), h, _IPC_LAZY_ENABLE_PEER_ACCESS)
+        return ptr.value
+
+
+_CUDA: _Cuda | None = None
+
+
+def _cuda() -> _Cuda:
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = _Cuda()
+    return _CUDA
+
+
+def _range_start(ptr: int) -> int:
+    """Start of the allocation holding ptr (cuMemGetAddressRange; ptr itself when the driver cannot say)."""
     try:
-        err = rt.cudaDeviceEnablePeerAccess(peer, 0)
-    finally:
-        torch.cuda.set_device(prev)
-    if err not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
-        raise RuntimeError(f"cudaDeviceEnablePeerAccess(cuda:{device} -> cuda:{peer}) failed with error {err}")
+        drv = ctypes.CDLL("libcuda.so.1")
+        f = drv.cuMemGetAddressRange_v2
+        f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        f.restype = ctypes.c_int
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        if f(ctypes.byref(base), ctypes.byref(size), ptr) == 0 and base.value <= ptr < base.value + size.value:
+            return base.value
+    except (OSError, AttributeError):
+        pass
+    return ptr
+
+
+def _release(cuda: _Cuda, device: int, own: int | None, opened: list[int]) -> None:
+    for ptr in opened:
+        try:
+            cuda.on(device, "cudaIpcCloseMemHandle", ctypes.c_void_p(ptr))
+        except RuntimeError as e:
+            log.warning("peer all-reduce: %s", e)
+    if own is not None:
+        try:
+            cuda.on(device, "cudaFree", ctypes.c_void_p(own))
+        except RuntimeError as e:
+            log.warning("peer all-reduce: %s", e)
+
+
+# ---- a tensor over memory torch did not allocate (DLPack, no copy) --------------------------------------------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_DL_KEEP: list = []  # the structs torch reads (deleter slot included) live as long as the process: a few per process
+
+
+def _device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over [ptr, ptr + nbytes) that torch treats as memory of `device` (kDLCUDA with the
+    device's index: torch asks no pointer attributes, so a peer's mapping opened in this device's context is
+    labelled this device, where it is addressable). torch never frees it: the caller owns the memory."""
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"no view on {device}")
+    shape, strides = (ctypes.c_int64 * 1)(nbytes), (ctypes.c_int64 * 1)(1)
+    m = _DLManagedTensor()
+    m.dl_tensor.data = ptr
+    m.dl_tensor.device = _DLDevice(2 if device.type == "cuda" else 1,
+                                   (device.index if device.index is not None else torch.cuda.current_device())
+                                   if device.type == "cuda" else 0)
+    m.dl_tensor.ndim = 1
+    m.dl_tensor.dtype = _DLDataType(1, 8, 1)  # kDLUInt, 8 bits
+    m.dl_tensor.shape, m.dl_tensor.strides, m.dl_tensor.byte_offset = shape, strides, 0
+    m.manager_ctx = m.deleter = None
+    _DL_KEEP.append((m, shape, strides))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.argtypes, new_capsule.restype = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p], ctypes.py_object
+    t = torch.utils.dlpack.from_dlpack(new_capsule(ctypes.addressof(m), b"dltensor", None))
+    if t.data_ptr() != ptr or t.numel() != nbytes or t.device.type != device.type:
+        raise RuntimeError(f"DLPack view came back as {t.device} at {t.data_ptr():#x}, asked {device} at {ptr:#x}")
+    return t
 
 
 def _agree(reason: str | None, group) -> bool:
@@ -293,7 +484,8 @@ def make_all_reduce(group=None):
     which one kernel writing into peer memory should cut to a few. But on its first run on two H200s
     (bench/tp_session.sh) the peer kernel hit an illegal address during setup, also with peer access enabled
     explicitly, and a kernel fault kills the CUDA context where no fallback can help; so the peer path is opt-in
-    (`peer`) until it has run clean there. With `peer`, every rank falls back to the process group's own
+    (`peer`) until it has run clean there. (Peers are now mapped in the own device's context, the likely fix;
+    bench/peer_probe.py checks it stage by stage.) With `peer`, every rank falls back to the process group's own
     all-reduce when any rank lacks CUDA, Triton, peer access or a shared host, or gets a wrong sum or a timeout
     in the self-check."""
     mode = os.environ.get("LINGLS_ALLREDUCE", "nccl").lower()

@@ -34,7 +34,7 @@ def aligned_zeros(nbytes: int) -> torch.Tensor:
 def simulated_ranks(world: int, max_bytes: int = 16 * 2560 * 2) -> list[pa.PeerAllReduce]:
     layout = pa._Layout(world, max_bytes)
     buffers = [aligned_zeros(layout.total) for _ in range(world)]
-    return [pa.PeerAllReduce(r, world, buffers[r], buffers, max_bytes) for r in range(world)]
+    return [pa.PeerAllReduce(r, world, buffers[r], [b.data_ptr() for b in buffers], max_bytes) for r in range(world)]
 
 
 def all_reduce(ranks, xs, outs=None):
@@ -96,6 +96,40 @@ def test_message_limits():
     assert r.layout.max_bytes >= 16 * 2560 * 2
     assert not r.fits(torch.zeros(16, 2560, dtype=torch.bfloat16))  # a CPU tensor never takes the peer path
     assert r.layout.flag_bytes % 256 == 0 and r.layout.flag_bytes >= r.layout.max_programs * 2 * 8
+
+
+def test_peers_must_be_aligned_and_complete():
+    layout = pa._Layout(2, 1024)
+    a, b = aligned_zeros(layout.total), aligned_zeros(layout.total + 512)
+    with pytest.raises(ValueError, match="aligned"):
+        pa.PeerAllReduce(0, 2, a, [a.data_ptr(), b.data_ptr() + 8], 1024)
+    with pytest.raises(ValueError, match="every rank"):
+        pa.PeerAllReduce(1, 2, a, [a.data_ptr(), b.data_ptr()], 1024)  # rank 1's own buffer is not at its rank
+    pa.PeerAllReduce(0, 2, a, [a, b], 1024)  # tensors stand for their addresses
+
+
+def test_dlpack_view_is_the_memory_itself():
+    """The view create() puts over its cudaMalloc'd buffer, here over CPU memory: same address, no copy."""
+    owner = torch.arange(4096, dtype=torch.int32)
+    view = pa._device_view(owner.data_ptr() + 512, 1024, torch.device("cpu"))
+    assert view.dtype == torch.uint8 and view.numel() == 1024 and view.data_ptr() == owner.data_ptr() + 512
+    assert torch.equal(view.view(torch.int32), owner[128:384])
+    view.view(torch.int32)[0] = -7  # writes land in the owner's memory
+    assert int(owner[128]) == -7
+
+
+def test_ipc_handle_struct_is_64_bytes_by_value():
+    assert pa.ctypes.sizeof(pa._IpcMemHandle) == 64
+    raw = bytes(range(64))
+    h = pa._IpcMemHandle.from_buffer_copy(raw)
+    assert pa.ctypes.string_at(pa.ctypes.addressof(h), 64) == raw  # NUL bytes survive, unlike .reserved
+
+
+def test_create_without_cuda_runtime_says_why():
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch loads libcudart")
+    with pytest.raises(RuntimeError):
+        pa._cudart()  # no libcudart in a CPU-only process: create() reports it and every rank falls back
 
 
 # ---- the fallback over gloo: two CPU processes -------------------------------------------------------------
