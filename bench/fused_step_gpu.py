@@ -73,8 +73,12 @@ def floor_bytes(model, t: int, distinct: int) -> int:
 
 def main(out: str, layers: int) -> int:
     torch.manual_seed(0)
-    bw = copy_bandwidth()
-    model = build_flash(layers, tp=4, rank=0)
+    return measure(build_flash(layers, tp=4, rank=0), out, copy_bandwidth())
+
+
+def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
+    """Check and time the fused step of `model` against the plain step; JSON to `out` (plus `extra`)."""
+    layers = len(model.decoder_layers)
     vocab = model.config.vocab_size
     state = model.new_state(CONTEXT + 64)
     state.latent.normal_()
@@ -117,7 +121,8 @@ def main(out: str, layers: int) -> int:
                          plain_graph_ms=plain_ms, fused_graph_ms=fused_ms, floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms, kernels=profile))
     result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
-                  device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows)
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows,
+                  **(extra or {}))
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{layers} layers, copy {bw / 1e12:.2f} TB/s")

@@ -4,8 +4,9 @@ Each cache row is [c (rank) | k_rope (rope)]. A query t of head h scores row j a
     s = scale * (q_lat[t, h] . c_j + q_rope[t, h] . k_rope_j),   visible iff j <= positions[t],
 and returns sum_j softmax(s)_j c_j (the latent output; W_v is applied after, by the caller).
 
-The kernel splits the rows into NUM_SPLITS ranges, one program per (range, head): every program of a range
-reads the same rows, so the cache crosses HBM about once and the other heads hit L2. The number of rows to
+The kernel splits the rows into NUM_SPLITS ranges, one program per (range, group of heads): a program puts its
+heads' queries into one MMA tile (all 8 heads of a TP=4 rank at T=1), and the programs of a range read the
+same rows, so the cache crosses HBM about once and the other head groups hit L2. The number of rows to
 read comes from `positions` on the device (the last query's position + 1), so a CUDA graph captured once
 serves every length up to the cache's capacity without the host ever learning the length. A second small
 kernel merges the ranges' partial softmaxes.
@@ -33,24 +34,46 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
     return torch.einsum("thj,jr->thr", probs, keys[:, :r])
 
 
+# (num_splits, block_n, num_warps) by the step's query count: the smallest key >= T applies. Chosen by
+# bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time).
+CONFIGS = {1: (64, 32, 4), 16: (32, 32, 4)}
+
+
+def config_for(t: int) -> tuple[int, int, int]:
+    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+
+
+def heads_per_program(t: int, h: int) -> int:
+    """Heads one program serves: as many as fit with the T queries in one 16-row MMA tile (a power of two
+    dividing H). At T=1 all 8 heads of a TP=4 rank share a program, so the cache crosses HBM once per split
+    and no MMA row is wasted on padding; at T=9 each head has its own program."""
+    g = 1
+    while g * 2 <= h and h % (g * 2) == 0 and t * g * 2 <= 16:
+        g *= 2
+    return g
+
+
 if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
-                          R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                          G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                           NUM_SPLITS: tl.constexpr):
+        """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
         split = tl.program_id(0)
-        head = tl.program_id(1)
-        t = tl.arange(0, BT)
-        t_ok = t < T
-        pos = tl.load(positions + t, mask=t_ok, other=-1)
+        i = tl.arange(0, BT)
+        t = i // G
+        head = tl.program_id(1) * G + i % G
+        ok = i < T * G
+        pos = tl.load(positions + t, mask=ok, other=-1)
         n_rows = tl.load(positions + T - 1) + 1  # rows to read: the last query sees the most
         n_blocks = tl.cdiv(n_rows, BN)
         per_split = tl.cdiv(n_blocks, NUM_SPLITS)
         r = tl.arange(0, R)
         p = tl.arange(0, P)
-        ql = tl.load(q_lat + (t[:, None] * H + head) * R + r[None, :], mask=t_ok[:, None], other=0.0)
-        qr = tl.load(q_rope + (t[:, None] * H + head) * P + p[None, :], mask=t_ok[:, None], other=0.0)
+        row = t * H + head
+        ql = tl.load(q_lat + row[:, None] * R + r[None, :], mask=ok[:, None], other=0.0)
+        qr = tl.load(q_rope + row[:, None] * P + p[None, :], mask=ok[:, None], other=0.0)
         m = tl.full([BT], float("-inf"), tl.float32)
         l = tl.zeros([BT], tl.float32)
         acc = tl.zeros([BT, R], tl.float32)
@@ -72,18 +95,16 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c)
             m = m_new
             b += 1
-        base = (split * H + head) * BT + t
-        tl.store(part_acc + base[:, None] * R + r[None, :], acc)
-        tl.store(part_ml + base * 2, m)
-        tl.store(part_ml + base * 2 + 1, l)
+        base = split * T * H + row  # partials [split, T, H]: only the tile's real rows are written
+        tl.store(part_acc + base[:, None] * R + r[None, :], acc, mask=ok[:, None])
+        tl.store(part_ml + base * 2, m, mask=ok)
+        tl.store(part_ml + base * 2 + 1, l, mask=ok)
 
     @triton.jit
-    def _mla_merge_kernel(part_acc, part_ml, out, H: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr):
-        t = tl.program_id(0)
-        head = tl.program_id(1)
+    def _mla_merge_kernel(part_acc, part_ml, out, T, H: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        row = tl.program_id(0)  # t * H + head
         s = tl.arange(0, NUM_SPLITS)
-        base = (s * H + head) * BT + t
+        base = s * T * H + row
         m = tl.load(part_ml + base * 2)
         l = tl.load(part_ml + base * 2 + 1)
         m_all = tl.max(m, axis=0)
@@ -92,23 +113,27 @@ if triton is not None:
         r = tl.arange(0, R)
         acc = tl.load(part_acc + base[:, None] * R + r[None, :])
         o = tl.sum(acc * wgt[:, None], axis=0) / denom
-        tl.store(out + (t * H + head) * R + r, o)
+        tl.store(out + row * R + r, o)
 
 
-def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits: int = 16, block_n: int = 32):
+def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits: int | None = None,
+                      block_n: int | None = None, num_warps: int | None = None):
     """The kernel form of `mla_decode_reference` (fp32 output). positions must be ascending (the last is the
-    furthest), as the queries of one decode or verify step are."""
+    furthest), as the queries of one decode or verify step are. Unset knobs come from `CONFIGS`."""
     t, h, r = q_lat.shape
     p = q_rope.shape[-1]
-    bt = max(16, triton.next_power_of_2(t))  # tl.dot needs at least 16 rows
+    splits, bn, warps = config_for(t)
+    num_splits, block_n, num_warps = num_splits or splits, block_n or bn, num_warps or warps
+    g = heads_per_program(t, h)
+    bt = max(16, triton.next_power_of_2(t * g))  # tl.dot needs at least 16 rows
     dev = q_lat.device
-    part_acc = torch.empty(num_splits, h, bt, r, device=dev, dtype=torch.float32)
-    part_ml = torch.empty(num_splits, h, bt, 2, device=dev, dtype=torch.float32)
+    part_acc = torch.empty(num_splits, t, h, r, device=dev, dtype=torch.float32)
+    part_ml = torch.empty(num_splits, t, h, 2, device=dev, dtype=torch.float32)
     out = torch.empty(t, h, r, device=dev, dtype=torch.float32)
     q_lat, q_rope = q_lat.to(cache.dtype).contiguous(), q_rope.to(cache.dtype).contiguous()
-    _mla_split_kernel[(num_splits, h)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, R=r, P=p,
-                                       BT=bt, BN=block_n, NUM_SPLITS=num_splits)
-    _mla_merge_kernel[(t, h)](part_acc, part_ml, out, H=h, R=r, BT=bt, NUM_SPLITS=num_splits)
+    _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
+                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, num_warps=num_warps)
+    _mla_merge_kernel[(t * h,)](part_acc, part_ml, out, t, H=h, R=r, NUM_SPLITS=num_splits)
     return out
 
 

@@ -183,16 +183,22 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wd_ptr, act_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, res_ptr,
+def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S,
-                 D_MAX: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
-                 F32_DOT: tl.constexpr):
-    rh = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+                 D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
+                 HAS_RES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
+    publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
+    split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
+    hb = tl.program_id(0)
+    sd = tl.program_id(1)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, I_PAD)
     rt = tl.arange(0, 16)
     n = tl.load(n_ptr)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
-    for d in range(0, D_MAX):  # slots past n are masked off: no memory traffic
+    for k in range(0, D_PER):  # slots past n are masked off: no memory traffic
+        d = sd + k * SPLIT_D
         live = d < n
         e = tl.load(experts_ptr + d, mask=live, other=0)
         shared = e == E
@@ -205,23 +211,56 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, 
         w = tl.load(wd_ptr + d * 16 + rt, mask=live & (rt < T), other=0.0)
         acc += c * w[:, None]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
+    if SPLIT_D > 1:
+        pofs = rt[:, None] * H + rh[None, :]
+        tl.store(part_ptr + sd * 16 * H + pofs, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + hb, 1, sem="acq_rel")
+        if arrived == SPLIT_D - 1:
+            acc = tl.zeros((16, BLOCK_H), tl.float32)
+            for s in tl.static_range(SPLIT_D):
+                acc += tl.load(part_ptr + s * 16 * H + pofs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + hb, 0)
+            _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
+    else:
+        _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
+
+
+@triton.jit
+def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr):
     if HAS_RES:
         acc += tl.load(res_ptr + rt[:, None] * H + rh[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Launch knobs by the step's token count (the smallest key >= T applies): router programs over experts and
+# over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
+# bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
+CONFIGS = {
+    1: dict(router_block_e=16, router_split=4, router_warps=8, block_i=16, block_h=16, split_d=1),
+    16: dict(router_block_e=16, router_split=4, router_warps=8, block_i=16, block_h=16, split_d=4),
+}
+
+
+def config_for(t: int) -> dict:
+    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+
+
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
-              router_block_e: int = 16, router_split: int = 4, block_i: int = 16, block_h: int = 16):
+              **knobs):
     """MoE of T <= 16 tokens in three launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
-    The trailing block sizes are tuning knobs for the benchmark.
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i, block_h,
+    split_d), for the tuning benchmark.
     """
     t, h = x.shape
+    k = {**config_for(t), **knobs}
+    router_block_e, router_split, block_i, block_h = k["router_block_e"], k["router_split"], k["block_i"], k["block_h"]
     e = router_w.shape[0]
     i = down.shape[2]
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0
@@ -249,7 +288,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
         TT=max(triton.next_power_of_2(t), 2), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         G=n_group, G_PAD=triton.next_power_of_2(n_group), EPG=epg, EPG_PAD=triton.next_power_of_2(epg),
-        TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, F32_DOT=INTERPRET, num_warps=8)
+        TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, F32_DOT=INTERPRET, num_warps=k["router_warps"])
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = 256
@@ -257,10 +296,13 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         x, gate_up, sgu, experts, n_live, wd, act, t, h, e, i, i_s, float(limit), float(shared_limit),
         BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=triton.cdiv(h, gu_block_k), I_PAD=i_pad, F32_DOT=INTERPRET,
         num_warps=4, num_stages=3)
-    _down_kernel[(triton.cdiv(h, block_h),)](
-        act, down, sdn, experts, n_live, wd, out, residual if residual is not None else out,
-        t, h, e, i, i_s, D_MAX=d_max, BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None,
-        F32_DOT=INTERPRET, num_warps=4, num_stages=3)
+    split_d = max(1, min(k["split_d"], d_max))
+    h_blocks = triton.cdiv(h, block_h)
+    down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
+    _down_kernel[(h_blocks, split_d)](
+        act, down, sdn, experts, n_live, wd, out, residual if residual is not None else out, down_part,
+        counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, F32_DOT=INTERPRET, num_warps=4, num_stages=3)
     if return_routing:
         return out, topk_w, topk_i
     return out

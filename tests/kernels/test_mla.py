@@ -5,10 +5,11 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
-from lingls.kernels.mla import mla_decode_reference, mla_decode_triton
+from lingls.kernels.mla import heads_per_program, mla_decode_reference, mla_decode_triton
 
 
-@pytest.mark.parametrize("t, h, n, last", [(1, 2, 64, 0), (1, 4, 100, 77), (9, 2, 96, 95), (16, 3, 64, 40)])
+@pytest.mark.parametrize("t, h, n, last", [(1, 2, 64, 0), (1, 4, 100, 77), (9, 2, 96, 95), (16, 3, 64, 40),
+                                           (1, 8, 80, 79), (2, 8, 64, 50), (3, 4, 64, 63), (1, 3, 48, 30)])
 def test_split_kernel_matches_reference(t, h, n, last):
     g = torch.Generator().manual_seed(t * 100 + n)
     r, p = 32, 8
@@ -30,3 +31,17 @@ def test_rows_past_the_last_position_are_never_read():
     cache[22:] = float("nan")
     got = mla_decode_triton(q_lat, q_rope, cache, positions, 0.3, num_splits=4, block_n=16)
     assert torch.equal(got, want)
+
+
+def test_heads_share_a_program_while_their_queries_fit_one_tile():
+    assert [heads_per_program(t, 8) for t in (1, 2, 3, 4, 9, 16)] == [8, 8, 4, 4, 1, 1]
+    assert heads_per_program(1, 3) == 1 and heads_per_program(1, 32) == 16
+
+
+def test_default_configuration_matches_reference():
+    g = torch.Generator().manual_seed(5)
+    q_lat, q_rope = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 8, generator=g)
+    cache = torch.randn(300, 40, generator=g)
+    positions = torch.tensor([250])
+    want = mla_decode_reference(q_lat, q_rope, cache, positions, 0.25)
+    assert (mla_decode_triton(q_lat, q_rope, cache, positions, 0.25) - want).abs().max().item() < 1e-4

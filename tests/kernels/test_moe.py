@@ -67,6 +67,20 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
     assert rel(out, want) < 1e-2
 
 
+@pytest.mark.parametrize("knobs", [dict(split_d=1, block_h=32), dict(split_d=3, router_split=2, router_block_e=8),
+                                   dict(split_d=64, block_i=32, router_warps=4)])
+def test_launch_knobs_compute_the_same_function(poisoned, knobs):
+    """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
+    h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
+    gen = torch.Generator().manual_seed(77)
+    w = make(gen, h, e, i, i_s)
+    x = torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16)
+    res = torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16)
+    cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
+    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, **cfg, **knobs)
+    assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
+
+
 def test_ties_and_residual(poisoned):
     """A router with exact ties (lowest id wins in the kernel; any order in torch), plus the residual epilogue."""
     gen = torch.Generator().manual_seed(5)

@@ -1,0 +1,131 @@
+"""Choose the launch settings of the MLA decode and fused MoE kernels on this GPU, then time the fused step.
+
+At batch 1 these kernels are latency-bound: how many programs stream at once and how many loads each has in
+flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
+graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
+reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
+(splits, block rows, warps); MoE sweeps its router, gate-up and down settings one kernel at a time. The best
+go into `mla.CONFIGS` / `moe.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times
+the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
+
+    python bench/tune_gpu.py OUT.json [LAYERS]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fused_step_gpu import CONTEXT, graphed, measure  # noqa: E402
+
+from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
+from lingls.kernels import mla, moe  # noqa: E402
+from lingls.model.config import KDA  # noqa: E402
+from lingls.runtime.fused_step import FusedStep  # noqa: E402
+
+MLA_CANDIDATES = [(s, bn, w) for s in (16, 32, 64, 128) for bn in (32, 64) for w in (4,)] + [(64, 32, 8)]
+ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w)
+          for e, s, w in ((16, 4, 8), (16, 4, 4), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8), (32, 4, 4))]
+GATE_UP = [dict(block_i=b) for b in (16, 32)]
+DOWN = [dict(block_h=h, split_d=d) for h, d in ((16, 1), (16, 4), (32, 4), (16, 8), (64, 8), (32, 16), (64, 16))]
+
+
+def graph_us(calls, per_graph: int) -> float:
+    """Median µs per call of `calls` (a list of closures) captured back to back in one CUDA graph."""
+    replay = graphed(lambda: [c() for c in calls])
+    return median_ms(replay, reps=20) * 1e3 / per_graph
+
+
+def tune_mla(model, t: int) -> list[dict]:
+    layers = [layer.attention for layer in model.decoder_layers if layer.kind != KDA]
+    heads = layers[0].heads
+    caches = [torch.randn(CONTEXT + 64, layers[0].rank + layers[0].rope, device="cuda", dtype=torch.bfloat16)
+              for _ in layers]
+    q_lat = torch.randn(t, heads, layers[0].rank, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(t, heads, layers[0].rope, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
+    want = mla.mla_decode_reference(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07)
+    rows = []
+    for splits, bn, warps in MLA_CANDIDATES:
+        knobs = dict(num_splits=splits, block_n=bn, num_warps=warps)
+        try:
+            got = mla.mla_decode_triton(q_lat, q_rope, caches[0], pos, 0.07, **knobs)
+            err = ((got - want).norm() / want.norm()).item()
+            us = graph_us([lambda c=c: mla.mla_decode_triton(q_lat, q_rope, c, pos, 0.07, **knobs) for c in caches],
+                          len(caches))
+            rows.append(dict(T=t, **knobs, us=us, rel_err=err))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or run is reported, not fatal
+            rows.append(dict(T=t, **knobs, error=repr(e)[:200]))
+    return rows
+
+
+def tune_moe(fused: FusedStep, t: int) -> list[dict]:
+    entries = [e["moe"] for e in fused.layers if "moe" in e]
+    x = torch.randn(t, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cfg = fused.moe_cfg
+    best = dict(moe.config_for(t))
+    rows = []
+    for stage in (ROUTER, GATE_UP, DOWN):
+        results = []
+        for cand in stage:
+            knobs = {**best, **cand}
+            try:
+                us = graph_us([lambda w=w: moe.fused_moe(x, *w, **cfg, **knobs) for w in entries], len(entries))
+                results.append((us, knobs))
+                rows.append(dict(T=t, **knobs, us=us))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(T=t, **knobs, error=repr(e)[:200]))
+        if results:
+            best = min(results, key=lambda r: r[0])[1]
+    return rows
+
+
+def main(out: str, layers: int) -> int:
+    t0 = time.time()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    model = build_flash(layers, tp=4, rank=0)
+    fused = FusedStep(model, kernels=True)
+    tuning, chosen = {"mla": [], "moe": []}, {"mla": {}, "moe": {}}
+    with torch.inference_mode():
+        for t in (1, 9):
+            rows = tune_mla(model, t)
+            tuning["mla"] += rows
+            ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"])
+            rows = tune_moe(fused, t)
+            tuning["moe"] += rows
+            ok = [r for r in rows if "us" in r]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                chosen["moe"][t] = {k: v for k, v in b.items() if k not in ("T", "us")}
+            print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}",
+                  flush=True)
+    # T=1 settings serve decode steps, the T=9 ones every verify size up to 16 (the CONFIGS keys)
+    mla.CONFIGS.update({k: chosen["mla"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["mla"]})
+    moe.CONFIGS.update({k: chosen["moe"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["moe"]})
+    defaults = {"mla": {1: mla.config_for(1), 9: mla.config_for(9)}, "moe": {1: moe.config_for(1), 9: moe.config_for(9)}}
+    for kind in ("mla", "moe"):
+        for t in (1, 9):
+            base = [r for r in tuning[kind] if r["T"] == t and "us" in r][:1]
+            if base:
+                print(f"{kind} T={t}: first candidate {base[0]['us']:.1f} us, best "
+                      f"{min(r['us'] for r in tuning[kind] if r['T'] == t and 'us' in r):.1f} us")
+    rc = measure(model, out, bw, extra=dict(tuning=tuning, chosen={k: {str(t): v for t, v in c.items()}
+                                                                  for k, c in chosen.items()},
+                                            configs_used={k: {str(t): v for t, v in c.items()}
+                                                          for k, c in defaults.items()}))
+    print(f"total {time.time() - t0:.0f} s")
+    print(json.dumps({"chosen": {k: {str(t): v for t, v in c.items()} for k, c in chosen.items()}}))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tune.json", int(sys.argv[2]) if len(sys.argv) > 2 else 42))
