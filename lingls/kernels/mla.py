@@ -36,7 +36,7 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
 
 # (num_splits, block_n, num_warps) by the step's query count: the smallest key >= T applies. Chosen by
 # bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time).
-CONFIGS = {1: (64, 32, 4), 16: (32, 32, 4)}
+CONFIGS = {1: (64, 64, 4), 16: (32, 32, 4)}
 
 
 def config_for(t: int) -> tuple[int, int, int]:

@@ -237,8 +237,8 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=16, router_split=4, router_warps=8, block_i=16, block_h=16, split_d=1),
-    16: dict(router_block_e=16, router_split=4, router_warps=8, block_i=16, block_h=16, split_d=4),
+    1: dict(router_block_e=8, router_split=4, router_warps=4, block_i=32, block_h=64, split_d=16),
+    16: dict(router_block_e=16, router_split=4, router_warps=8, block_i=32, block_h=64, split_d=8),
 }
 
 

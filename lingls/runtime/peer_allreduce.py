@@ -477,18 +477,16 @@ def _agree(reason: str | None, group) -> bool:
 
 
 def make_all_reduce(group=None):
-    """The all-reduce a tensor-parallel rank should use: `LINGLS_ALLREDUCE` = nccl | peer (default: nccl).
-    Collective on NCCL groups: every rank must call it at the same point.
+    """The all-reduce a tensor-parallel rank should use: `LINGLS_ALLREDUCE` = peer | nccl (default: peer where
+    possible). Collective on NCCL groups: every rank must call it at the same point.
 
-    NCCL spends ~20 us on each of a decode step's 84 small all-reduces (measured: bench/results/tp_gpu.json),
-    which one kernel writing into peer memory should cut to a few. But on its first run on two H200s
-    (bench/tp_session.sh) the peer kernel hit an illegal address during setup, also with peer access enabled
-    explicitly, and a kernel fault kills the CUDA context where no fallback can help; so the peer path is opt-in
-    (`peer`) until it has run clean there. (Peers are now mapped in the own device's context, the likely fix;
-    bench/peer_probe.py checks it stage by stage.) With `peer`, every rank falls back to the process group's own
-    all-reduce when any rank lacks CUDA, Triton, peer access or a shared host, or gets a wrong sum or a timeout
-    in the self-check."""
-    mode = os.environ.get("LINGLS_ALLREDUCE", "nccl").lower()
+    Measured on 2 x H200 inside CUDA graphs (bench/results/peer_probe.json, tp_gpu.json): NCCL 19-22 us per
+    all-reduce of one to nine tokens' hidden state, this kernel 3.7-4.2 us, bit-identical to NCCL over 1000
+    calls; a decode step does 84 of them. (Its first version mapped the peers in the peer device's context and
+    faulted there; peers are now opened with the own device current.) Every rank falls back to the process
+    group's own all-reduce when any rank lacks CUDA, Triton, peer access or a shared host, or gets a wrong sum
+    or a timeout in the self-check; `nccl` forces that fallback."""
+    mode = os.environ.get("LINGLS_ALLREDUCE", "peer").lower()
     if mode not in ("peer", "nccl"):
         raise ValueError(f"LINGLS_ALLREDUCE must be peer or nccl, got {mode!r}")
 
