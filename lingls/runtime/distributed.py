@@ -141,6 +141,9 @@ class _Rank0Runner:
             q.put(("prefill", list(prompt), sampling, allowed))  # every rank masks the same first token
         return self.runner.prefill(prompt, sampling, allowed)
 
+    def chosen(self) -> int:
+        return self.runner.chosen()  # every rank chose the same token
+
     def decode(self, max_new: int, greedy: bool):
         self._seq += 1
         base = self.taken.value

@@ -4,8 +4,10 @@ An editor's cursor cuts text where a BPE tokenizer would not: after a line's ind
 the last space to the next word, so `"\\n        "` then `"return"` is never how the model saw `"\\n       "`
 `" return"`), inside a word, or between two characters of an operator. A prompt that ends in such a token
 is one the model rarely met in training, and small models answer it with nonsense. Healing drops the prompt's
-last prefix token, asks that the first generated token agree with its text (start with it, or be a start of
-it), and removes that text from the completion again. Measured on ling-nano in training/evaluate.py.
+last prefix token (its text is the tail) and lets the model choose among the tokens that agree with the tail
+(start with it, or are a start of it); a chosen start of the tail joins the prompt and the choice repeats for
+the rest, until a chosen token covers the tail (LocalEngine); the tail is then removed from the completion.
+Measured on ling-nano in training/evaluate.py (which constrains the first token only).
 """
 
 from __future__ import annotations

@@ -272,6 +272,14 @@ class LocalEngine:
         sampling = Sampling(req.temperature, req.top_p, req.seed if req.seed is not None else 0)
         ids, tail = tok.heal(ids) if req.heal and job.prompt_ids is None else (ids, "")
         reused = runner.prefill(ids, sampling, tok.candidates().mask(tail) if tail else None)
+        while tail and not job.cancel.is_set():
+            # healing: until a chosen token covers the tail, a chosen piece of it joins the prompt and the next
+            # token is chosen among those that agree with the rest (rarely more than two rounds)
+            piece = tok.candidates().texts[runner.chosen()]
+            if piece.startswith(tail):
+                break
+            ids, tail = ids + [runner.chosen()], tail[len(piece):]
+            runner.prefill(ids, sampling, tok.candidates().mask(tail))
         if reused:
             self.stats.extra["reused_requests"] += 1
             self.stats.extra["reused_tokens"] += reused

@@ -216,6 +216,10 @@ class ModelRunner:
             raise
         return start
 
+    def chosen(self) -> int:
+        """The token `prefill` chose, read on the host (a sync: for token healing, before the decode loop)."""
+        return int(self.ids[0])
+
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling()) -> Iterator[int]:
         """Yield up to `max_new` new tokens, each one step late. Stop early by closing the iterator: at most
