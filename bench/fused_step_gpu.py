@@ -54,6 +54,17 @@ def kernel_profile(fn, reps: int = 10, top: int = 14) -> list[dict]:
     return [dict(kernel="(all kernels)", us_per_step=total, launches_per_step=sum(r["launches_per_step"] for r in rows))] + rows[:top]
 
 
+def routed_experts(model, ids, state, pos) -> int:
+    """Distinct experts a step of `ids` routes to, averaged over the MoE layers (for the step's floor)."""
+    counts: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
+             for m in model.modules() if isinstance(m, Router)]
+    model.step(ids, state.clone(), pos)
+    for h in hooks:
+        h.remove()
+    return round(sum(counts) / max(len(counts), 1))
+
+
 def floor_bytes(model, t: int, distinct: int) -> int:
     """Weights a T-token step reads (every expert counted only if routed) + KDA state r/w + MLA latent KV."""
     total = 0
@@ -98,13 +109,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
             rel_kernels = ((got - ref_out).norm() / ref_out.norm()).item()  # kernels vs their references
             rel_plain = ((want - ref_out).norm() / ref_out.norm()).item()  # the bf16 torch step vs the references
             rel_state = ((s_fused.kda - s_ref.kda).norm() / s_ref.kda.norm()).item()
-            counts: list[int] = []
-            hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
-                     for m in model.modules() if isinstance(m, Router)]
-            model.step(ids, state.clone(), pos)
-            for h in hooks:
-                h.remove()
-            distinct = round(sum(counts) / max(len(counts), 1))
+            distinct = routed_experts(model, ids, state, pos)
             work = state.clone()
             plain = graphed(lambda: model.step(ids, work, pos))
             plain_ms = median_ms(plain, reps=30)

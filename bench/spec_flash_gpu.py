@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import torch  # noqa: E402
 
+from lingls.bench.step import median_ms  # noqa: E402
 from lingls.model.config import LingConfig, flash_config  # noqa: E402
 from lingls.model.ling import LingForCausalLM, Parallel  # noqa: E402
 from lingls.runtime.runner import ModelRunner  # noqa: E402
@@ -83,19 +84,13 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def median_ms(self, fn, reps: int) -> float:
+        if self.cuda:
+            return median_ms(fn, reps=reps, warm=0)
         times = []
         for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
 

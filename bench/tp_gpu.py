@@ -132,20 +132,6 @@ def per_call_us(fn, calls: int = N_PER_GRAPH, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def capture(fn):
-    """Warm fn() on a side stream, capture it in a CUDA graph, return the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
     return x
@@ -153,6 +139,8 @@ def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 # ---- phase coll: latency and correctness of the all-reduces ---------------------------------------------------
 def latency(name: str, op, put) -> None:
+    from fused_step_gpu import graphed
+
     for n in (HIDDEN, 9 * HIDDEN):
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(x)
@@ -165,12 +153,13 @@ def latency(name: str, op, put) -> None:
         kb = n * 2 // 1024
         try:
             put(f"{name}_eager_us_{kb}KB", per_call_us(many))
-            put(f"{name}_graph_us_{kb}KB", per_call_us(capture(many)))
+            put(f"{name}_graph_us_{kb}KB", per_call_us(graphed(many)))
         except Exception as e:  # noqa: BLE001
             put(f"{name}_latency_error_{kb}KB", repr(e)[:300])
 
 
 def phase_coll(rank: int, world: int, put, args: dict) -> None:
+    from fused_step_gpu import graphed
     from lingls.runtime.distributed import make_parallel
     from lingls.runtime.peer_allreduce import PeerAllReduce
 
@@ -212,7 +201,7 @@ def phase_coll(rank: int, world: int, put, args: dict) -> None:
 
     for mode in ("eager", "graph"):
         src.normal_(generator=g)
-        fn = capture(calls) if mode == "graph" else calls
+        fn = graphed(calls) if mode == "graph" else calls
         bad = torch.zeros((), dtype=torch.int64, device="cuda")
         diff = torch.zeros((), device="cuda")
         cross = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -251,10 +240,9 @@ def weight_bytes(layers: int, tp: int, rank: int) -> int:
 def phase_model(rank: int, world: int, put, args: dict) -> None:
     """NCCL first, for T = 1 and 9; then the peer all-reduce (set up only now, and only if phase coll found it
     correct), so a peer path that breaks the CUDA context cannot take the NCCL numbers with it."""
-    from fused_step_gpu import floor_bytes
+    from fused_step_gpu import floor_bytes, graphed, routed_experts
 
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
-    from lingls.model.ling import Router
     from lingls.runtime.fused_step import FusedStep
     from lingls.runtime.peer_allreduce import PeerAllReduce
 
@@ -297,13 +285,7 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
             pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
             inputs[t] = ids, pos
             par.all_reduce = counted
-            counts: list[int] = []
-            hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
-                     for m in model.modules() if isinstance(m, Router)]
-            model.step(ids, state.clone(), pos)
-            for h in hooks:
-                h.remove()
-            distinct = round(sum(counts) / max(len(counts), 1))
+            distinct = routed_experts(model, ids, state, pos)
             count[0] = 0
             fused.step(ids, state.clone(), pos)
             rows[t] = {"T": t, "all_reduces_per_step": count[0], "distinct_experts": distinct,
@@ -317,7 +299,7 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
                     par.all_reduce = op
                     outs[name, t] = fused.step(ids, state.clone(), pos).clone()
                     work = state.clone()
-                    replay = capture(lambda: fused.step(ids, work, pos))
+                    replay = graphed(lambda: fused.step(ids, work, pos))
                     dist.barrier()
                     row[f"{name}_ms"] = median_ms(replay, reps=30)
                     row[f"{name}_over_floor"] = row[f"{name}_ms"] / row["floor_ms"]
@@ -352,7 +334,7 @@ def report(result: dict) -> None:
     coll = result.get("coll", {})
     if coll:
         print("\n## all-reduce (us per call, rank 0; median of 5 x 200 back-to-back calls)")
-        print(f"| size | NCCL eager | NCCL graph | peer eager | peer graph |\n|---|---|---|---|---|")
+        print("| size | NCCL eager | NCCL graph | peer eager | peer graph |\n|---|---|---|---|---|")
         for kb in (5, 45):
             cells = [coll.get(f"{n}_{m}_us_{kb}KB") for n in ("nccl", "peer") for m in ("eager", "graph")]
             print(f"| {kb} KB | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
