@@ -76,7 +76,7 @@ async def run(a: argparse.Namespace, endpoint: str) -> dict:
     await local.start()
     remote = await asyncio.to_thread(RemoteEngine, endpoint)
     try:
-        fim_prompts = prompts(a.file, a.prompts, local.fim)
+        fim_prompts = prompts(a.file, a.prompts, local.tokenizer.fim)
         empty, first, total = {"local": [], "remote": []}, {"local": [], "remote": []}, {"local": [], "remote": []}
         hop_first = []
         for round_ in range(a.warmup + a.rounds):

@@ -17,7 +17,8 @@ Profiles say how to talk to each kind of server (`auto`, the default, tells them
   exactly as the in-process engine renders it. The template comes from the /v1/models entry's `fim` object;
   a server that does not report one but serves the embedded ling-nano gets ling-nano's template (this
   package ships its tokenizer), any other model the OpenAI `suffix` field (the server applies its template;
-  context chunks from other files are then left out).
+  context chunks from other files are then left out). An entry with `completion_prompt: prefix` gets
+  left-to-right prompts, and requests ask for token healing, both as in-process.
 - `openai` (SGLang, vLLM, others): POST /v1/completions. FIM as configured (`fim`): a client-side template
   given as its tokens, `suffix` for servers that template FIM themselves (SGLang with --completion-template),
   or none: left-to-right prompts (the default; vLLM rejects `suffix`).
@@ -158,6 +159,8 @@ class RemoteEngine:
         if self.profile == "lingls" and self._fim_setting is None:
             self.fim = _fim_from(entry.get("fim")) or (self._tokenizer.fim if self._tokenizer else None)
             self._send_suffix = self.fim is None
+            if entry.get("completion_prompt") == "prefix":  # as LocalEngine: the model's card asks for it
+                self.fim, self._send_suffix = None, False
         self._discovered = True
         return True
 
@@ -190,6 +193,8 @@ class RemoteEngine:
                 "stream_options": {"include_usage": True}}
         if self._send_suffix and parts is not None:
             body["prompt"], body["suffix"] = parts.prefix, parts.suffix
+        if self.profile == "lingls" and request.heal:
+            body["token_healing"] = True  # lingls serve heals as the in-process engine does
         if self.model:
             body["model"] = self.model
         return "/v1/completions", body

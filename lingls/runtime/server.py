@@ -106,9 +106,11 @@ class Server:
         return web.json_response({"status": "ok", "model": self.model_name})
 
     async def models(self, request: web.Request) -> web.Response:
-        """The model, with its FIM template so a remote client renders prompts exactly as in-process."""
-        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lingls"}
-        fim = self.engine.fim
+        """The model, with its FIM template and how its card says to prompt it (`completion_prompt`: psm, or
+        prefix for left to right), so a remote client renders prompts exactly as in-process."""
+        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lingls",
+                 "completion_prompt": self.engine.tokenizer.completion_prompt}
+        fim = self.engine.tokenizer.fim
         if fim is not None:
             entry["fim"] = {"prefix": fim.prefix, "suffix": fim.suffix, "middle": fim.middle,
                             "file_sep": fim.file_sep, "eos": list(fim.eos)}

@@ -58,7 +58,8 @@ async def test_remote_engine_equals_local_engine(server, local):
         assert remote.fim == local.fim  # the client renders prompts exactly as in-process
         for prefix, suffix in PROMPTS:
             assert remote.count_tokens(prefix) == local.count_tokens(prefix)
-            prompt = f"{local.fim.prefix}{prefix}{local.fim.suffix}{suffix}{local.fim.middle}"
+            fim = local.tokenizer.fim  # FIM prompts, though ling-nano's card asks for left-to-right ones
+            prompt = f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}"
             for max_tokens in (1, 24):
                 request = GenerateRequest(prompt, max_tokens=max_tokens, temperature=0.0)
                 want = await collect(local, request)
