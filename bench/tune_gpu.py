@@ -4,7 +4,8 @@ At batch 1 these kernels are latency-bound: how many programs stream at once and
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
-(splits, block rows, warps); MoE sweeps its router, gate-up and down settings one kernel at a time. The best
+(splits, block rows, warps); MoE sweeps its router (routing in its last program, or per token in a second
+launch), gate-up and down settings one kernel at a time. The best
 go into `mla.CONFIGS` / `moe.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times
 the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
 
@@ -29,8 +30,10 @@ from lingls.model.config import KDA  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
 MLA_CANDIDATES = [(s, bn, w) for s in (16, 32, 64, 128) for bn in (32, 64) for w in (4,)] + [(64, 32, 8)]
-ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w)
-          for e, s, w in ((16, 4, 8), (16, 4, 4), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8), (32, 4, 4))]
+ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")
+          for e, s, w in ((16, 4, 8), (16, 4, 4), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8), (32, 4, 4))] + \
+         [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw)
+          for e, s, w, rw in ((16, 4, 8, 1), (16, 4, 8, 2), (8, 4, 4, 1), (8, 4, 4, 4))]
 GATE_UP = [dict(block_i=b) for b in (16, 32)]
 DOWN = [dict(block_h=h, split_d=d) for h, d in ((16, 1), (16, 4), (32, 4), (16, 8), (64, 8), (32, 16), (64, 16))]
 

@@ -10,13 +10,15 @@ torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches, each streamin
    sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
    experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
    expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
-   expert (slot 0, id E), their count, and a dense weight table wd[slot, token] (0 where the token did not
-   choose that expert, 1 for the shared expert).
+   expert (slot 0, id E), their count, and each token's weight per expert wt[token, expert] (0 where the
+   token did not choose it; the shared expert always weighs 1). One program routing all tokens is serial
+   work that grows with T; `route="per_token"` instead hands it to a second small launch with one program per
+   token (the last to arrive aligns), a tuning candidate for verify steps.
 2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
    rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
    Slots past the count exit at once: the grid is sized for the worst case, so nothing is read back to the host.
 3. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
-   activations with its rows of the expert's down projection and accumulates wd[slot, token] * result in
+   activations with its rows of the expert's down projection and accumulates wt[token, expert] * result in
    fp32, so the weighted sum over the k experts and the shared expert happens in registers, without atomics,
    and the output (optionally plus a residual) is written once.
 
@@ -65,12 +67,14 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wd_ptr,
+def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
                    T, E, H, K_PER, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                   HAS_SHARED: tl.constexpr, F32_DOT: tl.constexpr):
+                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, F32_DOT: tl.constexpr):
+    """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
+    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -80,76 +84,118 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     for i in range(0, K_ITERS):
         kk = pid_k * K_PER + i * BLOCK_K + rk
         xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
-        wt = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
-        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+        wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
+        acc = _mma(acc, xt, tl.trans(wr), F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
+    if ROUTE:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) * SPLIT - 1:
+            chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
+                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+            _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
+            tl.atomic_xchg(cnt_ptr, 0)
+
+
+@triton.jit
+def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
+                        SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
+                        G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                        NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
+    program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
+    leaves the counter and the table at zero again."""
+    t = tl.program_id(0)
+    chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
+                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+    mine = tl.max(chosen.to(tl.int32), axis=0)
+    tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) * SPLIT - 1:
-        # Last program: the routing of all T tokens at once, on a [TT, group, expert-in-group] tile.
-        tr = tl.arange(0, TT)
-        g = tl.arange(0, G_PAD)
-        j = tl.arange(0, EPG_PAD)
-        e3 = g[None, :, None] * EPG + j[None, None, :]
-        valid_e = (g[None, :, None] < G) & (j[None, None, :] < EPG)
-        m3 = (tr[:, None, None] < T) & valid_e
-        logits = tl.zeros((TT, G_PAD, EPG_PAD), tl.float32)
-        for s in tl.static_range(SPLIT):
-            logits += tl.load(part_ptr + s * 16 * E + tr[:, None, None] * E + e3, mask=m3, other=0.0, cache_modifier=".cg")
-        score = tl.sigmoid(logits)
-        bias = tl.load(bias_ptr + e3, mask=valid_e, other=0.0)
-        choice = tl.where(valid_e, score + bias, float("-inf"))
-        # group score: the sum of the two best (score + bias) in the group
-        first = tl.argmax(choice, axis=2)
-        second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
-        gscore = tl.max(choice, axis=2) + second
-        keep = tl.zeros((TT, G_PAD), tl.int1)
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(gscore, axis=1)
-            hit = g[None, :] == best[:, None]
-            keep = keep | hit
-            gscore = tl.where(hit, float("-inf"), gscore)
-        choice = tl.where(keep[:, :, None], choice, float("-inf"))
-        F: tl.constexpr = G_PAD * EPG_PAD
-        c2 = tl.reshape(choice, (TT, F))
-        s2 = tl.reshape(score, (TT, F))
-        f = tl.arange(0, F)
-        kc = tl.arange(0, K_PAD)
-        chosen = tl.zeros((TT, F), tl.int1)
-        vals = tl.zeros((TT, K_PAD), tl.float32)
-        ids = tl.zeros((TT, K_PAD), tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.argmax(c2, axis=1)
-            hit = f[None, :] == best[:, None]
-            chosen = chosen | hit
-            c2 = tl.where(hit, float("-inf"), c2)
-            vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
-            ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
-        if NORMALIZE:
-            mult = scale / (tl.sum(vals, axis=1) + 1e-20)
-        else:
-            mult = tl.zeros((TT,), tl.float32) + scale
-        tmask = tr[:, None] < T
-        kmask = tmask & (kc[None, :] < TOP_K)
-        tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
-        tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
-        # alignment: distinct experts in id order, their slots, and the dense weight table
-        chosen = chosen & tmask
-        present = tl.max(chosen.to(tl.int32), axis=0)
-        slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
-        eid = (f // EPG_PAD) * EPG + f % EPG_PAD
-        tl.store(experts_ptr + slot, eid, mask=present > 0)
-        wdense = tl.where(chosen, s2 * mult[:, None], 0.0)
-        tl.store(wd_ptr + slot[None, :] * 16 + tr[:, None], wdense, mask=(present[None, :] > 0) & tmask)
-        if HAS_SHARED:
-            tl.store(experts_ptr, E)
-            tl.store(wd_ptr + tr, tl.zeros((TT,), tl.float32) + 1.0, mask=tr < T)
-        tl.store(n_ptr, tl.sum(present, axis=0) + HAS_SHARED)
+    if arrived == T - 1:
+        valid = eid < E
+        present = tl.load(cnt_ptr + 1 + eid, mask=valid, other=0, cache_modifier=".cg")
+        _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED)
+        tl.store(cnt_ptr + 1 + eid, tl.zeros_like(present), mask=valid)
         tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wd_ptr, act_ptr,
+def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, row0, row_end,
+                TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
+                G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                NORMALIZE: tl.constexpr):
+    """Grouped top-k routing of tokens row0 <= t < row_end, on a [TT, group, expert-in-group] tile: sigmoid,
+    group scores (sum of the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts,
+    weights from the unbiased scores (renormalised, scaled). Writes topk_w/topk_i and the rows' weight table
+    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column)."""
+    tr = row0 + tl.arange(0, TT)
+    g = tl.arange(0, G_PAD)
+    j = tl.arange(0, EPG_PAD)
+    e3 = g[None, :, None] * EPG + j[None, None, :]
+    valid_e = (g[None, :, None] < G) & (j[None, None, :] < EPG)
+    rows = (tr < row_end) & (tr < T)
+    m3 = rows[:, None, None] & valid_e
+    logits = tl.zeros((TT, G_PAD, EPG_PAD), tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(part_ptr + s * 16 * E + tr[:, None, None] * E + e3, mask=m3, other=0.0, cache_modifier=".cg")
+    score = tl.sigmoid(logits)
+    bias = tl.load(bias_ptr + e3, mask=valid_e, other=0.0)
+    choice = tl.where(valid_e, score + bias, float("-inf"))
+    first = tl.argmax(choice, axis=2)
+    second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
+    gscore = tl.max(choice, axis=2) + second
+    keep = tl.zeros((TT, G_PAD), tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(gscore, axis=1)
+        hit = g[None, :] == best[:, None]
+        keep = keep | hit
+        gscore = tl.where(hit, float("-inf"), gscore)
+    choice = tl.where(keep[:, :, None], choice, float("-inf"))
+    F: tl.constexpr = G_PAD * EPG_PAD
+    c2 = tl.reshape(choice, (TT, F))
+    s2 = tl.reshape(score, (TT, F))
+    f = tl.arange(0, F)
+    kc = tl.arange(0, K_PAD)
+    chosen = tl.zeros((TT, F), tl.int1)
+    vals = tl.zeros((TT, K_PAD), tl.float32)
+    ids = tl.zeros((TT, K_PAD), tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(c2, axis=1)
+        hit = f[None, :] == best[:, None]
+        chosen = chosen | hit
+        c2 = tl.where(hit, float("-inf"), c2)
+        vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
+        ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
+    if NORMALIZE:
+        mult = scale / (tl.sum(vals, axis=1) + 1e-20)
+    else:
+        mult = tl.zeros((TT,), tl.float32) + scale
+    kmask = rows[:, None] & (kc[None, :] < TOP_K)
+    tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
+    tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
+    eid = (f // EPG_PAD) * EPG + f % EPG_PAD
+    valid_f = ((f // EPG_PAD) < G) & ((f % EPG_PAD) < EPG)
+    chosen = chosen & rows[:, None]
+    tl.store(wt_ptr + tr[:, None] * E + eid[None, :], tl.where(chosen, s2 * mult[:, None], 0.0),
+             mask=rows[:, None] & valid_f[None, :])
+    return chosen, tl.where(valid_f, eid, E)
+
+
+@triton.jit
+def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
+    """The experts any token chose, in ascending id order after the shared expert (slot 0, id E), and their
+    count: the slots the expert kernels walk."""
+    present = tl.where(eid < E, present, 0)
+    slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
+    tl.store(experts_ptr + slot, eid, mask=present > 0)
+    if HAS_SHARED:
+        tl.store(experts_ptr, E)
+    tl.store(n_ptr, tl.sum(present, axis=0) + HAS_SHARED)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
                     T, H, E, I, I_S, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
                     F32_DOT: tl.constexpr):
@@ -176,14 +222,15 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wd_ptr, act_ptr,
                 acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
                 acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
             act = _swiglu(acc_g, acc_u, tl.where(shared, shared_limit, limit))
-            w = tl.load(wd_ptr + d * 16 + rt, mask=rt < T, other=0.0)
+            w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
+            w = tl.where(shared & (rt < T), 1.0, w)
             act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
             tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
                      mask=(rt[:, None] < T) & (ri[None, :] < inter))
 
 
 @triton.jit
-def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
                  HAS_RES: tl.constexpr, F32_DOT: tl.constexpr):
@@ -208,7 +255,8 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wd_ptr, out_ptr, 
         a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
                     mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
         c = _mma(tl.zeros((16, BLOCK_H), tl.float32), a, tl.trans(wt), F32_DOT)
-        w = tl.load(wd_ptr + d * 16 + rt, mask=live & (rt < T), other=0.0)
+        w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0)
+        w = tl.where(live & shared & (rt < T), 1.0, w)
         acc += c * w[:, None]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
     if SPLIT_D > 1:
@@ -237,8 +285,10 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=8, router_split=4, router_warps=4, block_i=32, block_h=64, split_d=16),
-    16: dict(router_block_e=16, router_split=4, router_warps=8, block_i=32, block_h=64, split_d=8),
+    1: dict(router_block_e=8, router_split=4, router_warps=4, route="fused", route_warps=1, block_i=32, block_h=64,
+            split_d=16),
+    16: dict(router_block_e=16, router_split=4, router_warps=8, route="fused", route_warps=1, block_i=32, block_h=64,
+             split_d=8),
 }
 
 
@@ -255,8 +305,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
-    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i, block_h,
-    split_d), for the tuning benchmark.
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route, route_warps,
+    block_i, block_h, split_d), for the tuning benchmark.
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -274,7 +324,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     topk_i = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     experts = torch.empty(d_max, dtype=torch.int32, device=dev)
     n_live = torch.empty(1, dtype=torch.int32, device=dev)
-    wd = torch.empty(d_max, 16, dtype=torch.float32, device=dev)
+    wt = torch.empty(t, e, dtype=torch.float32, device=dev)  # each token's weight per expert (0: not chosen)
     act = torch.empty(d_max, 16, i_pad, dtype=x.dtype, device=dev)
 
     block_k = 128
@@ -282,25 +332,31 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     split = triton.cdiv(h, k_per)
     part = torch.empty(split, 16, e, dtype=torch.float32, device=dev)
     epg = e // n_group
+    per_token = k["route"] == "per_token"
+    routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
+                   EPG=epg, EPG_PAD=triton.next_power_of_2(epg), TOPK_GROUP=topk_group, NORMALIZE=normalize,
+                   HAS_SHARED=has_shared)
+    cnt = counters(dev, 1 + e)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, counters(dev, 1), topk_w, topk_i, experts, n_live, wd,
-        t, e, h, k_per, float(scale),
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=max(triton.next_power_of_2(t), 2), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        G=n_group, G_PAD=triton.next_power_of_2(n_group), EPG=epg, EPG_PAD=triton.next_power_of_2(epg),
-        TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, F32_DOT=INTERPRET, num_warps=k["router_warps"])
+        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, F32_DOT=INTERPRET, num_warps=k["router_warps"],
+        **routing)
+    if per_token:
+        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
+                                  SPLIT=split, num_warps=k["route_warps"], **routing)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = 256
     _gate_up_kernel[(d_max, triton.cdiv(max(i, i_s), block_i))](
-        x, gate_up, sgu, experts, n_live, wd, act, t, h, e, i, i_s, float(limit), float(shared_limit),
+        x, gate_up, sgu, experts, n_live, wt, act, t, h, e, i, i_s, float(limit), float(shared_limit),
         BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=triton.cdiv(h, gu_block_k), I_PAD=i_pad, F32_DOT=INTERPRET,
         num_warps=4, num_stages=3)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
-        act, down, sdn, experts, n_live, wd, out, residual if residual is not None else out, down_part,
+        act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, F32_DOT=INTERPRET, num_warps=4, num_stages=3)
     if return_routing:
