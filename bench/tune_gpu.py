@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fused_step_gpu import CONTEXT, graphed, measure  # noqa: E402
 
 from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
-from lingls.kernels import mla, moe  # noqa: E402
+from lingls.kernels import gemv, mla, moe  # noqa: E402
 from lingls.model.config import KDA  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
@@ -36,6 +36,9 @@ ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")
           for e, s, w, rw in ((16, 4, 8, 1), (16, 4, 8, 2), (8, 4, 4, 1), (8, 4, 4, 4))]
 GATE_UP = [dict(block_i=b) for b in (16, 32)]
 DOWN = [dict(block_h=h, split_d=d) for h, d in ((16, 1), (16, 4), (32, 4), (16, 8), (64, 8), (32, 16), (64, 16))]
+GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+               for bn, bk, w, st in ((16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 3),
+                                     (64, 128, 8, 4), (32, 512, 4, 2), (16, 256, 4, 4))]  # {}: the automatic plan
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -67,6 +70,33 @@ def tune_mla(model, t: int) -> list[dict]:
     return rows
 
 
+def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
+    """Every GEMV shape of the step (all its layers' weights of that shape, so no call hits L2 for another)."""
+    shapes: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+    for entry in fused.layers:
+        layer = entry["layer"]
+        if "proj" in entry:
+            shapes.setdefault((entry["proj"].shape[0], entry["proj"].shape[1], False), []).append(entry["proj"])
+            w = layer.attention.dense.weight
+            shapes.setdefault((w.shape[0], w.shape[1], False), []).append(w)
+        if "gate_up" in entry:
+            gu, dn = entry["gate_up"], layer.mlp.down_proj.weight
+            shapes.setdefault((gu.shape[0] // 2, gu.shape[1], True), []).append(gu)
+            shapes.setdefault((dn.shape[0], dn.shape[1], False), []).append(dn)
+    rows = []
+    for (n, k, swiglu), ws in shapes.items():
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+        for cand in GEMV:
+            try:
+                us = graph_us([lambda w=w, o=o: gemv.gemv(x, w, swiglu=swiglu, out=o, **cand) for w, o in zip(ws, outs)],
+                              len(ws))
+                rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, us=us))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, error=repr(e)[:200]))
+    return rows
+
+
 def tune_moe(fused: FusedStep, t: int) -> list[dict]:
     entries = [e["moe"] for e in fused.layers if "moe" in e]
     x = torch.randn(t, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -94,7 +124,7 @@ def main(out: str, layers: int) -> int:
     bw = copy_bandwidth()
     model = build_flash(layers, tp=4, rank=0)
     fused = FusedStep(model, kernels=True)
-    tuning, chosen = {"mla": [], "moe": []}, {"mla": {}, "moe": {}}
+    tuning, chosen = {"mla": [], "moe": [], "gemv": []}, {"mla": {}, "moe": {}, "gemv": {}}
     with torch.inference_mode():
         for t in (1, 9):
             rows = tune_mla(model, t)
@@ -109,12 +139,23 @@ def main(out: str, layers: int) -> int:
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["moe"][t] = {k: v for k, v in b.items() if k not in ("T", "us")}
-            print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}",
-                  flush=True)
+            rows = tune_gemv(fused, t)
+            tuning["gemv"] += rows
+            for shape in {(r["n"], r["k"], r["swiglu"]) for r in rows}:
+                ok = [r for r in rows if "us" in r and (r["n"], r["k"], r["swiglu"]) == shape]
+                if ok:
+                    b = min(ok, key=lambda r: r["us"])
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "num_warps", "num_stages") if key in b}
+                    if knobs:  # the automatic plan won: nothing to pin
+                        chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
+            print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "
+                  f"gemv {[(s, c) for s, c in chosen['gemv'].items() if s[3] == (1 if t == 1 else 16)]}", flush=True)
     # T=1 settings serve decode steps, the T=9 ones every verify size up to 16 (the CONFIGS keys)
     mla.CONFIGS.update({k: chosen["mla"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["mla"]})
     moe.CONFIGS.update({k: chosen["moe"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["moe"]})
-    defaults = {"mla": {1: mla.config_for(1), 9: mla.config_for(9)}, "moe": {1: moe.config_for(1), 9: moe.config_for(9)}}
+    gemv.CONFIGS.update(chosen["gemv"])
+    defaults = {"mla": {1: mla.config_for(1), 9: mla.config_for(9)}, "moe": {1: moe.config_for(1), 9: moe.config_for(9)},
+                "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
     for kind in ("mla", "moe"):
         for t in (1, 9):
             base = [r for r in tuning[kind] if r["T"] == t and "us" in r][:1]
@@ -127,6 +168,12 @@ def main(out: str, layers: int) -> int:
                                                           for k, c in defaults.items()}))
     print(f"total {time.time() - t0:.0f} s")
     print(json.dumps({"chosen": {k: {str(t): v for t, v in c.items()} for k, c in chosen.items()}}))
+    # the automatic GEMV plan is the first candidate: what pinning the winners saves
+    for t in (1, 9):
+        auto = sum(r["us"] for r in tuning["gemv"] if r["T"] == t and "us" in r and "block_n" not in r)
+        best = sum(min(r["us"] for r in tuning["gemv"] if r["T"] == t and "us" in r and (r["n"], r["k"]) == (n, k))
+                   for n, k in {(r["n"], r["k"]) for r in tuning["gemv"] if r["T"] == t})
+        print(f"gemv T={t}: automatic plan {auto:.1f} us per set of shapes, tuned {best:.1f} us")
     return rc
 
 

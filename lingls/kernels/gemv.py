@@ -147,19 +147,30 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
     return block_n, triton.cdiv(k, k_per), k_per
 
 
+# Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
+# steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
+CONFIGS: dict[tuple[int, int, bool, int], dict] = {}
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
-         split_k: int | None = None, block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+         split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
-    epilogue math is fp32 and rounds once. `block_n`, `split_k`, `block_k` override the plan (benchmarks).
+    epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
+    from `_plan`; arguments override both (benchmarks).
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     n = w.shape[0] // 2 if swiglu else w.shape[0]
+    tuned = CONFIGS.get((n, k, swiglu, 1 if t == 1 else 16), {})
+    block_n, split_k = block_n or tuned.get("block_n"), split_k or tuned.get("split_k")
+    block_k = block_k or tuned.get("block_k", 256)
+    num_warps, num_stages = num_warps or tuned.get("num_warps", 4), num_stages or tuned.get("num_stages", 3)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
     blocks = triton.cdiv(n, block_n)

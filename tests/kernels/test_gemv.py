@@ -59,3 +59,14 @@ def test_linear_dispatch_on_cpu_is_the_reference():
     x = torch.randn(20, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()
     assert torch.equal(G.linear(x, w), G.gemv_reference(x, w))
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_tuned_launch_settings_compute_the_same_product(t, monkeypatch):
+    """A shape pinned in CONFIGS (bench/tune_gpu.py's winners) launches with those settings, same result."""
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 384, generator=gen).to(DEV, torch.bfloat16)
+    w = (torch.randn(80, 384, generator=gen) * 0.05).to(DEV, torch.bfloat16)
+    monkeypatch.setitem(G.CONFIGS, (80, 384, False, 1 if t == 1 else 16),
+                        dict(block_n=16, block_k=128, num_warps=4, num_stages=2))
+    assert rel(G.gemv(x, w), G.gemv_reference(x, w)) < 1e-2
