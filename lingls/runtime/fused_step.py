@@ -9,7 +9,9 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer;
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
-- MLA: the model's absorbed path (its latent attention is the split-sequence kernel of `kernels.mla`);
+- MLA: one GEMV for q, the latent's down-projection and the gate; the fused RMSNorm of the latent; rope, the
+  absorbed W_k / W_v products and the split-sequence kernel of `kernels.mla`; one GEMV for the output
+  projection (with q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 
@@ -22,8 +24,10 @@ from functools import partial
 
 import torch
 
+from lingls.kernels import reference as ref
+from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA
-from lingls.model.ling import KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
+from lingls.model.ling import GatedMLA, KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
 
 MAX_TOKENS = 16
 
@@ -66,6 +70,10 @@ class FusedStep:
                 entry["proj"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj, attn.g_proj, attn.b_proj])
                 entry["conv"] = torch.stack([c.weight.detach().squeeze(1) for c in (attn.q_conv1d, attn.k_conv1d,
                                                                                     attn.v_conv1d)]).contiguous()
+            elif isinstance(attn, GatedMLA) and not hasattr(attn, "q_a_proj"):
+                entry["mla_proj"] = _fuse_rows([attn.q_proj, attn.kv_a_proj_with_mqa, attn.g_proj])
+                w = attn.kv_b_proj.weight.detach().view(attn.heads, attn.nope + attn.vdim, attn.rank)
+                entry["w_k"], entry["w_v"] = w[:, : attn.nope], w[:, attn.nope:]  # [H, nope, rank], [H, v, rank]
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 shared = mlp.shared_experts
@@ -101,9 +109,7 @@ class FusedStep:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
-                cache = state.latent[model.mla_slot[i]]
-                cache.index_copy_(0, positions, layer.attention.latent(x, positions))
-                a = layer.attention.attend_latent(x, positions, cache, kv_len)
+                a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len)
             x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
                                            self.cfg.rms_norm_eps)
             m = self.par.all_reduce(self._mlp(entry, x, i))
@@ -125,6 +131,26 @@ class FusedStep:
                               attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps,
                               stage=stage)
         return self.ops.linear(o, attn.dense.weight)
+
+    def _mla(self, entry, x, cache, positions, kv_len: int) -> torch.Tensor:
+        """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it."""
+        attn: GatedMLA = entry["layer"].attention
+        if "mla_proj" not in entry:
+            cache.index_copy_(0, positions, attn.latent(x, positions))
+            return attn.attend_latent(x, positions, cache, kv_len)
+        t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
+        q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
+        c, _ = self.ops.add_rms_norm(kv[:, :rank], None, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+        cos, sin = ref.rope_cos_sin(positions, rope, attn.theta)
+        k_rope = ref.apply_rope(kv[:, rank:], cos, sin, attn.interleave)
+        cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
+        q = q.view(t, h, nope + rope)
+        q_rope = ref.apply_rope(q[..., nope:], cos, sin, attn.interleave, heads=True)
+        q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], entry["w_k"])  # W_k absorbed into the query
+        o_lat = mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
+        o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
+        gate = torch.sigmoid(g.float()).to(o.dtype)
+        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight)
 
     def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:
         mlp = entry["layer"].mlp
