@@ -275,10 +275,11 @@ class LocalEngine:
         while tail and not job.cancel.is_set():
             # healing: until a chosen token covers the tail, a chosen piece of it joins the prompt and the next
             # token is chosen among those that agree with the rest (rarely more than two rounds)
-            piece = tok.candidates().texts[runner.chosen()]
+            chosen = runner.chosen()  # one host read per round, before the decode loop
+            piece = tok.candidates().texts[chosen]
             if piece.startswith(tail):
                 break
-            ids, tail = ids + [runner.chosen()], tail[len(piece):]
+            ids, tail = ids + [chosen], tail[len(piece):]
             runner.prefill(ids, sampling, tok.candidates().mask(tail))
         if reused:
             self.stats.extra["reused_requests"] += 1
