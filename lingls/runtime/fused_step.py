@@ -103,13 +103,15 @@ class FusedStep:
         residual = model.model.word_embeddings(input_ids)
         x, residual = ops.add_rms_norm(residual, None, self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
         kept = {}
+        # rope angles of this step's positions, shared by every MLA layer (one rope width and theta per model)
+        angles = ref.rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta) if model.mla_slot else None
         for i, entry in enumerate(self.layers):
             layer = entry["layer"]
             if layer.kind == KDA:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
-                a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len)
+                a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, angles)
             x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
                                            self.cfg.rms_norm_eps)
             m = self.par.all_reduce(self._mlp(entry, x, i))
@@ -132,7 +134,7 @@ class FusedStep:
                               stage=stage)
         return self.ops.linear(o, attn.dense.weight)
 
-    def _mla(self, entry, x, cache, positions, kv_len: int) -> torch.Tensor:
+    def _mla(self, entry, x, cache, positions, kv_len: int, angles) -> torch.Tensor:
         """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it."""
         attn: GatedMLA = entry["layer"].attention
         if "mla_proj" not in entry:
@@ -141,7 +143,7 @@ class FusedStep:
         t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
         q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
         c, _ = self.ops.add_rms_norm(kv[:, :rank], None, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
-        cos, sin = ref.rope_cos_sin(positions, rope, attn.theta)
+        cos, sin = angles
         k_rope = ref.apply_rope(kv[:, rank:], cos, sin, attn.interleave)
         cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
         q = q.view(t, h, nope + rope)
