@@ -4,7 +4,10 @@ At T <= 16 a projection is a pass over W and nothing else: the arithmetic is fre
 W over the memory bandwidth, if enough of them are in flight. So the kernel is laid out for streaming: each
 program owns a block of W's rows (BLOCK_N) and walks a range of its columns (the K dimension) in BLOCK_K tiles,
 multiplying them with the whole x tile on the tensor cores (x is padded to 16 rows, the smallest MMA shape;
-the padding costs no memory traffic). When N is small there are too few row blocks to keep every SM streaming,
+the padding costs no memory traffic). For one token the `FMA` path skips the tensor cores: W's tile goes from
+memory straight into registers, is multiplied with x on the FMA units into a [BLOCK_N, BLOCK_K] fp32 tile, and
+that tile is reduced over K once at the end (no shared-memory staging or operand shuffles for an MMA whose 15
+other rows are padding). When N is small there are too few row blocks to keep every SM streaming,
 so K is split too (split-K): each program writes an fp32 partial, bumps the row block's counter, and the
 program that arrives last sums the partials in a fixed order (deterministic), applies the epilogue and writes
 y. One launch either way; the counters reset themselves, so CUDA-graph replays need no memset.
@@ -56,24 +59,38 @@ def _swiglu(gate, up, limit):
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, F32_DOT: tl.constexpr):
+                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    acc = tl.zeros((16, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((16, BLOCK_N), tl.float32)
-    for i in range(0, K_ITERS):
-        kk = k_lo + i * BLOCK_K + rk
-        xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
-        wmask = (rn[:, None] < N) & (kk[None, :] < K)
-        wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
-        if SWIGLU:
-            wu = tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
-            acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+    if FMA:  # one token: products on the FMA units, reduced over K once at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc2_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for i in range(0, K_ITERS):
+            kk = k_lo + i * BLOCK_K + rk
+            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            wmask = (rn[:, None] < N) & (kk[None, :] < K)
+            acc2 += tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
+            if SWIGLU:
+                acc2_up += tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
+        acc = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc2, axis=1)[None, :]
+        acc_up = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc2_up, axis=1)[None, :]
+    else:
+        acc = tl.zeros((16, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((16, BLOCK_N), tl.float32)
+        for i in range(0, K_ITERS):
+            kk = k_lo + i * BLOCK_K + rk
+            xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
+                         other=0.0)
+            wmask = (rn[:, None] < N) & (kk[None, :] < K)
+            wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+            acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+            if SWIGLU:
+                wu = tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
+                acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -155,13 +172,13 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {}
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
-    from `_plan`; arguments override both (benchmarks).
+    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path.
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
@@ -171,6 +188,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     block_n, split_k = block_n or tuned.get("block_n"), split_k or tuned.get("split_k")
     block_k = block_k or tuned.get("block_k", 256)
     num_warps, num_stages = num_warps or tuned.get("num_warps", 4), num_stages or tuned.get("num_stages", 3)
+    fma = t == 1 and (tuned.get("fma", False) if fma is None else fma)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
     blocks = triton.cdiv(n, block_n)
@@ -180,7 +198,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        FMA=fma, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

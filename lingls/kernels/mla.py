@@ -10,6 +10,10 @@ same rows, so the cache crosses HBM about once and the other head groups hit L2.
 read comes from `positions` on the device (the last query's position + 1), so a CUDA graph captured once
 serves every length up to the cache's capacity without the host ever learning the length. A second small
 kernel merges the ranges' partial softmaxes.
+
+Before it, `mla_prologue` turns a step's projections into the cache rows and the rotated queries in one launch
+per step (one program per token): the RMSNorm of the latent, rope on the shared key and on every head's query,
+and the write of [c | k_rope] at the token's position. In torch ops that is ~25 small kernels per MLA layer.
 """
 
 from __future__ import annotations
@@ -54,6 +58,46 @@ def heads_per_program(t: int, h: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _rotate(ptr, i, m, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, cos, sin):
+        """Load one rope vector at ptr (pairs (2i, 2i+1) or halves (i, i + HALF)) and rotate it in fp32."""
+        if INTERLEAVE:
+            x1 = tl.load(ptr + 2 * i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(ptr + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(ptr + i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(ptr + i + HALF, mask=m, other=0.0).to(tl.float32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    @triton.jit
+    def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qr_ptr, sq, skv, sc, eps,
+                             H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
+                             R_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                             INTERLEAVE: tl.constexpr):
+        t = tl.program_id(0)
+        row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * sc
+        r = tl.arange(0, R_PAD)
+        rm = r < R
+        c = tl.load(kv_ptr + t * skv + r, mask=rm, other=0.0)
+        cf = c.to(tl.float32)
+        y = (cf * tl.rsqrt(tl.sum(cf * cf, 0) / R + eps)).to(c.dtype).to(tl.float32)  # as norm.py rounds
+        tl.store(row + r, (tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32) * y).to(cache_ptr.dtype.element_ty),
+                 mask=rm)
+        i = tl.arange(0, HALF_PAD)
+        im = i < HALF
+        cos = tl.load(cos_ptr + t * HALF + i, mask=im, other=0.0)
+        sin = tl.load(sin_ptr + t * HALF + i, mask=im, other=0.0)
+        a, b = _rotate(kv_ptr + t * skv + R, i, im, HALF, INTERLEAVE, cos, sin)
+        tl.store(row + R + i, a.to(cache_ptr.dtype.element_ty), mask=im)
+        tl.store(row + R + HALF + i, b.to(cache_ptr.dtype.element_ty), mask=im)
+        h = tl.arange(0, H_PAD)
+        hm = (h[:, None] < H) & im[None, :]
+        a, b = _rotate(q_ptr + t * sq + h[:, None] * (NOPE + 2 * HALF) + NOPE, i[None, :], hm, HALF, INTERLEAVE,
+                       cos[None, :], sin[None, :])
+        out = qr_ptr + (t * H + h[:, None]) * (2 * HALF) + i[None, :]
+        tl.store(out, a.to(qr_ptr.dtype.element_ty), mask=hm)
+        tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
@@ -145,3 +189,32 @@ def mla_decode(q_lat, q_rope, cache, positions, scale: float):
     if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
         return mla_decode_triton(q_lat, q_rope, cache, positions, scale)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)
+
+
+def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int,
+                           interleave: bool):
+    """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), cos/sin [T, rope/2] fp32: writes
+    [rms_norm(c) | rope(k_rope)] into cache[positions] and returns the rotated queries [T, H, rope] in the
+    cache's dtype. Rope in fp32, one rounding (the model's eager form rotates in the activation dtype)."""
+    from lingls.kernels import reference as ref
+
+    t, rank = kv.shape[0], norm_w.shape[0]
+    c = ref.rms_norm(kv[:, :rank], norm_w, eps)
+    k_rope = ref.apply_rope(kv[:, rank:].float(), cos, sin, interleave)
+    cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
+    q_rope = q.reshape(t, heads, -1)[..., nope:].float()
+    return ref.apply_rope(q_rope, cos, sin, interleave, heads=True).to(cache.dtype)
+
+
+def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int, interleave: bool):
+    """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
+    t, rank = kv.shape[0], norm_w.shape[0]
+    rope = kv.shape[1] - rank
+    assert q.stride(1) == 1 and kv.stride(1) == 1 and cache.stride(1) == 1 and rope % 2 == 0
+    q_rope = torch.empty(t, heads, rope, device=kv.device, dtype=cache.dtype)
+    _mla_prologue_kernel[(t,)](q, kv, norm_w, cos.contiguous(), sin.contiguous(), positions, cache, q_rope,
+                               q.stride(0), kv.stride(0), cache.stride(0), float(eps), H=heads,
+                               H_PAD=triton.next_power_of_2(heads), NOPE=nope, R=rank,
+                               R_PAD=triton.next_power_of_2(rank), HALF=rope // 2,
+                               HALF_PAD=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave, num_warps=4)
+    return q_rope

@@ -71,8 +71,9 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
                    T, E, H, K_PER, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, F32_DOT: tl.constexpr):
+                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TG_PAD: tl.constexpr,
+                   NORMALIZE: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr,
+                   F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
     all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
@@ -92,7 +93,8 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(0) * SPLIT - 1:
             chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
-                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD,
+                                      NORMALIZE, TOPK)
             _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
             tl.atomic_xchg(cnt_ptr, 0)
 
@@ -101,13 +103,13 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
     leaves the counter and the table at zero again."""
     t = tl.program_id(0)
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE, TOPK)
     mine = tl.max(chosen.to(tl.int32), axis=0)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -124,11 +126,15 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
 def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, row0, row_end,
                 TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                 G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORMALIZE: tl.constexpr):
+                TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, TOPK: tl.constexpr):
     """Grouped top-k routing of tokens row0 <= t < row_end, on a [TT, group, expert-in-group] tile: sigmoid,
     group scores (sum of the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts,
     weights from the unbiased scores (renormalised, scaled). Writes topk_w/topk_i and the rows' weight table
-    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column)."""
+    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column).
+
+    Two ways to select, the same choice (lowest id first among equal values): TOPK takes each selection's
+    threshold from a bitonic top-k network (`_top_mask`) and lists a token's experts in ascending id order;
+    otherwise rounds of argmax, in selection order (TOP_K + TOPK_GROUP + 1 dependent reductions)."""
     tr = row0 + tl.arange(0, TT)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, EPG_PAD)
@@ -142,44 +148,65 @@ def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale,
     score = tl.sigmoid(logits)
     bias = tl.load(bias_ptr + e3, mask=valid_e, other=0.0)
     choice = tl.where(valid_e, score + bias, float("-inf"))
-    first = tl.argmax(choice, axis=2)
-    second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
-    gscore = tl.max(choice, axis=2) + second
-    keep = tl.zeros((TT, G_PAD), tl.int1)
-    for _ in tl.static_range(TOPK_GROUP):
-        best = tl.argmax(gscore, axis=1)
-        hit = g[None, :] == best[:, None]
-        keep = keep | hit
-        gscore = tl.where(hit, float("-inf"), gscore)
-    choice = tl.where(keep[:, :, None], choice, float("-inf"))
     F: tl.constexpr = G_PAD * EPG_PAD
-    c2 = tl.reshape(choice, (TT, F))
-    s2 = tl.reshape(score, (TT, F))
     f = tl.arange(0, F)
-    kc = tl.arange(0, K_PAD)
-    chosen = tl.zeros((TT, F), tl.int1)
-    vals = tl.zeros((TT, K_PAD), tl.float32)
-    ids = tl.zeros((TT, K_PAD), tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.argmax(c2, axis=1)
-        hit = f[None, :] == best[:, None]
-        chosen = chosen | hit
-        c2 = tl.where(hit, float("-inf"), c2)
-        vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
-        ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
-    if NORMALIZE:
-        mult = scale / (tl.sum(vals, axis=1) + 1e-20)
-    else:
-        mult = tl.zeros((TT,), tl.float32) + scale
-    kmask = rows[:, None] & (kc[None, :] < TOP_K)
-    tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
-    tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
     eid = (f // EPG_PAD) * EPG + f % EPG_PAD
     valid_f = ((f // EPG_PAD) < G) & ((f % EPG_PAD) < EPG)
-    chosen = chosen & rows[:, None]
+    kc = tl.arange(0, K_PAD)
+    kmask = rows[:, None] & (kc[None, :] < TOP_K)
+    if TOPK:
+        gscore = tl.where(g[None, :] < G, tl.sum(tl.topk(choice, 2), axis=2), float("-inf"))
+        keep = _top_mask(gscore, TOPK_GROUP, TG_PAD)
+        c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
+        s2 = tl.reshape(score, (TT, F))
+        chosen = _top_mask(c2, TOP_K, K_PAD) & rows[:, None]
+        picked = tl.where(chosen, s2, 0.0)
+        mult = scale / (tl.sum(picked, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
+        col = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # a token's k-th chosen expert (by id) -> column k
+        dst = tr[:, None] * TOP_K + col
+        tl.store(topk_w_ptr + dst, picked * mult[:, None], mask=chosen)
+        tl.store(topk_i_ptr + dst, tl.zeros((TT, F), tl.int32) + eid[None, :], mask=chosen)
+    else:
+        first = tl.argmax(choice, axis=2)
+        second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
+        gscore = tl.max(choice, axis=2) + second
+        keep = tl.zeros((TT, G_PAD), tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=1)
+            hit = g[None, :] == best[:, None]
+            keep = keep | hit
+            gscore = tl.where(hit, float("-inf"), gscore)
+        c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
+        s2 = tl.reshape(score, (TT, F))
+        chosen = tl.zeros((TT, F), tl.int1)
+        vals = tl.zeros((TT, K_PAD), tl.float32)
+        ids = tl.zeros((TT, K_PAD), tl.int32)
+        for k in tl.static_range(TOP_K):
+            best = tl.argmax(c2, axis=1)
+            hit = f[None, :] == best[:, None]
+            chosen = chosen | hit
+            c2 = tl.where(hit, float("-inf"), c2)
+            vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
+            ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
+        chosen = chosen & rows[:, None]
+        mult = scale / (tl.sum(vals, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
+        tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
+        tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
     tl.store(wt_ptr + tr[:, None] * E + eid[None, :], tl.where(chosen, s2 * mult[:, None], 0.0),
              mask=rows[:, None] & valid_f[None, :])
     return chosen, tl.where(valid_f, eid, E)
+
+
+@triton.jit
+def _top_mask(x, K: tl.constexpr, K_PAD: tl.constexpr):
+    """[R, N] -> bool [R, N]: each row's K largest entries, the lowest column first among equal values (so
+    exactly K, whatever the ties). The K-th largest value comes from a bitonic top-K_PAD (a power of two)."""
+    top = tl.topk(x, K_PAD)
+    kth = tl.min(tl.where(tl.arange(0, K_PAD)[None, :] < K, top, float("inf")), axis=1)
+    above = x > kth[:, None]
+    tie = x == kth[:, None]
+    need = K - tl.sum(above.to(tl.int32), axis=1)
+    return above | (tie & (tl.cumsum(tie.to(tl.int32), axis=1) <= need[:, None]))
 
 
 @triton.jit
@@ -195,12 +222,16 @@ def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
-                    T, H, E, I, I_S, limit, shared_limit,
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+                    T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
+    partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
+    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
+    ks = tl.program_id(2)
     n = tl.load(n_ptr)
     if d < n:
         e = tl.load(experts_ptr + d)
@@ -211,29 +242,68 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
             rt = tl.arange(0, 16)
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
-            acc_g = tl.zeros((16, BLOCK_I), tl.float32)
-            acc_u = tl.zeros((16, BLOCK_I), tl.float32)
-            for i in range(0, K_ITERS):
-                kk = i * BLOCK_K + rk
-                xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
-                wmask = (ri[:, None] < inter) & (kk[None, :] < H)
-                wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
-                wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
-                acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
-                acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
-            act = _swiglu(acc_g, acc_u, tl.where(shared, shared_limit, limit))
-            w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
-            w = tl.where(shared & (rt < T), 1.0, w)
-            act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
-            tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
-                     mask=(rt[:, None] < T) & (ri[None, :] < inter))
+            k_lo = ks * K_PER
+            if FMA:  # one token: see gemv's FMA path
+                g2 = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+                u2 = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+                for i in range(0, K_ITERS):
+                    kk = k_lo + i * BLOCK_K + rk
+                    xv = tl.load(x_ptr + kk, mask=kk < H, other=0.0).to(tl.float32)
+                    wmask = (ri[:, None] < inter) & (kk[None, :] < H)
+                    g2 += tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
+                    u2 += tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
+                acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(g2, axis=1)[None, :]
+                acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(u2, axis=1)[None, :]
+            else:
+                acc_g = tl.zeros((16, BLOCK_I), tl.float32)
+                acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+                for i in range(0, K_ITERS):
+                    kk = k_lo + i * BLOCK_K + rk
+                    xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H),
+                                 other=0.0)
+                    wmask = (ri[:, None] < inter) & (kk[None, :] < H)
+                    wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
+                    wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
+                    acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
+                    acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
+            lim = tl.where(shared, shared_limit, limit)
+            if SPLIT_K > 1:
+                pofs = rt[:, None] * I_PAD + ri[None, :]
+                pmask = (rt[:, None] < T) & (ri[None, :] < inter)
+                part = part_ptr + (ks * tl.num_programs(0) + d) * (2 * 16 * I_PAD)
+                tl.store(part + pofs, acc_g, mask=pmask)
+                tl.store(part + 16 * I_PAD + pofs, acc_u, mask=pmask)
+                tl.debug_barrier()
+                block = d * tl.num_programs(1) + ib
+                arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
+                if arrived == SPLIT_K - 1:
+                    acc_g = tl.zeros((16, BLOCK_I), tl.float32)
+                    acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+                    for s in tl.static_range(SPLIT_K):
+                        part = part_ptr + (s * tl.num_programs(0) + d) * (2 * 16 * I_PAD)
+                        acc_g += tl.load(part + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+                        acc_u += tl.load(part + 16 * I_PAD + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
+                    tl.atomic_xchg(cnt_ptr + block, 0)
+                    _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
+            else:
+                _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr):
+    act = _swiglu(acc_g, acc_u, limit)
+    w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
+    w = tl.where(shared & (rt < T), 1.0, w)
+    act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
+    tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=(rt[:, None] < T) & (ri[None, :] < inter))
 
 
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, F32_DOT: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -244,6 +314,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
     rt = tl.arange(0, 16)
     n = tl.load(n_ptr)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     for k in range(0, D_PER):  # slots past n are masked off: no memory traffic
         d = sd + k * SPLIT_D
         live = d < n
@@ -252,12 +323,19 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
         inter = tl.where(shared, I_S, I)
         base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
         wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter), other=0.0)
-        a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
-                    mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
-        c = _mma(tl.zeros((16, BLOCK_H), tl.float32), a, tl.trans(wt), F32_DOT)
-        w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0)
-        w = tl.where(live & shared & (rt < T), 1.0, w)
-        acc += c * w[:, None]
+        if FMA:
+            w0 = tl.where(shared, 1.0, tl.load(wt_ptr + e, mask=live & (e < E), other=0.0))
+            a = tl.load(act_ptr + d * (16 * I_PAD) + ri, mask=live & (ri < inter), other=0.0).to(tl.float32)
+            acc2 += wt * (a * w0)[None, :]
+        else:
+            a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
+                        mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
+            c = _mma(tl.zeros((16, BLOCK_H), tl.float32), a, tl.trans(wt), F32_DOT)
+            w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0)
+            w = tl.where(live & shared & (rt < T), 1.0, w)
+            acc += c * w[:, None]
+    if FMA:
+        acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
     if SPLIT_D > 1:
         pofs = rt[:, None] * H + rh[None, :]
@@ -285,10 +363,12 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=8, router_split=4, router_warps=4, route="fused", route_warps=1, block_i=32, block_h=64,
-            split_d=16),
-    16: dict(router_block_e=16, router_split=4, router_warps=8, route="fused", route_warps=1, block_i=32, block_h=64,
-             split_d=8),
+    1: dict(router_block_e=8, router_split=4, router_warps=4, route="fused", route_warps=1, select="argmax",
+            block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=4,
+            dn_fma=False),
+    16: dict(router_block_e=16, router_split=4, router_warps=8, route="fused", route_warps=1, select="argmax",
+             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
+             dn_fma=False),
 }
 
 
@@ -306,7 +386,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route, route_warps,
-    block_i, block_h, split_d), for the tuning benchmark.
+    select ("argmax" | "topk", see `_route_rows`), block_i, gu_block_k, gu_split (H ranges per gate-up block),
+    gu_warps, gu_fma / dn_fma (T=1: the FMA units instead of MMA), block_h, split_d, dn_warps), for the tuning
+    benchmark.
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -334,7 +416,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     epg = e // n_group
     per_token = k["route"] == "per_token"
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
-                   EPG=epg, EPG_PAD=triton.next_power_of_2(epg), TOPK_GROUP=topk_group, NORMALIZE=normalize,
+                   EPG=epg, EPG_PAD=max(triton.next_power_of_2(epg), 2), TOPK_GROUP=topk_group,
+                   TG_PAD=triton.next_power_of_2(topk_group), NORMALIZE=normalize, TOPK=k["select"] == "topk",
                    HAS_SHARED=has_shared)
     cnt = counters(dev, 1 + e)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
@@ -347,18 +430,24 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                                   SPLIT=split, num_warps=k["route_warps"], **routing)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
-    gu_block_k = 256
-    _gate_up_kernel[(d_max, triton.cdiv(max(i, i_s), block_i))](
-        x, gate_up, sgu, experts, n_live, wt, act, t, h, e, i, i_s, float(limit), float(shared_limit),
-        BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=triton.cdiv(h, gu_block_k), I_PAD=i_pad, F32_DOT=INTERPRET,
-        num_warps=4, num_stages=3)
+    gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]
+    gu_k_per = triton.cdiv(triton.cdiv(h, gu_split), gu_block_k) * gu_block_k
+    gu_split = triton.cdiv(h, gu_k_per)
+    i_blocks = triton.cdiv(max(i, i_s), block_i)
+    gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(d_max, i_blocks, gu_split)](
+        x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
+        float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
+        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], F32_DOT=INTERPRET, num_warps=k["gu_warps"],
+        num_stages=3)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
-        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, F32_DOT=INTERPRET, num_warps=4, num_stages=3)
+        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], F32_DOT=INTERPRET,
+        num_warps=k["dn_warps"], num_stages=3)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -9,9 +9,9 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer;
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
-- MLA: one GEMV for q, the latent's down-projection and the gate; the fused RMSNorm of the latent; rope, the
-  absorbed W_k / W_v products and the split-sequence kernel of `kernels.mla`; one GEMV for the output
-  projection (with q_lora_rank, the model's own absorbed path);
+- MLA: one GEMV for q, the latent's down-projection and the gate; `mla.mla_prologue` (RMSNorm of the latent,
+  rope of key and queries, the cache rows written); the absorbed W_k / W_v products around the split-sequence
+  kernel of `kernels.mla`; one GEMV for the output projection (with q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 
@@ -47,7 +47,7 @@ class _Ops:
     """The fused kernels, or their references (same signatures)."""
 
     def __init__(self, kernels: bool):
-        from lingls.kernels import gemv, kda, moe, norm
+        from lingls.kernels import gemv, kda, mla, moe, norm
 
         pdl = kernels and torch.cuda.is_available()  # programmatic dependent launch: CUDA only
         self.linear = gemv.gemv if kernels else gemv.gemv_reference
@@ -55,6 +55,7 @@ class _Ops:
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
         self.moe = moe.fused_moe if kernels else moe.fused_moe_reference
         self.prepare_moe = moe.prepare_moe_weights
+        self.mla_prologue = mla.mla_prologue if kernels else mla.mla_prologue_reference
 
 
 class FusedStep:
@@ -142,13 +143,9 @@ class FusedStep:
             return attn.attend_latent(x, positions, cache, kv_len)
         t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
         q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
-        c, _ = self.ops.add_rms_norm(kv[:, :rank], None, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
-        cos, sin = angles
-        k_rope = ref.apply_rope(kv[:, rank:], cos, sin, attn.interleave)
-        cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
-        q = q.view(t, h, nope + rope)
-        q_rope = ref.apply_rope(q[..., nope:], cos, sin, attn.interleave, heads=True)
-        q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], entry["w_k"])  # W_k absorbed into the query
+        q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles, cache,
+                                       positions, h, nope, attn.interleave)  # also writes this step's cache rows
+        q_lat = torch.einsum("thn,hnr->thr", q.view(t, h, nope + rope)[..., :nope], entry["w_k"])  # W_k absorbed
         o_lat = mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
         gate = torch.sigmoid(g.float()).to(o.dtype)

@@ -44,6 +44,20 @@ def test_gemv_matches_reference(poisoned, t, n, k, swiglu, residual, split_k):
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
 
 
+@pytest.mark.parametrize("n,k,swiglu,residual,split_k", [(96, 256, False, True, None), (40, 320, True, False, 3),
+                                                         (33, 1000, True, True, 2)])
+def test_one_token_fma_path_matches_reference(poisoned, n, k, swiglu, residual, split_k):
+    """The T=1 path on the FMA units computes the same product (ragged N and K, split-K, both epilogues)."""
+    gen = torch.Generator().manual_seed(n + k)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV, torch.bfloat16)  # noqa: E731
+    x, w = r(1, k), r(2 * n if swiglu else n, k, scale=k ** -0.5)
+    res = r(1, n) if residual else None
+    out = torch.full((1, n), float("nan"), dtype=torch.float32, device=DEV)
+    G.gemv(x, w, res, swiglu, 0.7 if swiglu else 0.0, out=out, split_k=split_k, block_n=16, block_k=64, fma=True)
+    want = G.gemv_reference(x.float(), w.float(), None if res is None else res.float(), swiglu, 0.7 if swiglu else 0.0)
+    assert rel(out, want) < 1e-5
+
+
 def test_gemv_twice_same_bits(poisoned):
     """Split-K sums its partials in a fixed order and the counters reset: two calls give identical bits."""
     gen = torch.Generator().manual_seed(7)

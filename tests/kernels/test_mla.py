@@ -45,3 +45,27 @@ def test_default_configuration_matches_reference():
     positions = torch.tensor([250])
     want = mla_decode_reference(q_lat, q_rope, cache, positions, 0.25)
     assert (mla_decode_triton(q_lat, q_rope, cache, positions, 0.25) - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("t,h,interleave,dtype", [(1, 8, True, torch.bfloat16), (9, 3, False, torch.bfloat16),
+                                                  (16, 4, True, torch.float32)])
+def test_prologue_writes_the_cache_rows_and_rotates_the_queries(t, h, interleave, dtype):
+    """`mla_prologue` (norm + rope + cache write in one launch) against its reference; rows it must not touch
+    keep their NaN poison, rows it writes must be finite."""
+    from lingls.kernels.mla import mla_prologue, mla_prologue_reference
+    from lingls.kernels.reference import rope_cos_sin
+
+    g = torch.Generator().manual_seed(t * 10 + h)
+    nope, rope, rank = 16, 8, 24  # rank not a power of two: the masked tail
+    proj = torch.randn(t, h * (nope + rope) + rank + rope + 5, generator=g).to(dtype)  # strided views, as split
+    q, kv = proj[:, : h * (nope + rope)], proj[:, h * (nope + rope): h * (nope + rope) + rank + rope]
+    w = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype)
+    positions = torch.arange(30 - t, 30)
+    cos, sin = rope_cos_sin(positions, rope, 10000.0)
+    caches = [torch.full((40, rank + rope), float("nan"), dtype=dtype) for _ in range(2)]
+    want = mla_prologue_reference(q, kv, w, 1e-6, cos, sin, caches[0], positions, h, nope, interleave)
+    got = mla_prologue(q, kv, w, 1e-6, cos, sin, caches[1], positions, h, nope, interleave)
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)  # bf16: 2 ulps
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert torch.isfinite(caches[1][positions]).all() and caches[1][: 30 - t].isnan().all()
+    torch.testing.assert_close(caches[1][positions].float(), caches[0][positions].float(), **tol)
