@@ -5,8 +5,7 @@ flight decides their time, and that depends on the GPU. So each candidate settin
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
 (splits, block rows, warps); MoE sweeps its router (routing in its last program, or per token in a second
-launch; argmax rounds or top-k thresholds), gate-up and down settings (split-K, FMA path at T=1) one kernel
-at a time; GEMV its settings per shape (the FMA path at T=1). The best
+launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time; GEMV its settings per shape (the FMA path at T=1). The best
 go into `mla.CONFIGS` / `moe.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times
 the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
 
@@ -33,16 +32,14 @@ from lingls.runtime.fused_step import FusedStep  # noqa: E402
 MLA_CANDIDATES = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 32, 8)]  # the neighbourhood of the
 # last run's winners (its JSON swept splits 16..128 x rows 32, 64)
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
-ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused", select=sel)
-          for e, s, w in ((16, 4, 8), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8)) for sel in ("argmax", "topk")] + \
-         [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw, select=sel)
-          for e, s, w, rw in ((16, 4, 8, 1), (8, 4, 4, 2), (8, 4, 4, 4)) for sel in ("argmax", "topk")]
-# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
-GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
-           for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
-                                  (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
-                                  (32, 1, 4, 128, True), (32, 2, 4, 128, True), (16, 4, 4, 128, True),
-                                  (32, 4, 8, 128, True), (64, 4, 8, 64, True), (16, 2, 4, 256, True))]
+ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")
+          for e, s, w in ((16, 4, 8), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8))] + \
+         [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw)
+          for e, s, w, rw in ((16, 4, 8, 1), (8, 4, 4, 2), (8, 4, 4, 4))]
+# gate-up: rows per program, H ranges per block (split-K), warps, H tile
+GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk)
+           for b, s, w, bk in ((32, 1, 4, 256), (16, 1, 4, 256), (32, 2, 4, 256), (32, 4, 4, 128), (16, 4, 4, 128),
+                               (64, 4, 8, 128))]
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
@@ -127,7 +124,7 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
     for stage in (ROUTER, GATE_UP, DOWN):
         results = []
         for cand in stage:
-            if (t > 1 and (cand.get("gu_fma") or cand.get("dn_fma"))) or time.time() > DEADLINE[0]:
+            if (t > 1 and cand.get("dn_fma")) or time.time() > DEADLINE[0]:
                 continue
             knobs = {**best, **cand}
             try:

@@ -166,7 +166,19 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 
 # Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
 # steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
-CONFIGS: dict[tuple[int, int, bool, int], dict] = {}
+# Pinned from bench/results/fused_step_shard42.json (one H200, Ling-3.0-flash TP=4 rank shapes); the KDA
+# projection (5128 x 2560) is best with the automatic plan at both T buckets.
+CONFIGS: dict[tuple[int, int, bool, int], dict] = {
+    (2560, 1024, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
+    (2560, 1536, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # dense MLP down
+    (1536, 2560, True, 1): dict(block_n=32, block_k=256, num_warps=8, num_stages=3, fma=True),  # dense MLP gate-up
+    (2120, 2560, False, 1): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),  # MLA q | kv_a | gate
+    (2560, 1024, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
+    (2560, 1536, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    (1536, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    (2120, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
+    (5128, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
+}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,

@@ -72,8 +72,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TG_PAD: tl.constexpr,
-                   NORMALIZE: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr,
-                   F32_DOT: tl.constexpr):
+                   NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
     all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
@@ -94,7 +93,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         if arrived == tl.num_programs(0) * SPLIT - 1:
             chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
                                       TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD,
-                                      NORMALIZE, TOPK)
+                                      NORMALIZE)
             _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
             tl.atomic_xchg(cnt_ptr, 0)
 
@@ -103,13 +102,13 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
     leaves the counter and the table at zero again."""
     t = tl.program_id(0)
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE, TOPK)
+                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE)
     mine = tl.max(chosen.to(tl.int32), axis=0)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -126,15 +125,15 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
 def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, row0, row_end,
                 TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                 G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, TOPK: tl.constexpr):
+                TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     """Grouped top-k routing of tokens row0 <= t < row_end, on a [TT, group, expert-in-group] tile: sigmoid,
     group scores (sum of the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts,
     weights from the unbiased scores (renormalised, scaled). Writes topk_w/topk_i and the rows' weight table
-    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column).
+    wt[t, e] (0 where not chosen); topk_w/topk_i list a token's experts in ascending id order, the lowest id
+    first among equal values. Returns (chosen [TT, F] of the real rows, expert id per F column).
 
-    Two ways to select, the same choice (lowest id first among equal values): TOPK takes each selection's
-    threshold from a bitonic top-k network (`_top_mask`) and lists a token's experts in ascending id order;
-    otherwise rounds of argmax, in selection order (TOP_K + TOPK_GROUP + 1 dependent reductions)."""
+    Thresholds instead of TOP_K + TOPK_GROUP rounds of argmax: on an H200 (bench/tune_gpu.py, same launch
+    settings) the MoE layer took 27.7 instead of 29.9 us at T=1, and 5-12% less at T=9."""
     tr = row0 + tl.arange(0, TT)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, EPG_PAD)
@@ -152,46 +151,18 @@ def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale,
     f = tl.arange(0, F)
     eid = (f // EPG_PAD) * EPG + f % EPG_PAD
     valid_f = ((f // EPG_PAD) < G) & ((f % EPG_PAD) < EPG)
-    kc = tl.arange(0, K_PAD)
-    kmask = rows[:, None] & (kc[None, :] < TOP_K)
-    if TOPK:
-        gscore = tl.where(g[None, :] < G, tl.sum(tl.topk(choice, 2), axis=2), float("-inf"))
-        keep = _top_mask(gscore, TOPK_GROUP, TG_PAD)
-        c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
-        s2 = tl.reshape(score, (TT, F))
-        chosen = _top_mask(c2, TOP_K, K_PAD) & rows[:, None]
-        picked = tl.where(chosen, s2, 0.0)
-        mult = scale / (tl.sum(picked, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
-        col = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # a token's k-th chosen expert (by id) -> column k
-        dst = tr[:, None] * TOP_K + col
-        tl.store(topk_w_ptr + dst, picked * mult[:, None], mask=chosen)
-        tl.store(topk_i_ptr + dst, tl.zeros((TT, F), tl.int32) + eid[None, :], mask=chosen)
-    else:
-        first = tl.argmax(choice, axis=2)
-        second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
-        gscore = tl.max(choice, axis=2) + second
-        keep = tl.zeros((TT, G_PAD), tl.int1)
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(gscore, axis=1)
-            hit = g[None, :] == best[:, None]
-            keep = keep | hit
-            gscore = tl.where(hit, float("-inf"), gscore)
-        c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
-        s2 = tl.reshape(score, (TT, F))
-        chosen = tl.zeros((TT, F), tl.int1)
-        vals = tl.zeros((TT, K_PAD), tl.float32)
-        ids = tl.zeros((TT, K_PAD), tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.argmax(c2, axis=1)
-            hit = f[None, :] == best[:, None]
-            chosen = chosen | hit
-            c2 = tl.where(hit, float("-inf"), c2)
-            vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
-            ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
-        chosen = chosen & rows[:, None]
-        mult = scale / (tl.sum(vals, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
-        tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
-        tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
+    # each selection's threshold from a bitonic top-k network (`_top_mask`), not rounds of argmax
+    gscore = tl.where(g[None, :] < G, tl.sum(tl.topk(choice, 2), axis=2), float("-inf"))
+    keep = _top_mask(gscore, TOPK_GROUP, TG_PAD)
+    c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
+    s2 = tl.reshape(score, (TT, F))
+    chosen = _top_mask(c2, TOP_K, K_PAD) & rows[:, None]
+    picked = tl.where(chosen, s2, 0.0)
+    mult = scale / (tl.sum(picked, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
+    col = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # a token's k-th chosen expert (by id) -> column k
+    dst = tr[:, None] * TOP_K + col
+    tl.store(topk_w_ptr + dst, picked * mult[:, None], mask=chosen)
+    tl.store(topk_i_ptr + dst, tl.zeros((TT, F), tl.int32) + eid[None, :], mask=chosen)
     tl.store(wt_ptr + tr[:, None] * E + eid[None, :], tl.where(chosen, s2 * mult[:, None], 0.0),
              mask=rows[:, None] & valid_f[None, :])
     return chosen, tl.where(valid_f, eid, E)
@@ -225,7 +196,7 @@ def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
+                    SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
     partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
     step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
@@ -243,29 +214,16 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
-            if FMA:  # one token: see gemv's FMA path
-                g2 = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
-                u2 = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
-                for i in range(0, K_ITERS):
-                    kk = k_lo + i * BLOCK_K + rk
-                    xv = tl.load(x_ptr + kk, mask=kk < H, other=0.0).to(tl.float32)
-                    wmask = (ri[:, None] < inter) & (kk[None, :] < H)
-                    g2 += tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
-                    u2 += tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
-                acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(g2, axis=1)[None, :]
-                acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(u2, axis=1)[None, :]
-            else:
-                acc_g = tl.zeros((16, BLOCK_I), tl.float32)
-                acc_u = tl.zeros((16, BLOCK_I), tl.float32)
-                for i in range(0, K_ITERS):
-                    kk = k_lo + i * BLOCK_K + rk
-                    xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H),
-                                 other=0.0)
-                    wmask = (ri[:, None] < inter) & (kk[None, :] < H)
-                    wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
-                    wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
-                    acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
-                    acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
+            acc_g = tl.zeros((16, BLOCK_I), tl.float32)
+            acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+            for i in range(0, K_ITERS):
+                kk = k_lo + i * BLOCK_K + rk
+                xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
+                wmask = (ri[:, None] < inter) & (kk[None, :] < H)
+                wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
+                wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
+                acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
+                acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
@@ -363,12 +321,10 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=8, router_split=4, router_warps=4, route="fused", route_warps=1, select="argmax",
-            block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=4,
-            dn_fma=False),
-    16: dict(router_block_e=16, router_split=4, router_warps=8, route="fused", route_warps=1, select="argmax",
-             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
-             dn_fma=False),
+    1: dict(router_block_e=16, router_split=8, router_warps=4, route="fused", route_warps=1, block_i=32,
+            gu_block_k=128, gu_split=4, gu_warps=4, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
+    16: dict(router_block_e=8, router_split=4, router_warps=4, route="per_token", route_warps=4, block_i=32,
+             gu_block_k=256, gu_split=1, gu_warps=4, block_h=64, split_d=8, dn_warps=4, dn_fma=False),
 }
 
 
@@ -384,11 +340,10 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
-    (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
+    (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), each token's experts in ascending id order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route, route_warps,
-    select ("argmax" | "topk", see `_route_rows`), block_i, gu_block_k, gu_split (H ranges per gate-up block),
-    gu_warps, gu_fma / dn_fma (T=1: the FMA units instead of MMA), block_h, split_d, dn_warps), for the tuning
-    benchmark.
+    block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma
+    (T=1: the down projection on the FMA units instead of MMA), for the tuning benchmark.
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -417,7 +372,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     per_token = k["route"] == "per_token"
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
                    EPG=epg, EPG_PAD=max(triton.next_power_of_2(epg), 2), TOPK_GROUP=topk_group,
-                   TG_PAD=triton.next_power_of_2(topk_group), NORMALIZE=normalize, TOPK=k["select"] == "topk",
+                   TG_PAD=triton.next_power_of_2(topk_group), NORMALIZE=normalize,
                    HAS_SHARED=has_shared)
     cnt = counters(dev, 1 + e)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
@@ -438,7 +393,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], F32_DOT=INTERPRET, num_warps=k["gu_warps"],
+        I_PAD=i_pad, SPLIT_K=gu_split, F32_DOT=INTERPRET, num_warps=k["gu_warps"],
         num_stages=3)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
