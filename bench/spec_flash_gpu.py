@@ -205,7 +205,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                 runner.run_step(k + 1, kv, True)
                 res["target_step_ms"][k] = timer.median_ms(lambda: runner.run_step(k + 1, kv, True), args.reps)
             say(f"K={k}: plain target step of {k + 1} tokens {res['target_step_ms'][k]:.3f} ms")
-            spec = Speculator(runner, MTPDrafter(model, runner.state, k))
+            spec = Speculator(runner, MTPDrafter(model, runner.state, k, runner.fused))
             spec.force_accept = torch.zeros(1, dtype=torch.long, device=device)
             spec.drafter.x.normal_()
             for a in range(k + 1):

@@ -63,31 +63,34 @@ class FusedStep:
         self.model, self.cfg, self.par = model, model.config, model.par
         device = model.lm_head.weight.device
         self.ops = _Ops(device.type == "cuda" if kernels is None else kernels)
-        self.layers = []
-        for i, layer in enumerate(model.decoder_layers):
-            entry = {"layer": layer}
-            attn = layer.attention
-            if isinstance(attn, KimiDeltaAttention):
-                entry["proj"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj, attn.g_proj, attn.b_proj])
-                entry["conv"] = torch.stack([c.weight.detach().squeeze(1) for c in (attn.q_conv1d, attn.k_conv1d,
-                                                                                    attn.v_conv1d)]).contiguous()
-            elif isinstance(attn, GatedMLA) and not hasattr(attn, "q_a_proj"):
-                entry["mla_proj"] = _fuse_rows([attn.q_proj, attn.kv_a_proj_with_mqa, attn.g_proj])
-                w = attn.kv_b_proj.weight.detach().view(attn.heads, attn.nope + attn.vdim, attn.rank)
-                entry["w_k"], entry["w_v"] = w[:, : attn.nope], w[:, attn.nope:]  # [H, nope, rank], [H, v, rank]
-            mlp = layer.mlp
-            if isinstance(mlp, MoE):
-                shared = mlp.shared_experts
-                sgu = _fuse_rows([shared.gate_proj, shared.up_proj]) if shared is not None else None
-                weights = self.ops.prepare_moe(mlp.gate.weight.detach(), mlp.gate.expert_bias.detach(),
-                                               mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach())
-                entry["moe"] = weights._replace(shared_gate_up=sgu,
-                                                shared_down=shared.down_proj.weight.detach() if shared is not None else None)
-            elif isinstance(mlp, SwiGLU):
-                entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
-            self.layers.append(entry)
+        self.layers = [self._prepare(layer) for layer in model.decoder_layers]
+        self.mtp = [self._prepare(layer) for layer in model.mtp_layers]  # the drafter's MTP layers, same kernels
         self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
                             normalize=self.cfg.norm_topk_prob, scale=self.cfg.routed_scaling_factor)
+
+    def _prepare(self, layer) -> dict:
+        """A layer's weights in the layouts the kernels read (views of the model's own, see the module note)."""
+        entry = {"layer": layer}
+        attn = layer.attention
+        if isinstance(attn, KimiDeltaAttention):
+            entry["proj"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj, attn.g_proj, attn.b_proj])
+            entry["conv"] = torch.stack([c.weight.detach().squeeze(1) for c in (attn.q_conv1d, attn.k_conv1d,
+                                                                                attn.v_conv1d)]).contiguous()
+        elif isinstance(attn, GatedMLA) and not hasattr(attn, "q_a_proj"):
+            entry["mla_proj"] = _fuse_rows([attn.q_proj, attn.kv_a_proj_with_mqa, attn.g_proj])
+            w = attn.kv_b_proj.weight.detach().view(attn.heads, attn.nope + attn.vdim, attn.rank)
+            entry["w_k"], entry["w_v"] = w[:, : attn.nope], w[:, attn.nope:]  # [H, nope, rank], [H, v, rank]
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            shared = mlp.shared_experts
+            sgu = _fuse_rows([shared.gate_proj, shared.up_proj]) if shared is not None else None
+            weights = self.ops.prepare_moe(mlp.gate.weight.detach(), mlp.gate.expert_bias.detach(),
+                                           mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach())
+            entry["moe"] = weights._replace(shared_gate_up=sgu,
+                                            shared_down=shared.down_proj.weight.detach() if shared is not None else None)
+        elif isinstance(mlp, SwiGLU):
+            entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        return entry
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None,
@@ -99,15 +102,29 @@ class FusedStep:
         `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
         if input_ids.shape[0] > MAX_TOKENS:
             raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")
+        residual = self.model.model.word_embeddings(input_ids)
+        return self._run(residual, self.layers, 0, state, positions, kv_len, stage, keep)
+
+    @torch.inference_mode()
+    def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state, positions: torch.Tensor,
+                 kv_len: int | None = None, depth: int = 0) -> torch.Tensor:
+        """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden]."""
+        if next_ids.shape[0] > MAX_TOKENS:
+            return self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
+        layer, model = self.model.mtp_layers[depth], self.model.model
+        residual = layer.mix(model.word_embeddings(next_ids), model.norm(h))
+        return self._run(residual, self.mtp[depth: depth + 1], self.model.n_layers + depth, state, positions, kv_len)
+
+    def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None):
+        """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
-        residual = model.model.word_embeddings(input_ids)
-        x, residual = ops.add_rms_norm(residual, None, self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
+        x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
         kept = {}
         # rope angles of this step's positions, shared by every MLA layer (one rope width and theta per model)
         angles = ref.rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta) if model.mla_slot else None
-        for i, entry in enumerate(self.layers):
-            layer = entry["layer"]
+        for j, entry in enumerate(entries):
+            i, layer = first + j, entry["layer"]
             if layer.kind == KDA:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
@@ -116,8 +133,8 @@ class FusedStep:
             x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
                                            self.cfg.rms_norm_eps)
             m = self.par.all_reduce(self._mlp(entry, x, i))
-            if i + 1 < len(self.layers):
-                x, residual = ops.add_rms_norm(m, residual, self.layers[i + 1]["layer"].input_layernorm.weight,
+            if j + 1 < len(entries):
+                x, residual = ops.add_rms_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight,
                                                self.cfg.rms_norm_eps)
             else:
                 residual = residual + m

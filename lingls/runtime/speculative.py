@@ -176,11 +176,12 @@ class MTPDrafter(Drafter):
 
     name = "mtp"
 
-    def __init__(self, model: LingForCausalLM, state, k: int):
+    def __init__(self, model: LingForCausalLM, state, k: int, fused=None):
         if not model.mtp_layers:
             raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): use another drafter")
         super().__init__(k)
         self.model, self.state = model, state
+        self.mtp_step = model.mtp_step if fused is None else fused.mtp_step  # the fused kernels on CUDA
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.h_last = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # target hidden, last prefilled
         self.last_at: int | None = None  # its position (host)
@@ -194,26 +195,26 @@ class MTPDrafter(Drafter):
         if self.last_at == start - 1:  # the previous step's last row waited for this step's first token
             rows_h, rows_pos, rows_next = torch.cat([self.h_last, rows_h]), torch.cat([positions[:1] - 1, rows_pos]), ids
         if rows_h.shape[0]:
-            self.model.mtp_step(rows_h, rows_next, self.state, rows_pos, kv_len=start + ids.shape[0])
+            self.mtp_step(rows_h, rows_next, self.state, rows_pos, kv_len=start + ids.shape[0])
         self.h_last.copy_(h[-1:])
         self.last_at = start + ids.shape[0] - 1
 
     def begin(self, tokens, cur, pos):
         # a prompt that was entirely cached leaves no hidden state: its first drafts are just weaker
         if self.last_at == len(tokens) - 1:
-            self.x.copy_(self.model.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens)))
+            self.x.copy_(self.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens)))
 
     def propose(self, cur, pos, kv_len):
         x, tok = self.x, self._argmax(self.x)
         drafts = [tok]
         for i in range(1, self.k):
-            x = self.model.mtp_step(x, tok, self.state, pos + (i - 1), kv_len=kv_len)
+            x = self.mtp_step(x, tok, self.state, pos + (i - 1), kv_len=kv_len)
             tok = self._argmax(x)
             drafts.append(tok)
         return torch.cat(drafts), None
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
-        x = self.model.mtp_step(h, tokens, self.state, positions, kv_len=kv_len)
+        x = self.mtp_step(h, tokens, self.state, positions, kv_len=kv_len)
         self.x.copy_(x.index_select(0, n))
         self.last_at = None
 
@@ -312,7 +313,7 @@ def _one_drafter(name: str, runner: ModelRunner, k: int) -> Drafter:
     if name == "lookup":
         return LookupDrafter(k, runner.capacity, runner.device)
     if name == "mtp":
-        return MTPDrafter(runner.model, runner.state, k)
+        return MTPDrafter(runner.model, runner.state, k, runner.fused)
     from lingls.model.draft import DraftConfigError, is_drafter_dir, load_drafter
 
     if not is_drafter_dir(name):

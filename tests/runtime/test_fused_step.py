@@ -71,3 +71,25 @@ def test_staged_verify_and_kept_layers(model, kernels):
             assert (stage[0][:, t] - want.kda).abs().max().item() < 1e-5
         assert (h - model.step(ids[20:25], state.clone(), torch.arange(20, 25))).abs().max().item() < 1e-5
         assert set(kept) == {1, 2} and kept[1].shape == h.shape
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
+def test_mtp_step_equals_the_models(kernels):
+    """The MTP drafter's layer through the fused kernels: the same output and the same latent cache rows."""
+    torch.manual_seed(3)
+    m = LingForCausalLM(small_config(num_hidden_layers=2, num_nextn_predict_layers=1))
+    m.init_weights()
+    randomize(m, 3)
+    m.eval()
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        state = m.new_state(32)
+        h = m.step(ids[:10], state, torch.arange(10))
+        want_state, got_state = state.clone(), state.clone()
+        fused = FusedStep(m, kernels=kernels)
+        for rows in (slice(0, 1), slice(0, 9)):  # a draft step and the rows after a verify
+            pos = torch.arange(rows.start, rows.stop)
+            want = m.mtp_step(h[rows], ids[1:10][rows], want_state, pos)
+            got = fused.mtp_step(h[rows], ids[1:10][rows], got_state, pos)
+            assert (got - want).abs().max().item() < 1e-5
+    assert (got_state.latent - want_state.latent).abs().max().item() < 1e-5
