@@ -3,17 +3,16 @@
 At batch 1 an MoE layer is a walk over the weights of the experts the tokens chose (8 routed + 1 shared per
 token at Ling-3.0, 2.95 MB each per TP=4 rank) plus the router (2.6 MB); the arithmetic is negligible. Issued
 as torch ops it is dozens of small kernels that each reach a fraction of the bandwidth (one expert-sized
-torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches, each streaming many experts at once:
+torch.mm reaches ~0.9 TB/s on an H200). Here it is four launches, three of them streaming weights:
 
-1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H), then the last program to
-   arrive (an atomic counter; no second launch) sums the partial logits and does the whole routing on chip:
-   sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
-   experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
-   expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
-   expert (slot 0, id E), their count, and each token's weight per expert wt[token, expert] (0 where the
-   token did not choose it; the shared expert always weighs 1). One program routing all tokens is serial
-   work that grows with T; `route="per_token"` instead hands it to a second small launch with one program per
-   token (the last to arrive aligns), a tuning candidate for verify steps.
+1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H) into fp32 partials; then
+   `_route_token_kernel`, one program per token, sums them and routes on chip: sigmoid, group scores (sum of
+   the top-2 of score + bias per group), the best `topk_group` groups, the top-k experts, weights from the
+   unbiased scores (renormalised, scaled). The last program to arrive writes the *alignment* the expert
+   kernels need: the distinct experts chosen by any token, in ascending id order after the shared expert
+   (slot 0, id E), and their count; each token writes its weight per expert wt[token, expert] (0 where the
+   token did not choose it; the shared expert always weighs 1). (Routing in the matvec's last arriving
+   program saved that launch, but ran its routing with the matvec's warps: see `_route_token_kernel`.)
 2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
    rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
    Slots past the count exit at once: the grid is sized for the worst case, so nothing is read back to the host.
@@ -67,14 +66,9 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
-                   T, E, H, K_PER, scale,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
-                   TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TG_PAD: tl.constexpr,
-                   NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, F32_DOT: tl.constexpr):
-    """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
-    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
+def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, F32_DOT: tl.constexpr):
+    """Router matvec partials over (block of experts, range of H): part[range, t, e] in fp32."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -87,15 +81,6 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
         acc = _mma(acc, xt, tl.trans(wr), F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
-    if ROUTE:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) * SPLIT - 1:
-            chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
-                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD,
-                                      NORMALIZE)
-            _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -103,9 +88,11 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
-    program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
-    leaves the counter and the table at zero again."""
+    """Program t routes token t alone (a verify step's tokens side by side) and marks its experts in a presence
+    table (cnt_ptr[1:1+E]); the last to arrive aligns them and leaves the counter and the table at zero again.
+    Launched with one warp: on an H200 the same routing run by programs of 2 and 4 warps chose an expert outside
+    the top-k in this module's GPU tests (the flash-like 8-of-64 case; Triton's interpreter was right), one warp
+    chose right. It costs ~1 us per MoE layer at T=1 and ~15 us at T=9 against the multi-warp timings."""
     t = tl.program_id(0)
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
                               2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE)
@@ -321,10 +308,10 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=16, router_split=8, router_warps=4, route="fused", route_warps=1, block_i=32,
-            gu_block_k=128, gu_split=4, gu_warps=4, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
-    16: dict(router_block_e=8, router_split=4, router_warps=4, route="per_token", route_warps=4, block_i=32,
-             gu_block_k=256, gu_split=1, gu_warps=4, block_h=64, split_d=8, dn_warps=4, dn_fma=False),
+    1: dict(router_block_e=16, router_split=8, router_warps=4, block_i=32, gu_block_k=128, gu_split=4, gu_warps=4,
+            block_h=64, split_d=16, dn_warps=8, dn_fma=True),
+    16: dict(router_block_e=8, router_split=4, router_warps=4, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4,
+             block_h=64, split_d=8, dn_warps=4, dn_fma=False),
 }
 
 
@@ -336,13 +323,12 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
               **knobs):
-    """MoE of T <= 16 tokens in three launches, nothing read back to the host.
+    """MoE of T <= 16 tokens in four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), each token's experts in ascending id order.
-    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route, route_warps,
-    block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma
     (T=1: the down projection on the FMA units instead of MMA), for the tuning benchmark.
     """
     t, h = x.shape
@@ -369,20 +355,15 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     split = triton.cdiv(h, k_per)
     part = torch.empty(split, 16, e, dtype=torch.float32, device=dev)
     epg = e // n_group
-    per_token = k["route"] == "per_token"
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
                    EPG=epg, EPG_PAD=max(triton.next_power_of_2(epg), 2), TOPK_GROUP=topk_group,
                    TG_PAD=triton.next_power_of_2(topk_group), NORMALIZE=normalize,
                    HAS_SHARED=has_shared)
-    cnt = counters(dev, 1 + e)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
-        BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, F32_DOT=INTERPRET, num_warps=k["router_warps"],
-        **routing)
-    if per_token:
-        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
-                                  SPLIT=split, num_warps=k["route_warps"], **routing)
+        x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k,
+        F32_DOT=INTERPRET, num_warps=k["router_warps"])
+    _route_token_kernel[(t,)](part, expert_bias, counters(dev, 1 + e), topk_w, topk_i, experts, n_live, wt, t, e,
+                              float(scale), SPLIT=split, num_warps=1, **routing)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]
