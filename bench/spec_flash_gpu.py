@@ -315,10 +315,15 @@ def _rank_main(rank: int, size: int, port: int, args) -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, **({"device_id": torch.device("cuda", rank)} if cuda else {}))
-    try:
-        run_rank(args, make_parallel(rank, size), torch.device("cuda", rank) if cuda else torch.device("cpu"))
-    finally:
+    run_rank(args, make_parallel(rank, size), torch.device("cuda", rank) if cuda else torch.device("cpu"))
+    if not cuda:
         dist.destroy_process_group()
+        return
+    # On the H200 pair, tearing the NCCL group down after the peer all-reduce's IPC mappings hung for minutes
+    # after the results were written; the ranks agree they are done and leave, and the driver cleans up.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main(argv: list[str]) -> int:
