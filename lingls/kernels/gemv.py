@@ -56,41 +56,65 @@ def _swiglu(gate, up, limit):
 
 
 @triton.jit
+def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
+    """A [rows, K tile] of W (and of its up half with SWIGLU; otherwise the same tile twice, unused)."""
+    wmask = (rn[:, None] < N) & (kk[None, :] < K)
+    wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+    wu = wt
+    if SWIGLU:
+        wu = tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
+    return wt, wu
+
+
+@triton.jit
+def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, FMA: tl.constexpr,
+                F32_DOT: tl.constexpr):
+    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows]."""
+    if FMA:
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        acc += wt * xv[None, :]
+        if SWIGLU:
+            acc_up += wu * xv[None, :]
+    else:
+        xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
+                     other=0.0)
+        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+        if SWIGLU:
+            acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
+                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
+    # the first W tile is requested before waiting for the previous kernel (PDL): weights never depend on it
+    wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if FMA:  # one token: products on the FMA units, reduced over K once at the end
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        acc2_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for i in range(0, K_ITERS):
-            kk = k_lo + i * BLOCK_K + rk
-            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            wmask = (rn[:, None] < N) & (kk[None, :] < K)
-            acc2 += tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
-            if SWIGLU:
-                acc2_up += tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0) * xv[None, :]
-        acc = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc2, axis=1)[None, :]
-        acc_up = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc2_up, axis=1)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
         acc = tl.zeros((16, BLOCK_N), tl.float32)
         acc_up = tl.zeros((16, BLOCK_N), tl.float32)
-        for i in range(0, K_ITERS):
-            kk = k_lo + i * BLOCK_K + rk
-            xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
-                         other=0.0)
-            wmask = (rn[:, None] < N) & (kk[None, :] < K)
-            wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-            acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
-            if SWIGLU:
-                wu = tl.load(w_ptr + (rn[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
-                acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
+    for i in range(1, K_ITERS):
+        kk = k_lo + i * BLOCK_K + rk
+        wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
+        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
+    if FMA:
+        acc = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc, axis=1)[None, :]
+        acc_up = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -184,13 +208,14 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, fma: bool | None = None) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
-    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path.
+    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
+    programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
@@ -210,7 +235,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 
 

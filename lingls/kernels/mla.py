@@ -74,8 +74,11 @@ if triton is not None:
     def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qr_ptr, sq, skv, sc, eps,
                              H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
                              R_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                             INTERLEAVE: tl.constexpr):
+                             INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr):
         t = tl.program_id(0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * sc
         r = tl.arange(0, R_PAD)
         rm = r < R
@@ -102,8 +105,11 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         split = tl.program_id(0)
         i = tl.arange(0, BT)
         t = i // G
@@ -145,8 +151,12 @@ if triton is not None:
         tl.store(part_ml + base * 2 + 1, l, mask=ok)
 
     @triton.jit
-    def _mla_merge_kernel(part_acc, part_ml, out, T, H: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    def _mla_merge_kernel(part_acc, part_ml, out, T, H: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          USE_PDL: tl.constexpr):
         row = tl.program_id(0)  # t * H + head
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         s = tl.arange(0, NUM_SPLITS)
         base = s * T * H + row
         m = tl.load(part_ml + base * 2)
@@ -161,7 +171,7 @@ if triton is not None:
 
 
 def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None):
+                      block_n: int | None = None, num_warps: int | None = None, pdl: bool = False):
     """The kernel form of `mla_decode_reference` (fp32 output). positions must be ascending (the last is the
     furthest), as the queries of one decode or verify step are. Unset knobs come from `CONFIGS`."""
     t, h, r = q_lat.shape
@@ -175,19 +185,22 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits:
     part_ml = torch.empty(num_splits, t, h, 2, device=dev, dtype=torch.float32)
     out = torch.empty(t, h, r, device=dev, dtype=torch.float32)
     q_lat, q_rope = q_lat.to(cache.dtype).contiguous(), q_rope.to(cache.dtype).contiguous()
+    pdl = pdl and cache.is_cuda
+    launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
-                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, num_warps=num_warps)
-    _mla_merge_kernel[(t * h,)](part_acc, part_ml, out, t, H=h, R=r, NUM_SPLITS=num_splits)
+                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, USE_PDL=pdl,
+                                            num_warps=num_warps, **launch)
+    _mla_merge_kernel[(t * h,)](part_acc, part_ml, out, t, H=h, R=r, NUM_SPLITS=num_splits, USE_PDL=pdl, **launch)
     return out
 
 
 MAX_QUERIES = 16  # the kernel keeps a step's queries in registers: decode and verify steps, not prefills
 
 
-def mla_decode(q_lat, q_rope, cache, positions, scale: float):
+def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False):
     """Latent attention output [T, H, R] fp32: the kernel for CUDA decode/verify steps, the reference otherwise."""
     if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
-        return mla_decode_triton(q_lat, q_rope, cache, positions, scale)
+        return mla_decode_triton(q_lat, q_rope, cache, positions, scale, pdl=pdl)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)
 
 
@@ -206,8 +219,10 @@ def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions
     return ref.apply_rope(q_rope, cos, sin, interleave, heads=True).to(cache.dtype)
 
 
-def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int, interleave: bool):
-    """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
+def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int, interleave: bool,
+                 pdl: bool = False):
+    """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1);
+    pdl: programmatic dependent launch."""
     t, rank = kv.shape[0], norm_w.shape[0]
     rope = kv.shape[1] - rank
     assert q.stride(1) == 1 and kv.stride(1) == 1 and cache.stride(1) == 1 and rope % 2 == 0
@@ -216,5 +231,7 @@ def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: i
                                q.stride(0), kv.stride(0), cache.stride(0), float(eps), H=heads,
                                H_PAD=triton.next_power_of_2(heads), NOPE=nope, R=rank,
                                R_PAD=triton.next_power_of_2(rank), HALF=rope // 2,
-                               HALF_PAD=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave, num_warps=4)
+                               HALF_PAD=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave,
+                               USE_PDL=pdl and kv.is_cuda, num_warps=4,
+                               **({"launch_pdl": True} if pdl and kv.is_cuda else {}))
     return q_rope

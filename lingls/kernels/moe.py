@@ -24,7 +24,7 @@ torch.mm reaches ~0.9 TB/s on an H200). Here it is four launches, three of them 
 Why not two launches: the down projection needs a whole expert's activation (all of I), which no single
 program of the gate-up launch holds; splitting down over I instead (atomics into the output) costs
 T*k*(I/BLOCK_I)*H fp32 atomics, ~2.5M at T=9, slower than the launch it saves. Programmatic dependent launch
-can hide most of the two boundaries (left to the integration).
+(`pdl=True`) hides the launch boundaries instead.
 
 Weights: the checkpoint's stacking is already what the kernels want, so the 512 experts are not copied at load.
 Routed gate_up [E, 2I, H] (I gate rows, then I up rows) and down [E, H, I]; the shared expert is passed beside
@@ -67,7 +67,8 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, USE_PDL: tl.constexpr,
+                   F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H): part[range, t, e] in fp32."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,10 +76,16 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((16, BLOCK_E), tl.float32)
+    kk = pid_k * K_PER + rk
+    wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
+    if USE_PDL:  # the first weight tile is on its way while the previous kernel finishes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for i in range(0, K_ITERS):
         kk = pid_k * K_PER + i * BLOCK_K + rk
+        if i > 0:
+            wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
         xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
-        wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
         acc = _mma(acc, xt, tl.trans(wr), F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
@@ -87,13 +94,17 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side) and marks its experts in a presence
     table (cnt_ptr[1:1+E]); the last to arrive aligns them and leaves the counter and the table at zero again.
     Launched with one warp: on an H200 the same routing run by programs of 2 and 4 warps chose an expert outside
     the top-k in this module's GPU tests (the flash-like 8-of-64 case; Triton's interpreter was right), one warp
     chose right. It costs ~1 us per MoE layer at T=1 and ~15 us at T=9 against the multi-warp timings."""
     t = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
                               2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE)
     mine = tl.max(chosen.to(tl.int32), axis=0)
@@ -183,13 +194,16 @@ def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr):
+                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
     partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
     step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.load(n_ptr)
     if d < n:
         e = tl.load(experts_ptr + d)
@@ -248,7 +262,7 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, F32_DOT: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -257,6 +271,9 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, I_PAD)
     rt = tl.arange(0, 16)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.load(n_ptr)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
@@ -322,14 +339,17 @@ def config_for(t: int) -> dict:
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
-              **knobs):
+              pdl: bool = False, **knobs):
     """MoE of T <= 16 tokens in four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), each token's experts in ascending id order.
-    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma
-    (T=1: the down projection on the FMA units instead of MMA), for the tuning benchmark.
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i,
+    gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma (T=1: the
+    down projection on the FMA units instead of MMA)), for the tuning benchmark.
+    pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
+    first weight tile is requested before it waits).
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -350,6 +370,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     wt = torch.empty(t, e, dtype=torch.float32, device=dev)  # each token's weight per expert (0: not chosen)
     act = torch.empty(d_max, 16, i_pad, dtype=x.dtype, device=dev)
 
+    pdl = pdl and x.is_cuda  # programmatic dependent launch: each launch overlaps the previous kernel's tail
+    launch = {"launch_pdl": True} if pdl else {}
     block_k = 128
     k_per = triton.cdiv(triton.cdiv(h, router_split), block_k) * block_k
     split = triton.cdiv(h, k_per)
@@ -361,9 +383,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                    HAS_SHARED=has_shared)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k,
-        F32_DOT=INTERPRET, num_warps=k["router_warps"])
+        USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["router_warps"], **launch)
     _route_token_kernel[(t,)](part, expert_bias, counters(dev, 1 + e), topk_w, topk_i, experts, n_live, wt, t, e,
-                              float(scale), SPLIT=split, num_warps=1, **routing)
+                              float(scale), SPLIT=split, USE_PDL=pdl, num_warps=1, **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]
@@ -374,16 +396,16 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, F32_DOT=INTERPRET, num_warps=k["gu_warps"],
-        num_stages=3)
+        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["gu_warps"], num_stages=3,
+        **launch)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
-        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], F32_DOT=INTERPRET,
-        num_warps=k["dn_warps"], num_stages=3)
+        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
+        F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

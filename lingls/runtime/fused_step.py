@@ -25,7 +25,6 @@ from functools import partial
 import torch
 
 from lingls.kernels import reference as ref
-from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA
 from lingls.model.ling import GatedMLA, KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
 
@@ -46,23 +45,26 @@ def _fuse_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
 class _Ops:
     """The fused kernels, or their references (same signatures)."""
 
-    def __init__(self, kernels: bool):
+    def __init__(self, kernels: bool, pdl: bool):
         from lingls.kernels import gemv, kda, mla, moe, norm
 
-        pdl = kernels and torch.cuda.is_available()  # programmatic dependent launch: CUDA only
-        self.linear = gemv.gemv if kernels else gemv.gemv_reference
+        pdl = pdl and kernels and torch.cuda.is_available()  # programmatic dependent launch: CUDA only
+        self.linear = partial(gemv.gemv, pdl=pdl) if kernels else gemv.gemv_reference
         self.kda_step = partial(kda.fused_kda_step, pdl=pdl) if kernels else kda.kda_step_reference
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
-        self.moe = moe.fused_moe if kernels else moe.fused_moe_reference
+        self.moe = partial(moe.fused_moe, pdl=pdl) if kernels else moe.fused_moe_reference
         self.prepare_moe = moe.prepare_moe_weights
-        self.mla_prologue = mla.mla_prologue if kernels else mla.mla_prologue_reference
+        self.mla_prologue = partial(mla.mla_prologue, pdl=pdl) if kernels else mla.mla_prologue_reference
+        self.mla_decode = partial(mla.mla_decode, pdl=pdl)
 
 
 class FusedStep:
-    def __init__(self, model: LingForCausalLM, kernels: bool | None = None):
+    def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True):
+        """kernels: the Triton kernels (default on CUDA) or their references; pdl: launch each kernel as a
+        programmatic dependent launch of the previous one (CUDA; off only to measure what it saves)."""
         self.model, self.cfg, self.par = model, model.config, model.par
         device = model.lm_head.weight.device
-        self.ops = _Ops(device.type == "cuda" if kernels is None else kernels)
+        self.ops = _Ops(device.type == "cuda" if kernels is None else kernels, pdl)
         self.layers = [self._prepare(layer) for layer in model.decoder_layers]
         self.mtp = [self._prepare(layer) for layer in model.mtp_layers]  # the drafter's MTP layers, same kernels
         self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
@@ -163,7 +165,7 @@ class FusedStep:
         q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles, cache,
                                        positions, h, nope, attn.interleave)  # also writes this step's cache rows
         q_lat = torch.einsum("thn,hnr->thr", q.view(t, h, nope + rope)[..., :nope], entry["w_k"])  # W_k absorbed
-        o_lat = mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
+        o_lat = self.ops.mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
         gate = torch.sigmoid(g.float()).to(o.dtype)
         return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight)
