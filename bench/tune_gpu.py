@@ -4,7 +4,8 @@ At batch 1 these kernels are latency-bound: how many programs stream at once and
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
-(splits, block rows, warps); MoE sweeps its router matvec, gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time; GEMV its settings per shape (the FMA path at T=1). The best
+(splits, block rows, warps); MoE sweeps its router (routing in its last program, or per token in a second
+launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time; GEMV its settings per shape (the FMA path at T=1). The best
 go into `mla.CONFIGS` / `moe.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times
 the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
 
@@ -31,8 +32,10 @@ from lingls.runtime.fused_step import FusedStep  # noqa: E402
 MLA_CANDIDATES = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 32, 8)]  # the neighbourhood of the
 # last run's winners (its JSON swept splits 16..128 x rows 32, 64)
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
-ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w)
-          for e, s, w in ((16, 4, 8), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8))]
+ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")
+          for e, s, w in ((16, 4, 8), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8))] + \
+         [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw)
+          for e, s, w, rw in ((16, 4, 8, 1), (8, 4, 4, 2), (8, 4, 4, 4))]
 # gate-up: rows per program, H ranges per block (split-K), warps, H tile
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk)
            for b, s, w, bk in ((32, 1, 4, 256), (16, 1, 4, 256), (32, 2, 4, 256), (32, 4, 4, 128), (16, 4, 4, 128),

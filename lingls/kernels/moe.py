@@ -3,16 +3,17 @@
 At batch 1 an MoE layer is a walk over the weights of the experts the tokens chose (8 routed + 1 shared per
 token at Ling-3.0, 2.95 MB each per TP=4 rank) plus the router (2.6 MB); the arithmetic is negligible. Issued
 as torch ops it is dozens of small kernels that each reach a fraction of the bandwidth (one expert-sized
-torch.mm reaches ~0.9 TB/s on an H200). Here it is four launches, three of them streaming weights:
+torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches (four with per-token routing), each streaming many experts at once:
 
-1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H) into fp32 partials; then
-   `_route_token_kernel`, one program per token, sums them and routes on chip: sigmoid, group scores (sum of
-   the top-2 of score + bias per group), the best `topk_group` groups, the top-k experts, weights from the
-   unbiased scores (renormalised, scaled). The last program to arrive writes the *alignment* the expert
-   kernels need: the distinct experts chosen by any token, in ascending id order after the shared expert
-   (slot 0, id E), and their count; each token writes its weight per expert wt[token, expert] (0 where the
-   token did not choose it; the shared expert always weighs 1). (Routing in the matvec's last arriving
-   program saved that launch, but ran its routing with the matvec's warps: see `_route_token_kernel`.)
+1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H), then the last program to
+   arrive (an atomic counter; no second launch) sums the partial logits and does the whole routing on chip:
+   sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
+   experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
+   expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
+   expert (slot 0, id E), their count, and each token's weight per expert wt[token, expert] (0 where the
+   token did not choose it; the shared expert always weighs 1). One program routing all tokens is serial
+   work that grows with T; `route="per_token"` (verify steps) hands it to a second small launch with one
+   program per token (the last to arrive aligns).
 2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
    rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
    Slots past the count exit at once: the grid is sized for the worst case, so nothing is read back to the host.
@@ -66,10 +67,14 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, USE_PDL: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-    """Router matvec partials over (block of experts, range of H): part[range, t, e] in fp32."""
+def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
+                   T, E, H, K_PER, scale,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
+                   TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+    """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
+    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -88,25 +93,30 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
         xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
         acc = _mma(acc, xt, tl.trans(wr), F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
+    if ROUTE:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) * SPLIT - 1:
+            chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
+                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+            _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    """Program t routes token t alone (a verify step's tokens side by side) and marks its experts in a presence
-    table (cnt_ptr[1:1+E]); the last to arrive aligns them and leaves the counter and the table at zero again.
-    Launched with one warp: on an H200 the same routing run by programs of 2 and 4 warps chose an expert outside
-    the top-k in this module's GPU tests (the flash-like 8-of-64 case; Triton's interpreter was right), one warp
-    chose right. It costs ~1 us per MoE layer at T=1 and ~15 us at T=9 against the multi-warp timings."""
+                        NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
+    program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
+    leaves the counter and the table at zero again."""
     t = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, TG_PAD, NORMALIZE)
+                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
     mine = tl.max(chosen.to(tl.int32), axis=0)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -123,15 +133,17 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
 def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, row0, row_end,
                 TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                 G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                TG_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+                NORMALIZE: tl.constexpr):
     """Grouped top-k routing of tokens row0 <= t < row_end, on a [TT, group, expert-in-group] tile: sigmoid,
     group scores (sum of the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts,
     weights from the unbiased scores (renormalised, scaled). Writes topk_w/topk_i and the rows' weight table
-    wt[t, e] (0 where not chosen); topk_w/topk_i list a token's experts in ascending id order, the lowest id
+    wt[t, e] (0 where not chosen); topk_w/topk_i list a token's experts in selection order, the lowest id
     first among equal values. Returns (chosen [TT, F] of the real rows, expert id per F column).
 
-    Thresholds instead of TOP_K + TOPK_GROUP rounds of argmax: on an H200 (bench/tune_gpu.py, same launch
-    settings) the MoE layer took 27.7 instead of 29.9 us at T=1, and 5-12% less at T=9."""
+    Rounds of argmax (TOP_K + TOPK_GROUP + 1 dependent reductions). Thresholds from Triton's bitonic `tl.topk`
+    were 2 us per layer faster on an H200, but chose an expert outside the top-k there whenever the routing
+    program had more than one warp (this module's GPU tests; right under the interpreter), and one warp made
+    the routing 27 us per layer."""
     tr = row0 + tl.arange(0, TT)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, EPG_PAD)
@@ -149,33 +161,36 @@ def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale,
     f = tl.arange(0, F)
     eid = (f // EPG_PAD) * EPG + f % EPG_PAD
     valid_f = ((f // EPG_PAD) < G) & ((f % EPG_PAD) < EPG)
-    # each selection's threshold from a bitonic top-k network (`_top_mask`), not rounds of argmax
-    gscore = tl.where(g[None, :] < G, tl.sum(tl.topk(choice, 2), axis=2), float("-inf"))
-    keep = _top_mask(gscore, TOPK_GROUP, TG_PAD)
+    kc = tl.arange(0, K_PAD)
+    first = tl.argmax(choice, axis=2)  # argmax breaks ties toward the lowest index
+    second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
+    gscore = tl.where(g[None, :] < G, tl.max(choice, axis=2) + second, float("-inf"))
+    keep = tl.zeros((TT, G_PAD), tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(gscore, axis=1)
+        hit = g[None, :] == best[:, None]
+        keep = keep | hit
+        gscore = tl.where(hit, float("-inf"), gscore)
     c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
     s2 = tl.reshape(score, (TT, F))
-    chosen = _top_mask(c2, TOP_K, K_PAD) & rows[:, None]
-    picked = tl.where(chosen, s2, 0.0)
-    mult = scale / (tl.sum(picked, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
-    col = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # a token's k-th chosen expert (by id) -> column k
-    dst = tr[:, None] * TOP_K + col
-    tl.store(topk_w_ptr + dst, picked * mult[:, None], mask=chosen)
-    tl.store(topk_i_ptr + dst, tl.zeros((TT, F), tl.int32) + eid[None, :], mask=chosen)
+    chosen = tl.zeros((TT, F), tl.int1)
+    vals = tl.zeros((TT, K_PAD), tl.float32)
+    ids = tl.zeros((TT, K_PAD), tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(c2, axis=1)
+        hit = f[None, :] == best[:, None]
+        chosen = chosen | hit
+        c2 = tl.where(hit, float("-inf"), c2)
+        vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
+        ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
+    chosen = chosen & rows[:, None]
+    mult = scale / (tl.sum(vals, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
+    kmask = rows[:, None] & (kc[None, :] < TOP_K)
+    tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
+    tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
     tl.store(wt_ptr + tr[:, None] * E + eid[None, :], tl.where(chosen, s2 * mult[:, None], 0.0),
              mask=rows[:, None] & valid_f[None, :])
     return chosen, tl.where(valid_f, eid, E)
-
-
-@triton.jit
-def _top_mask(x, K: tl.constexpr, K_PAD: tl.constexpr):
-    """[R, N] -> bool [R, N]: each row's K largest entries, the lowest column first among equal values (so
-    exactly K, whatever the ties). The K-th largest value comes from a bitonic top-K_PAD (a power of two)."""
-    top = tl.topk(x, K_PAD)
-    kth = tl.min(tl.where(tl.arange(0, K_PAD)[None, :] < K, top, float("inf")), axis=1)
-    above = x > kth[:, None]
-    tie = x == kth[:, None]
-    need = K - tl.sum(above.to(tl.int32), axis=1)
-    return above | (tie & (tl.cumsum(tie.to(tl.int32), axis=1) <= need[:, None]))
 
 
 @triton.jit
@@ -325,10 +340,10 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=16, router_split=8, router_warps=4, block_i=32, gu_block_k=128, gu_split=4, gu_warps=4,
-            block_h=64, split_d=16, dn_warps=8, dn_fma=True),
-    16: dict(router_block_e=8, router_split=4, router_warps=4, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4,
-             block_h=64, split_d=8, dn_warps=4, dn_fma=False),
+    1: dict(router_block_e=16, router_split=8, router_warps=4, route="fused", route_warps=1, block_i=32,
+            gu_block_k=128, gu_split=4, gu_warps=4, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
+    16: dict(router_block_e=8, router_split=4, router_warps=4, route="per_token", route_warps=4, block_i=32,
+             gu_block_k=256, gu_split=1, gu_warps=4, block_h=64, split_d=8, dn_warps=4, dn_fma=False),
 }
 
 
@@ -340,12 +355,13 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
               pdl: bool = False, **knobs):
-    """MoE of T <= 16 tokens in four launches, nothing read back to the host.
+    """MoE of T <= 16 tokens in three or four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
-    (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), each token's experts in ascending id order.
-    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, block_i,
+    (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route ("fused" |
+    "per_token"), route_warps, block_i,
     gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma (T=1: the
     down projection on the FMA units instead of MMA)), for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
@@ -379,13 +395,18 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     epg = e // n_group
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
                    EPG=epg, EPG_PAD=max(triton.next_power_of_2(epg), 2), TOPK_GROUP=topk_group,
-                   TG_PAD=triton.next_power_of_2(topk_group), NORMALIZE=normalize,
+                   NORMALIZE=normalize,
                    HAS_SHARED=has_shared)
+    cnt = counters(dev, 1 + e)
+    per_token = k["route"] == "per_token"
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k,
-        USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["router_warps"], **launch)
-    _route_token_kernel[(t,)](part, expert_bias, counters(dev, 1 + e), topk_w, topk_i, experts, n_live, wt, t, e,
-                              float(scale), SPLIT=split, USE_PDL=pdl, num_warps=1, **routing, **launch)
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
+        BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
+        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
+        num_warps=k["router_warps"], **routing, **launch)
+    if per_token:
+        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
+                                  SPLIT=split, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]

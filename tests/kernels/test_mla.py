@@ -14,7 +14,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
                                            (1, 8, 80, 79), (2, 8, 64, 50), (3, 4, 64, 63), (1, 3, 48, 30)])
 def test_split_kernel_matches_reference(t, h, n, last):
     g = torch.Generator().manual_seed(t * 100 + n)
-    r, p = 32, 8
+    r, p = 32, 16  # tl.dot needs K >= 16 on a GPU
     q_lat, q_rope = torch.randn(t, h, r, generator=g), torch.randn(t, h, p, generator=g)
     cache = torch.randn(n, r + p, generator=g)
     positions = torch.arange(last - t + 1, last + 1).clamp_min(0)
@@ -27,8 +27,8 @@ def test_split_kernel_matches_reference(t, h, n, last):
 
 def test_rows_past_the_last_position_are_never_read():
     g = torch.Generator().manual_seed(0)
-    q_lat, q_rope = torch.randn(2, 2, 32, generator=g).to(DEV), torch.randn(2, 2, 8, generator=g).to(DEV)
-    cache = torch.randn(64, 40, generator=g).to(DEV)
+    q_lat, q_rope = torch.randn(2, 2, 32, generator=g).to(DEV), torch.randn(2, 2, 16, generator=g).to(DEV)
+    cache = torch.randn(64, 48, generator=g).to(DEV)
     positions = torch.tensor([20, 21], device=DEV)
     want = mla_decode_triton(q_lat, q_rope, cache, positions, 0.3, num_splits=4, block_n=16)
     cache[22:] = float("nan")
@@ -43,8 +43,8 @@ def test_heads_share_a_program_while_their_queries_fit_one_tile():
 
 def test_default_configuration_matches_reference():
     g = torch.Generator().manual_seed(5)
-    q_lat, q_rope = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 8, generator=g)
-    cache = torch.randn(300, 40, generator=g)
+    q_lat, q_rope = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 16, generator=g)
+    cache = torch.randn(300, 48, generator=g)
     positions = torch.tensor([250])
     want = mla_decode_reference(q_lat, q_rope, cache, positions, 0.25)
     got = mla_decode_triton(q_lat.to(DEV), q_rope.to(DEV), cache.to(DEV), positions.to(DEV), 0.25).cpu()

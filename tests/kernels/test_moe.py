@@ -52,15 +52,16 @@ CONFIGS = [(128, 32, 32, 48, 4, 4, 2, True, 1.0, 0.0),   # shared expert wider t
            (96, 24, 24, 0, 3, 3, 2, False, 0.0, 0.0)]    # no shared expert, ragged sizes, no renormalisation
 
 
+@pytest.mark.parametrize("route", ["fused", "per_token"])
 @pytest.mark.parametrize("t", [1, 9, 16])
 @pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared"])
-def test_fused_moe_matches_reference(poisoned, t, conf):
+def test_fused_moe_matches_reference(poisoned, t, conf, route):
     h, e, i, i_s, k, g, tg, norm, lim, slim = conf
     gen = torch.Generator().manual_seed(1000 * t + e)
     w = make(gen, h, e, i, i_s)
     x = (torch.randn(t, h, generator=gen)).to(DEV, torch.bfloat16)
     cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
-    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, route=route, **cfg)
     check_routing(x, w, cfg, tw, ti)
     want = M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)
     assert out.shape == (t, h) and out.dtype == torch.bfloat16
@@ -69,7 +70,8 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
 
 @pytest.mark.parametrize("t,knobs", [(9, dict(split_d=1, block_h=32)), (9, dict(split_d=3, router_split=2, router_block_e=8)),
                                      (9, dict(split_d=64, block_i=32, router_warps=4)),
-                                     (9, dict(router_warps=8, split_d=2)),
+                                     (9, dict(route="per_token", route_warps=2, split_d=2)),
+                                     (1, dict(route="per_token", route_warps=1, router_warps=8)),
                                      (9, dict(gu_split=2, gu_block_k=32, block_i=16)),
                                      (1, dict(dn_fma=True, gu_split=1, split_d=1)),
                                      (1, dict(gu_split=3, gu_block_k=32, dn_fma=True, split_d=4))])
@@ -85,14 +87,15 @@ def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
 
-def test_ties_and_residual(poisoned):
+@pytest.mark.parametrize("route", ["fused", "per_token"])
+def test_ties_and_residual(poisoned, route):
     """A router with exact ties (lowest id wins in the kernel; any order in torch), plus the residual epilogue."""
     gen = torch.Generator().manual_seed(5)
     w = make(gen, 64, 64, 16, 16, tied_router=True)
     x = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
     res = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
     cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
-    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, **cfg)
+    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, route=route, **cfg)
     check_routing(x, w, cfg, tw, ti)
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
