@@ -105,7 +105,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
 
 @triton.jit
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
-                        SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
+                        TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
@@ -116,7 +116,7 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                              TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
     mine = tl.max(chosen.to(tl.int32), axis=0)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -347,6 +347,15 @@ CONFIGS = {
 }
 
 
+def _routing_rows(t: int, routing: dict, warps: int) -> int:
+    """Rows of the routing tile (rows past the tokens are masked): at least 2, and enough that the [rows, groups,
+    experts per group] tile holds at least two elements per thread. On the H200 a tile of exactly one element
+    per thread ([2, 8, 8] over 4 warps, [2, 4, 8] over 2) routed wrongly (this module's GPU tests), the same
+    routing on fewer or more elements per thread and under the interpreter right."""
+    per_row = routing["G_PAD"] * routing["EPG_PAD"]
+    return max(triton.next_power_of_2(t), 2, triton.next_power_of_2(triton.cdiv(2 * 32 * warps, per_row)))
+
+
 def config_for(t: int) -> dict:
     return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
 
@@ -402,11 +411,12 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
+        TT=_routing_rows(t, routing, k["router_warps"]), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
-                                  SPLIT=split, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
+                                  TT=_routing_rows(1, routing, k["route_warps"]), SPLIT=split, USE_PDL=pdl,
+                                  num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]

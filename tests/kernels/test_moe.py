@@ -49,12 +49,13 @@ def check_routing(x, w, cfg, tw, ti):
 # (H, E, I, I_s, top_k, n_group, topk_group, normalize, limit, shared_limit)
 CONFIGS = [(128, 32, 32, 48, 4, 4, 2, True, 1.0, 0.0),   # shared expert wider than a routed one, clamp on routed
            (64, 64, 16, 16, 8, 8, 4, True, 0.0, 0.5),    # flash's routing structure at small widths
-           (96, 24, 24, 0, 3, 3, 2, False, 0.0, 0.0)]    # no shared expert, ragged sizes, no renormalisation
+           (96, 24, 24, 0, 3, 3, 2, False, 0.0, 0.0),    # no shared expert, ragged sizes, no renormalisation
+           (128, 512, 16, 16, 8, 8, 4, True, 0.0, 0.0)]  # flash's router: 8 of 512 in 4 of 8 groups
 
 
 @pytest.mark.parametrize("route", ["fused", "per_token"])
 @pytest.mark.parametrize("t", [1, 9, 16])
-@pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared"])
+@pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared", "flash-router"])
 def test_fused_moe_matches_reference(poisoned, t, conf, route):
     h, e, i, i_s, k, g, tg, norm, lim, slim = conf
     gen = torch.Generator().manual_seed(1000 * t + e)
