@@ -134,55 +134,60 @@ def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale,
                 TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                 G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 NORMALIZE: tl.constexpr):
-    """Grouped top-k routing of tokens row0 <= t < row_end, on a [TT, group, expert-in-group] tile: sigmoid,
-    group scores (sum of the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts,
-    weights from the unbiased scores (renormalised, scaled). Writes topk_w/topk_i and the rows' weight table
-    wt[t, e] (0 where not chosen); topk_w/topk_i list a token's experts in selection order, the lowest id
-    first among equal values. Returns (chosen [TT, F] of the real rows, expert id per F column).
+    """Grouped top-k routing of tokens row0 <= t < row_end on a [TT, F] tile, column f holding expert
+    (f // EPG_PAD) * EPG + f % EPG_PAD of group f // EPG_PAD (ids ascend with f): sigmoid, group scores (sum of
+    the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts, weights from the
+    unbiased scores (renormalised, scaled). Writes topk_w/topk_i (selection order) and the rows' weight table
+    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column).
 
-    Rounds of argmax (TOP_K + TOPK_GROUP + 1 dependent reductions). Thresholds from Triton's bitonic `tl.topk`
-    were 2 us per layer faster on an H200, but chose an expert outside the top-k there whenever the routing
-    program had more than one warp (this module's GPU tests; right under the interpreter), and one warp made
-    the routing 27 us per layer."""
+    Only max/min/sum along the tile's rows, the lowest column winning among equal values. The earlier form (a
+    [TT, G, EPG] tile reshaped to [TT, F], then rounds of argmax or Triton's bitonic tl.topk) chose experts
+    outside the top-k on the H200 in this module's GPU tests, while Triton's interpreter was right; which op
+    was miscompiled was not isolated."""
     tr = row0 + tl.arange(0, TT)
-    g = tl.arange(0, G_PAD)
-    j = tl.arange(0, EPG_PAD)
-    e3 = g[None, :, None] * EPG + j[None, None, :]
-    valid_e = (g[None, :, None] < G) & (j[None, None, :] < EPG)
-    rows = (tr < row_end) & (tr < T)
-    m3 = rows[:, None, None] & valid_e
-    logits = tl.zeros((TT, G_PAD, EPG_PAD), tl.float32)
-    for s in tl.static_range(SPLIT):
-        logits += tl.load(part_ptr + s * 16 * E + tr[:, None, None] * E + e3, mask=m3, other=0.0, cache_modifier=".cg")
-    score = tl.sigmoid(logits)
-    bias = tl.load(bias_ptr + e3, mask=valid_e, other=0.0)
-    choice = tl.where(valid_e, score + bias, float("-inf"))
     F: tl.constexpr = G_PAD * EPG_PAD
     f = tl.arange(0, F)
-    eid = (f // EPG_PAD) * EPG + f % EPG_PAD
-    valid_f = ((f // EPG_PAD) < G) & ((f % EPG_PAD) < EPG)
+    grp = f // EPG_PAD
+    eid = grp * EPG + f % EPG_PAD
+    valid_f = (grp < G) & ((f % EPG_PAD) < EPG)
+    rows = (tr < row_end) & (tr < T)
+    m2 = rows[:, None] & valid_f[None, :]
+    logits = tl.zeros((TT, F), tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(part_ptr + s * 16 * E + tr[:, None] * E + eid[None, :], mask=m2, other=0.0,
+                          cache_modifier=".cg")
+    s2 = tl.sigmoid(logits)
+    bias = tl.load(bias_ptr + eid, mask=valid_f, other=0.0)
+    choice = tl.where(valid_f[None, :], s2 + bias[None, :], float("-inf"))
+    # group score = sum of the group's two best (the best twice when it occurs twice)
+    ga = tl.arange(0, G_PAD)
+    gscore = tl.full((TT, G_PAD), float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        cg = tl.where((grp == g)[None, :], choice, float("-inf"))
+        m1 = tl.max(cg, axis=1)
+        twice = tl.sum((cg == m1[:, None]).to(tl.int32), axis=1) >= 2
+        m2nd = tl.max(tl.where(cg < m1[:, None], cg, float("-inf")), axis=1)
+        gscore = tl.where(ga[None, :] == g, (m1 + tl.where(twice, m1, m2nd))[:, None], gscore)
+    # a group is kept when fewer than TOPK_GROUP groups beat it (ties: the lower group first)
+    keep = tl.zeros((TT, F), tl.int1)
+    for g in tl.static_range(G):
+        mine = tl.sum(tl.where(ga[None, :] == g, gscore, 0.0), axis=1)
+        beaten = (gscore > mine[:, None]) | ((gscore == mine[:, None]) & (ga[None, :] < g))
+        kept = tl.sum(beaten.to(tl.int32), axis=1) < TOPK_GROUP
+        keep = keep | ((grp == g)[None, :] & kept[:, None])
+    c2 = tl.where(keep, choice, float("-inf"))
     kc = tl.arange(0, K_PAD)
-    first = tl.argmax(choice, axis=2)  # argmax breaks ties toward the lowest index
-    second = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), axis=2)
-    gscore = tl.where(g[None, :] < G, tl.max(choice, axis=2) + second, float("-inf"))
-    keep = tl.zeros((TT, G_PAD), tl.int1)
-    for _ in tl.static_range(TOPK_GROUP):
-        best = tl.argmax(gscore, axis=1)
-        hit = g[None, :] == best[:, None]
-        keep = keep | hit
-        gscore = tl.where(hit, float("-inf"), gscore)
-    c2 = tl.reshape(tl.where(keep[:, :, None], choice, float("-inf")), (TT, F))
-    s2 = tl.reshape(score, (TT, F))
     chosen = tl.zeros((TT, F), tl.int1)
     vals = tl.zeros((TT, K_PAD), tl.float32)
     ids = tl.zeros((TT, K_PAD), tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.argmax(c2, axis=1)
-        hit = f[None, :] == best[:, None]
+        best = tl.max(c2, axis=1)
+        col = tl.min(tl.where(c2 == best[:, None], f[None, :], F), axis=1)  # the lowest column among the best
+        hit = f[None, :] == col[:, None]
         chosen = chosen | hit
         c2 = tl.where(hit, float("-inf"), c2)
         vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
-        ids = tl.where(kc[None, :] == k, ((best // EPG_PAD) * EPG + best % EPG_PAD)[:, None], ids)
+        ids = tl.where(kc[None, :] == k, ((col // EPG_PAD) * EPG + col % EPG_PAD)[:, None], ids)
     chosen = chosen & rows[:, None]
     mult = scale / (tl.sum(vals, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
     kmask = rows[:, None] & (kc[None, :] < TOP_K)
@@ -347,15 +352,6 @@ CONFIGS = {
 }
 
 
-def _routing_rows(t: int, routing: dict, warps: int) -> int:
-    """Rows of the routing tile (rows past the tokens are masked): at least 2, and enough that the [rows, groups,
-    experts per group] tile holds at least two elements per thread. On the H200 a tile of exactly one element
-    per thread ([2, 8, 8] over 4 warps, [2, 4, 8] over 2) routed wrongly (this module's GPU tests), the same
-    routing on fewer or more elements per thread and under the interpreter right."""
-    per_row = routing["G_PAD"] * routing["EPG_PAD"]
-    return max(triton.next_power_of_2(t), 2, triton.next_power_of_2(triton.cdiv(2 * 32 * warps, per_row)))
-
-
 def config_for(t: int) -> dict:
     return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
 
@@ -411,11 +407,11 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=_routing_rows(t, routing, k["router_warps"]), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
+        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
-                                  TT=_routing_rows(1, routing, k["route_warps"]), SPLIT=split, USE_PDL=pdl,
+                                  TT=2, SPLIT=split, USE_PDL=pdl,
                                   num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
