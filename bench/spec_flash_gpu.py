@@ -147,7 +147,8 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
     res = {"what": f"speculative decoding TPOT vs forced acceptance length: {LABEL}", "label": LABEL,
            "tpot_convention": "median(draft + verify GPU time per round) / (a + 1); loop_tpot: host-loop wall "
                               "time per round / (a + 1)",
-           "drafter": "mtp (the model's MTP layer chained K steps, torch ops; random weights)",
+           "drafter": "mtp (the model's MTP layer chained K steps; the fused kernels on CUDA, torch ops on CPU; "
+                      "random weights)",
            "mode": args.mode, "all_reduce": allreduce if par.size > 1 else "stubbed", "tiny": args.tiny,
            "tp": args.tp, "ranks": par.size, "layers": args.layers, "context": args.context,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

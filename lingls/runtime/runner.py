@@ -61,7 +61,7 @@ class _Fence:
 
 
 def fused_step(model: LingForCausalLM):
-    """What runs decode and verify steps: the fused Triton kernels on CUDA (`fused_step.FusedStep`, 3.8x faster
+    """What runs decode and verify steps: the fused Triton kernels on CUDA (`fused_step.FusedStep`, 5.8x faster
     than the torch ops on one H200 at Ling-3.0-flash shapes, bench/results/fused_step_shard42.json); None (the
     model's own torch step) elsewhere, without Triton, or with LINGLS_KERNELS=0."""
     if model.lm_head.weight.device.type != "cuda" or os.environ.get("LINGLS_KERNELS", "1") == "0":
