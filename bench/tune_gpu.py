@@ -1,13 +1,14 @@
-"""Choose the launch settings of the MLA decode and fused MoE kernels on this GPU, then time the fused step.
+"""Choose the launch settings of the MLA decode, fused MoE and GEMV kernels on this GPU, then time the fused step.
 
 At batch 1 these kernels are latency-bound: how many programs stream at once and how many loads each has in
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
 (splits, block rows, warps); MoE sweeps its router (routing in its last program, or per token in a second
-launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time; GEMV its settings per shape (the FMA path at T=1). The best
-go into `mla.CONFIGS` / `moe.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times
-the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
+launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
+whose output or experts differ from the reference; GEMV its settings per shape (the FMA path at T=1). The
+best go into `mla.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for this process, and `fused_step_gpu.measure`
+then checks and times the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S]]
 """
@@ -213,8 +214,8 @@ def main(out: str, layers: int, budget_s: float) -> int:
             if base:
                 print(f"{kind} T={t}: first candidate {base[0]['us']:.1f} us, best "
                       f"{min(r['us'] for r in tuning[kind] if r['T'] == t and 'us' in r):.1f} us")
-    rc = measure(model, out, bw, extra=dict(fused_ms_shipped_settings=before, tuning=tuning, chosen={k: {str(t): v for t, v in c.items()}
-                                                                  for k, c in chosen.items()},
+    rc = measure(model, out, bw, extra=dict(fused_ms_shipped_settings=before, tuning=tuning,
+                                            chosen={k: {str(t): v for t, v in c.items()} for k, c in chosen.items()},
                                             configs_used={k: {str(t): v for t, v in c.items()}
                                                           for k, c in defaults.items()}))
     print(f"total {time.time() - t0:.0f} s")

@@ -3,7 +3,8 @@
 At batch 1 an MoE layer is a walk over the weights of the experts the tokens chose (8 routed + 1 shared per
 token at Ling-3.0, 2.95 MB each per TP=4 rank) plus the router (2.6 MB); the arithmetic is negligible. Issued
 as torch ops it is dozens of small kernels that each reach a fraction of the bandwidth (one expert-sized
-torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches (four with per-token routing), each streaming many experts at once:
+torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches (four with per-token routing), each
+streaming many experts at once:
 
 1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H), then the last program to
    arrive (an atomic counter; no second launch) sums the partial logits and does the whole routing on chip:
@@ -105,7 +106,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
 
 @triton.jit
 def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
-                        TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
+                        SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
@@ -116,7 +117,7 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
     mine = tl.max(chosen.to(tl.int32), axis=0)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -366,9 +367,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route ("fused" |
-    "per_token"), route_warps, block_i,
-    gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h, split_d, dn_warps, dn_fma (T=1: the
-    down projection on the FMA units instead of MMA)), for the tuning benchmark.
+    "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h,
+    split_d, dn_warps, dn_fma (T=1: the down projection on the FMA units instead of MMA)), for the tuning
+    benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
@@ -399,8 +400,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     part = torch.empty(split, 16, e, dtype=torch.float32, device=dev)
     epg = e // n_group
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
-                   EPG=epg, EPG_PAD=max(triton.next_power_of_2(epg), 2), TOPK_GROUP=topk_group,
-                   NORMALIZE=normalize,
+                   EPG=epg, EPG_PAD=triton.next_power_of_2(epg), TOPK_GROUP=topk_group, NORMALIZE=normalize,
                    HAS_SHARED=has_shared)
     cnt = counters(dev, 1 + e)
     per_token = k["route"] == "per_token"
@@ -411,8 +411,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
-                                  TT=2, SPLIT=split, USE_PDL=pdl,
-                                  num_warps=k["route_warps"], **routing, **launch)
+                                  SPLIT=split, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]
