@@ -1,21 +1,23 @@
-"""Peer all-reduce against NCCL on two GPUs, then the whole Ling-3.0-flash at TP=2 with each of them.
+"""Peer all-reduce against NCCL on N GPUs (default 2), then the whole Ling-3.0-flash at TP=N with each of them.
 
 Why: NCCL's all-reduce of one token's hidden state takes ~22 us on two NVLinked H200s, and a decode step does
 84 of them (../shared/docs/h200-measured.md). `lingls.runtime.peer_allreduce` is the one-shot replacement; this
 script measures whether it is correct and how much it saves, in one device call that must never hang.
 
-Phases, each in a fresh pair of processes (one per GPU, NCCL for setup) under its own time limit, so a phase that
+Phases, each in fresh processes (one per GPU, NCCL for setup) under its own time limit, so a phase that
 crashes or hangs loses only itself; results stream to the parent as they come and land in OUT/tp_gpu.json:
 - `coll`: (1) NCCL latency; (2) `make_parallel`'s default choice; (3) correctness of the peer all-reduce
   against NCCL for T = 1..16 rows of 2560 bf16, eager, then 1000 calls back to back (50 calls of changing sizes
   per CUDA graph, 20 replays with fresh inputs), checked against NCCL and across ranks; (4) peer latency.
   Latency: median us per call over 200 back-to-back calls, eager and inside one CUDA graph, 5 KB and 45 KB.
-- `model`: build_flash(42 layers, tp=2) per rank (random bf16 weights, real shapes; fewer layers if it would
-  not fit, said in the output), FusedStep at T=1 (decode) and T=9 (verify) over an 8k context, captured in a
-  CUDA graph: median ms with NCCL and with the peer all-reduce, the per-rank byte floor, the ratio, all-reduces
-  per step, and whether both ranks (and both all-reduces) produce the same hidden states.
+- `model`: build_flash(42 layers, tp=N) per rank (random bf16 weights, real shapes; fewer layers if it would
+  not fit, said in the output), FusedStep at T=1 (decode) and the verify sizes of --tokens (default 9) over an
+  8k context, captured in a CUDA graph: median ms with NCCL and with the peer all-reduce, the per-rank byte
+  floor, the ratio, all-reduces per step, and whether the first and last ranks (and both all-reduces) produce
+  the same hidden states.
 
-    python bench/tp_gpu.py [--phases coll,model] [--layers 42] [--out DIR]      (bench/tp_session.sh wraps it)
+    python bench/tp_gpu.py [--tp N] [--phases coll,model] [--layers 42] [--tokens 1,9] [--out DIR]
+    (bench/tp_session.sh wraps it; on four GPUs: --tp 4 --tokens 1,2,4,8,9,12,16)
 """
 
 from __future__ import annotations
@@ -73,17 +75,18 @@ def _worker(phase: str, rank: int, world: int, port: int, args: dict, q) -> None
             pass
 
 
-def run_phase(phase: str, args: dict, limit: float) -> dict:
-    """Spawn two ranks, collect what they report until both are done, one fails, or `limit` seconds pass."""
+def run_phase(phase: str, args: dict, limit: float, world: int) -> dict:
+    """Spawn `world` ranks, collect what they report until all are done, one fails, or `limit` seconds pass.
+    Rank 0's rows land at the top level, rank r's under "rank{r}"."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(phase, r, 2, port, args, q), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(phase, r, world, port, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    out: dict = {"rank1": {}}
+    out: dict = {f"rank{r}": {} for r in range(1, world)}
     finished, deadline, t0 = set(), time.monotonic() + limit, time.monotonic()
-    while len(finished) < 2:
+    while len(finished) < world:
         if time.monotonic() > deadline:
             out["status"] = f"gave up after {time.monotonic() - t0:.0f} s (ranks finished: {sorted(finished)})"
             break
@@ -97,17 +100,17 @@ def run_phase(phase: str, args: dict, limit: float) -> dict:
                     deadline = min(deadline, time.monotonic() + 20)
             continue
         if kind == "row":
-            (out if rank == 0 else out["rank1"])[key] = value
+            (out if rank == 0 else out[f"rank{rank}"])[key] = value
         elif kind == "error":
             out.setdefault("errors", {})[f"rank{rank}"] = value
             print(f"[{phase}] rank {rank} failed:\n{value}", flush=True)
             finished.add(rank)
-            deadline = min(deadline, time.monotonic() + 20)  # the other rank may be stuck in a collective
+            deadline = min(deadline, time.monotonic() + 20)  # the other ranks may be stuck in a collective
         else:
             finished.add(rank)
     out.setdefault("status", "ok" if "errors" not in out else "error")
     for p in procs:
-        p.join(timeout=5 if len(finished) == 2 else 0)
+        p.join(timeout=5 if len(finished) == world else 0)
         if p.is_alive():  # stuck (in a collective, or a spinning kernel): its CUDA context goes with it
             p.kill()
             p.join(timeout=10)
@@ -225,7 +228,7 @@ def phase_coll(rank: int, world: int, put, args: dict) -> None:
     put("peer_timed_out_after_latency", peer.failed())
 
 
-# ---- phase model: Ling-3.0-flash at TP=2 --------------------------------------------------------------------
+# ---- phase model: Ling-3.0-flash at TP=N --------------------------------------------------------------------
 def weight_bytes(layers: int, tp: int, rank: int) -> int:
     from lingls.model.config import flash_config
     from lingls.model.ling import LingForCausalLM, Parallel
@@ -279,8 +282,8 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
     vocab = model.config.vocab_size
     rows, inputs, outs = {}, {}, {}
     with torch.inference_mode():
-        for t in (1, 9):
-            torch.manual_seed(t)  # the same token ids on both ranks
+        for t in args["tokens"]:
+            torch.manual_seed(t)  # the same token ids on every rank
             ids = torch.randint(0, vocab, (t,), device="cuda")
             pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
             inputs[t] = ids, pos
@@ -345,11 +348,11 @@ def report(result: dict) -> None:
             print(f"{key}: {coll.get(key, '-')}")
     model = result.get("model", {})
     if model:
-        print(f"\n## Ling-3.0-flash TP=2, {model.get('layers', '?')} layers, "
+        print(f"\n## Ling-3.0-flash TP={result.get('tp', 2)}, {model.get('layers', '?')} layers, "
               f"{model.get('weights_GB_per_rank', 0):.1f} GB/rank, ctx {CONTEXT}, FusedStep in a CUDA graph (rank 0)")
         print("| T | all-reduces | floor ms | NCCL ms | x floor | peer ms | x floor | peer == NCCL | ranks equal |")
         print("|---|---|---|---|---|---|---|---|---|")
-        for t in (1, 9):
+        for t in sorted(int(k[1:]) for k in model if k[:1] == "T" and k[1:].isdigit()):
             r = model.get(f"T{t}")
             if not r:
                 continue
@@ -375,6 +378,8 @@ def peer_ok(coll: dict | None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="ranks, one per GPU")
+    p.add_argument("--tokens", default="1,9", help="step sizes T of phase model (each <= 16)")
     p.add_argument("--phases", default="coll,model")
     p.add_argument("--layers", type=int, default=42)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -383,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     n = torch.cuda.device_count()  # no CUDA context in this process: the ranks get whole GPUs
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"bench": "tp_gpu", "gpus": n, "torch": torch.__version__,
+    result: dict = {"bench": "tp_gpu", "gpus": n, "tp": a.tp, "torch": torch.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if n < 2:
-        print(f"bench/tp_gpu.py needs 2 GPUs, found {n}", file=sys.stderr)
+    if a.tp < 2 or n < a.tp:
+        print(f"bench/tp_gpu.py --tp {a.tp} needs at least 2 and at most the {n} GPUs visible", file=sys.stderr)
         return 2
     try:
         import triton
@@ -396,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         result["triton"] = None
     for phase in a.phases.split(","):
         print(f"\n=== phase {phase} (limit {LIMITS[phase]} s)", flush=True)
-        result[phase] = run_phase(phase, {"layers": a.layers, "peer_ok": peer_ok(result.get("coll"))}, LIMITS[phase])
+        args = {"layers": a.layers, "tokens": [int(t) for t in a.tokens.split(",")],
+                "peer_ok": peer_ok(result.get("coll"))}
+        result[phase] = run_phase(phase, args, LIMITS[phase], a.tp)
         (out / "tp_gpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(json.dumps(result[phase], default=str), flush=True)
     report(result)

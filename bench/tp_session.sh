@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Peer all-reduce vs NCCL and Ling-3.0-flash at TP=2, in one device call on a 2-GPU machine (bench/tp_gpu.py):
+# Peer all-reduce vs NCCL and Ling-3.0-flash at TP=N, in one device call on an N-GPU machine (bench/tp_gpu.py):
 #   device: OUT=... bash bench/tp_session.sh        (from the repo root; needs torch + triton, nothing else)
+#   device: OUT=... bash bench/tp_session.sh --tp 4 --tokens 1,2,4,8,9,12,16     (four GPUs)
 # Each phase runs in its own pair of processes under its own limit; the whole run is capped at 400 s.
 # Results: $OUT/tp_gpu.json (or bench/results/ without $OUT) and $OUT/tp_gpu.log.
 #   device: OUT=... bash bench/tp_session.sh probe  only the stage-by-stage diagnostic of the peer mapping
