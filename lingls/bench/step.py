@@ -29,22 +29,15 @@ import torch
 
 from lingls.model.config import flash_config
 from lingls.model.ling import LingForCausalLM, Parallel, Router
+from lingls.model.random_checkpoint import random_model
 from lingls.runtime.runner import ModelRunner, Sampling
 
 
 def build_flash(layers: int, tp: int = 1, rank: int = 0, device: str = "cuda", seed: int = 0) -> LingForCausalLM:
-    """Random bf16 weights built directly on the device (no 250 GB checkpoint on disk)."""
+    """Random bf16 weights built directly on the device (no 250 GB checkpoint on disk), without the MTP layer."""
     cfg = flash_config(layers)
     cfg.num_nextn_predict_layers = 0
-    with torch.device("meta"):  # shapes and dtypes first, memory only once they are final
-        model = LingForCausalLM(cfg, Parallel(rank, tp)).to(torch.bfloat16)
-    for name, p in model.named_parameters():
-        if name.endswith(("A_log", "dt_bias", "expert_bias")):
-            p.data = p.data.float()
-    model = model.to_empty(device=device)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model.eval()
+    return random_model(cfg, Parallel(rank, tp), device, torch.bfloat16, seed)
 
 
 def copy_bandwidth(device="cuda", gib: float = 2.0) -> float:

@@ -21,6 +21,7 @@ from lingls.model.config import LingConfig
 from lingls.model.ling import LingForCausalLM, Parallel
 
 FP32_TENSORS = ("A_log", "dt_bias", "expert_bias")
+WEIGHTLESS = "random_weights.json"  # marks a benchmark checkpoint without tensors (lingls.model.random_checkpoint)
 _EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 _RENAMES = [  # (pattern, replacement) applied in order to every checkpoint name
@@ -152,7 +153,8 @@ def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tup
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                par: Parallel | None = None, progress: Callable[[int, int], None] | None = None) -> LingForCausalLM:
-    """Load a Ling-3.0 checkpoint directory (config.json + safetensors) as rank `par.rank`'s model.
+    """Load a Ling-3.0 checkpoint directory (config.json + safetensors) as rank `par.rank`'s model; a weightless
+    benchmark checkpoint (config.json + random_weights.json) gets random weights built on the device.
 
     `progress(bytes_loaded, bytes_total)` is called after each tensor (minutes pass on a 255 GB checkpoint)."""
     path = Path(path)
@@ -160,6 +162,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise CheckpointError(f"{path}: not a directory")
     cfg = LingConfig.from_json(path / "config.json")
     par = par or Parallel()
+    if (path / WEIGHTLESS).is_file():
+        from lingls.model.random_checkpoint import random_model
+
+        try:
+            seed = int(json.loads((path / WEIGHTLESS).read_text())["seed"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / WEIGHTLESS}: needs an integer 'seed' ({e})") from None
+        if progress is not None:
+            progress(0, 1)
+        model = random_model(cfg, par, device, dtype, seed)
+        if progress is not None:
+            progress(1, 1)
+        return model
     reader = CheckpointReader(path)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     if cfg.num_nextn_predict_layers and not any(n.startswith(mtp_prefix) for n in reader.sources):

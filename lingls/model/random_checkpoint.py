@@ -4,7 +4,13 @@ The real checkpoint cannot be downloaded here, so tests and benchmarks load thes
 names, shapes and dtypes (bf16 matrices; fp32 A_log, dt_bias, expert_bias), written tensor by tensor into
 safetensors shards with an index, as the real one is. Nothing is built in memory beyond one shard.
 
+A *weightless* checkpoint (`--weightless`) is for serving benchmarks at sizes no disk here holds (all 42
+layers of Ling-3.0-flash are 250 GB): config.json, `random_weights.json` (the seed) and a synthetic tokenizer
+whose tokens are the words t0 .. t{vocab-1}. `load_model` builds each rank's shard of random weights straight
+on its device (`random_model`); `lingls serve --model DIR --tp N` then runs end to end. Its text is noise.
+
     python -m lingls.model.random_checkpoint OUT_DIR --flash --layers 4
+    python -m lingls.model.random_checkpoint OUT_DIR --flash --weightless
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from typing import Iterator
 import torch
 
 from lingls.model.config import LingConfig, flash_config, tiny_config
-from lingls.model.ling import LingForCausalLM
-from lingls.model.loader import FP32_TENSORS, official_tensors, write_shards
+from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.model.loader import FP32_TENSORS, WEIGHTLESS, official_tensors, write_shards
 
 
 def random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, std: float) -> torch.Tensor:
@@ -55,6 +61,39 @@ def write_random_checkpoint(cfg: LingConfig, out_dir: str | Path, dtype: torch.d
     return out_dir
 
 
+def random_model(cfg: LingConfig, par: Parallel | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LingForCausalLM:
+    """Rank `par.rank`'s shard of random weights, built directly on `device` (fp32 where the checkpoint is).
+    Every rank seeds the same generator and draws its equally shaped shard in the same order, so the tensors
+    all ranks hold whole (norms, router, embeddings) agree."""
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg, par or Parallel()).to(dtype)
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_TENSORS:
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
+
+
+def write_weightless_checkpoint(cfg: LingConfig, out_dir: str | Path, seed: int = 0) -> Path:
+    """config.json, random_weights.json and a synthetic word-level tokenizer (t0 .. t{V-1}, no special tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(out_dir / "config.json")
+    (out_dir / WEIGHTLESS).write_text(json.dumps({"seed": seed, "note": "random weights, built at load time; "
+                                                   "for benchmarks: the model's text is noise"}, indent=1) + "\n")
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"completion_prompt": "prefix"}) + "\n")
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
@@ -65,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="number of decoder layers (keeps the layer pattern)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gb", type=float, default=5.0)
+    p.add_argument("--weightless", action="store_true",
+                   help="no tensors on disk: random weights built at load time, a synthetic tokenizer (benchmarks)")
     a = p.parse_args(argv)
     if a.config:
         raw = json.loads(Path(a.config).read_text())
@@ -76,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = flash_config(a.layers or 42)
     else:
         cfg = tiny_config(a.layers or 24)
-    write_random_checkpoint(cfg, a.out_dir, seed=a.seed, max_shard_bytes=int(a.shard_gb * 2**30))
+    if a.weightless:
+        write_weightless_checkpoint(cfg, a.out_dir, seed=a.seed)
+    else:
+        write_random_checkpoint(cfg, a.out_dir, seed=a.seed, max_shard_bytes=int(a.shard_gb * 2**30))
     print(f"wrote {a.out_dir}")
     return 0
 

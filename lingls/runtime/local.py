@@ -89,7 +89,8 @@ def check_model_dir(path: Path) -> None:
     if not path.is_dir():
         raise EngineError(f"model directory {path} does not exist")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
-    if not any(path.glob("*.safetensors")):
+    # a weightless benchmark checkpoint (lingls.model.random_checkpoint) has random_weights.json instead
+    if not any(path.glob("*.safetensors")) and not (path / "random_weights.json").is_file():
         missing.append("*.safetensors")
     if missing:
         raise EngineError(f"model directory {path} lacks {', '.join(missing)} (a Ling-3.0 checkpoint in "

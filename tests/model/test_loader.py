@@ -154,3 +154,24 @@ def test_progress_is_reported_up_to_the_total(tmp_path, model):
     load_model(tmp_path, progress=lambda done, total: seen.append((done, total)))
     assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] > 0
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_weightless_checkpoint_builds_the_same_random_shards_on_every_rank(tmp_path):
+    """A benchmark checkpoint without tensors: each rank's shard is `random_model`'s, the tensors every rank holds
+    whole agree across ranks, and its synthetic tokenizer covers the vocabulary word by word."""
+    from lingls.model.random_checkpoint import random_model, write_weightless_checkpoint
+    from lingls.runtime.local import check_model_dir
+    from lingls.runtime.tokenizer import Tokenizer
+
+    cfg = small_config(num_nextn_predict_layers=1)
+    d = write_weightless_checkpoint(cfg, tmp_path / "wl", seed=3)
+    check_model_dir(d)
+    whole = load_model(d)
+    want = random_model(cfg, seed=3, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), want.state_dict().values()))
+    ranks = [dict(load_model(d, par=Parallel(r, 2)).named_parameters()) for r in range(2)]
+    for name, p in ranks[0].items():
+        if p.shape == dict(whole.named_parameters())[name].shape:  # held whole by every rank
+            assert torch.equal(p, ranks[1][name]), name
+    tok = Tokenizer(d)
+    assert tok.vocab_size == cfg.vocab_size and tok.encode("t5 t95 t0") == [5, 95, 0]

@@ -1,0 +1,29 @@
+"""bench/serve_e2e.py against the real `lingls serve` on a weightless checkpoint (CPU here; the same command
+measures Ling-3.0-flash's shapes on GPUs): every run streams the tokens asked for and is timed."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lingls.model.random_checkpoint import write_weightless_checkpoint
+from tests.model.conftest import small_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import serve_e2e  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,draft", [(1, "none"), (2, "mtp")])
+def test_end_to_end_latency_through_lingls_serve(tmp_path, tp, draft):
+    model = write_weightless_checkpoint(small_config(num_nextn_predict_layers=1), tmp_path / "wl")
+    out = tmp_path / "e2e.json"
+    rc = serve_e2e.main(["--model", str(model), "--device", "cpu", "--tp", str(tp), "--draft", draft,
+                         "--prompt-tokens", "40", "--new-tokens", "6", "--runs", "2", "--load-timeout", "120",
+                         "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and len(result["runs"]) == 2
+    for run in result["runs"]:
+        assert run["prompt_tokens"] == 40 and run["completion_tokens"] == 6 and run["finish_reason"] == "length"
+        assert run["ttft_ms"] > 0 and run["tpot_ms"] > 0
+    assert result["server_tpot_mean_ms"] > 0
