@@ -1,14 +1,16 @@
-"""Choose the launch settings of the MLA decode, fused MoE and GEMV kernels on this GPU, then time the fused step.
+"""Choose the launch settings of the MLA decode, KDA step, fused MoE and GEMV kernels on this GPU, then time the
+fused step.
 
 At batch 1 these kernels are latency-bound: how many programs stream at once and how many loads each has in
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
-(splits, block rows, warps); MoE sweeps its router (routing in its last program, or per token in a second
-launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
+(splits, block rows, warps); KDA its value columns per program and warps (staged per position at T=9, as in
+verification); MoE sweeps its router (routing in its last program, or per token in a second launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
 whose output or experts differ from the reference; GEMV its settings per shape (the FMA path at T=1). The
-best go into `mla.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for this process, and `fused_step_gpu.measure`
-then checks and times the whole step with them. The JSON lists every candidate; the winners are what the code's CONFIGS ship.
+best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for this process, and
+`fused_step_gpu.measure` then checks and times the whole step with them. The JSON lists every candidate; the
+winners are what the code's CONFIGS ship.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S]]
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fused_step_gpu import CONTEXT, graphed, measure  # noqa: E402
 
 from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
-from lingls.kernels import gemv, mla, moe  # noqa: E402
+from lingls.kernels import gemv, kda, mla, moe  # noqa: E402
 from lingls.model.config import KDA  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
@@ -45,6 +47,7 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
                            (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True))]
+KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),
@@ -116,6 +119,48 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
     return rows
 
 
+def tune_kda(fused: FusedStep, t: int) -> list[dict]:
+    """The KDA step of every KDA layer (its own weights, state and inputs), staged per position at T > 1 as in
+    a verify step; each candidate checked against the reference on the first layer."""
+    rows, calls = [], []
+    for entry in fused.layers:
+        if "proj" not in entry:
+            continue
+        attn = entry["layer"].attention
+        c, h, d = attn.heads * attn.d, attn.heads, attn.d
+        inp = dict(q=torch.randn(t, c, device="cuda", dtype=torch.bfloat16),
+                   k=torch.randn(t, c, device="cuda", dtype=torch.bfloat16),
+                   v=torch.randn(t, c, device="cuda", dtype=torch.bfloat16),
+                   f=torch.randn(t, c, device="cuda", dtype=torch.bfloat16),
+                   b=torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
+                   z=torch.randn(t, c, device="cuda", dtype=torch.bfloat16),
+                   conv_state=torch.randn(3, c, 3, device="cuda", dtype=torch.bfloat16),
+                   conv_weight=entry["conv"], a_log=attn.A_log, dt_bias=attn.dt_bias, norm_weight=attn.o_norm.weight,
+                   state=torch.randn(h, d, d, device="cuda") * 0.01)
+        stage = (torch.empty(t, h, d, d, device="cuda"), torch.empty(t, 3, c, 3, device="cuda", dtype=torch.bfloat16))
+        calls.append((inp, stage if t > 1 else None, dict(lower_bound=attn.lower_bound, eps=attn.eps)))
+    first, _, kw = calls[0]
+    pristine = first["conv_state"].clone(), first["state"].clone()  # the timed calls update the live state
+
+    def fresh() -> dict:
+        return {**first, "conv_state": pristine[0].clone(), "state": pristine[1].clone()}
+
+    want = kda.kda_step_reference(**fresh(), **kw).float()
+    for bv, warps in KDA_CANDIDATES:
+        if time.time() > DEADLINE[0]:
+            break
+        knobs = dict(block_v=bv, num_warps=warps)
+        try:
+            got = kda.fused_kda_step(**fresh(), **kw, **knobs).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = graph_us([lambda i=i, st=st, k=k: kda.fused_kda_step(**i, stage=st, **k, **knobs)
+                           for i, st, k in calls], len(calls))
+            rows.append(dict(T=t, **knobs, us=us, rel_err=err))
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(T=t, **knobs, error=repr(e)[:200]))
+    return rows
+
+
 def routing_ok(x, w: moe.MoEWeights, cfg: dict, ti: torch.Tensor) -> bool:
     """The kernel's experts are the reference router's (fp64 logits), up to choices whose scores tie to 1e-5."""
     logits = x.double() @ w.router_w.double().t()
@@ -174,7 +219,7 @@ def main(out: str, layers: int, budget_s: float) -> int:
     bw = copy_bandwidth()
     model = build_flash(layers, tp=4, rank=0)
     fused = FusedStep(model, kernels=True)
-    tuning, chosen = {"mla": [], "moe": [], "gemv": []}, {"mla": {}, "moe": {}, "gemv": {}}
+    tuning, chosen = {"mla": [], "moe": [], "gemv": [], "kda": []}, {"mla": {}, "moe": {}, "gemv": {}, "kda": {}}
     with torch.inference_mode():
         before = {t: step_ms(model, fused, t) for t in (1, 9)}  # the settings the code shipped with
         print(f"fused step with the shipped settings: {before}", flush=True)
@@ -185,6 +230,12 @@ def main(out: str, layers: int, budget_s: float) -> int:
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"])
+            rows = tune_kda(fused, t)
+            tuning["kda"] += rows
+            ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                chosen["kda"][t] = (b["block_v"], b["num_warps"])
             rows = tune_moe(fused, t)
             tuning["moe"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
@@ -205,10 +256,12 @@ def main(out: str, layers: int, budget_s: float) -> int:
     # T=1 settings serve decode steps, the T=9 ones every verify size up to 16 (the CONFIGS keys)
     mla.CONFIGS.update({k: chosen["mla"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["mla"]})
     moe.CONFIGS.update({k: chosen["moe"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["moe"]})
+    kda.CONFIGS.update({k: chosen["kda"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["kda"]})
     gemv.CONFIGS.update(chosen["gemv"])
     defaults = {"mla": {1: mla.config_for(1), 9: mla.config_for(9)}, "moe": {1: moe.config_for(1), 9: moe.config_for(9)},
+                "kda": {1: kda.config_for(1), 9: kda.config_for(9)},
                 "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
-    for kind in ("mla", "moe"):
+    for kind in ("mla", "moe", "kda"):
         for t in (1, 9):
             base = [r for r in tuning[kind] if r["T"] == t and "us" in r][:1]
             if base:

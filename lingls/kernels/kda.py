@@ -206,10 +206,20 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
     return x.stride(0)
 
 
+# (block_v, num_warps) by the step's token count (the smallest key >= T applies): the values every run so far
+# used; bench/tune_gpu.py times the alternatives at Ling-3.0-flash TP=4 rank shapes.
+CONFIGS = {1: (16, 4), 16: (16, 4)}
+
+
+def config_for(t: int) -> tuple[int, int]:
+    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+
+
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
                    lower_bound: float, eps: float = 1e-6, stage=None, out=None, pdl: bool = False,
-                   block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`."""
+                   block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
+    block_v (value columns per program) and num_warps override `CONFIGS`."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
@@ -225,7 +235,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:
         raise ValueError("the gated output norm needs z (the g_proj output)")
-    block_v = block_v or min(16, d)
+    tuned_bv, tuned_warps = config_for(t)
+    block_v, num_warps = block_v or min(tuned_bv, d), num_warps or tuned_warps
     if d & (d - 1) or d % block_v or block_v & (block_v - 1):
         raise ValueError(f"D={d} and block_v={block_v} must be powers of two with block_v dividing D")
     o_acc, count = _workspace(q.device, h, d)

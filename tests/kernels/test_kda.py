@@ -77,6 +77,17 @@ def test_step_matches_reference(t, h, d, block_v, dtype, fused):
     assert_workspace_clean(h, d)
 
 
+@pytest.mark.parametrize("t", [1, 9])
+def test_launch_settings_from_configs_compute_the_same_step(t, monkeypatch):
+    """What bench/tune_gpu.py pins in CONFIGS (value columns per program, warps) changes nothing computed."""
+    monkeypatch.setattr(kda, "CONFIGS", {1: (8, 2), 16: (4, 1)})
+    inp = make(t, 2, 16, torch.float32, torch.Generator().manual_seed(t), False)
+    out, new = run_kernel(inp)
+    ref_in = upcast(inp)
+    assert rel(out, kda.kda_step_reference(**ref_in, lower_bound=LB)) < 1e-5
+    assert rel(new["state"], ref_in["state"]) < 1e-5
+
+
 def test_raw_output_without_norm():
     gen = torch.Generator().manual_seed(7)
     inp = {**make(4, 2, 32, torch.float32, gen), "norm_weight": None, "z": None}
