@@ -53,7 +53,10 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),
                                         (16, 256, 4, 4, False), (16, 256, 4, 3, True), (32, 128, 4, 3, True),
                                         (32, 256, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 8, 2, True),
-                                        (8, 512, 4, 3, True))]  # {}: the automatic plan
+                                        (8, 512, 4, 3, True))] + \
+       [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
+        for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
+                              (16, 128, 8, False))]  # {}: the automatic plan
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -248,7 +251,8 @@ def main(out: str, layers: int, budget_s: float) -> int:
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
                 if ok:
                     b = min(ok, key=lambda r: r["us"])
-                    knobs = {key: b[key] for key in ("block_n", "block_k", "num_warps", "num_stages", "fma") if key in b}
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma")
+                             if key in b}
                     if knobs:  # the automatic plan won: nothing to pin
                         chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "
