@@ -4,8 +4,8 @@ Modes:
 - `shard`: one TP=4 rank's shard (all 42 layers, a quarter of the heads / expert and dense widths / vocab) on
   one GPU with the all-reduce stubbed out: the per-rank step time of a 4-GPU deployment.
 - `full`: the whole model (TP=1) at a reduced depth, for GPUs that cannot hold more.
-- `tp`: the whole model at TP=2 on two GPUs (all 42 layers), NCCL against the peer all-reduce, plus the
-  all-reduces alone: runs bench/tp_gpu.py from this checkout (two processes; see that file).
+- `tp`: the whole model at TP=N on N GPUs (--tp, default 2; all 42 layers), NCCL against the peer all-reduce,
+  plus the all-reduces alone: runs bench/tp_gpu.py from this checkout (one process per GPU; see that file).
 For T = 1 (decode) and T = 2..16 (verify) it reports the median CUDA-graph step time and the step's byte
 floor: the bytes it must read (every weight but the routed experts, the distinct routed experts of that step
 as routed, the embedding rows, the KDA state read and written, the MLA latent KV of the context) over the
@@ -243,13 +243,11 @@ def tp_mode(a) -> int:
     import subprocess
 
     script = Path(__file__).resolve().parents[2] / "bench" / "tp_gpu.py"
-    if (a.tp or 2) != 2:
-        print("lingls bench step --mode tp: only --tp 2 is implemented", file=sys.stderr)
-        return 2
     if not script.exists():
         print(f"lingls bench step --mode tp: needs a checkout of the repository ({script} is missing)", file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(script), "--layers", str(a.layers or 42), "--out", str(Path(a.out).parent)]
+    cmd = [sys.executable, str(script), "--tp", str(a.tp or 2), "--tokens", a.tokens, "--layers", str(a.layers or 42),
+           "--out", str(Path(a.out).parent)]
     return subprocess.call(cmd, env={**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                                      "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -258,10 +256,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lingls bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["shard", "full", "peers", "tp"], default="shard",
                    help="peers: only the side-by-side run at --peer-layers (a fresh process has the whole GPU); "
-                        "tp: the whole model at TP=2 on two GPUs, NCCL vs the peer all-reduce (bench/tp_gpu.py)")
+                        "tp: the whole model at TP=N (--tp, default 2) on N GPUs, NCCL vs the peer all-reduce "
+                        "(bench/tp_gpu.py)")
     p.add_argument("--layers", type=int, help="decoder layers (default: 42 for shard, 6 for full)")
     p.add_argument("--tp", type=int, default=None,
-                   help="shard mode: the tensor-parallel degree whose rank is run (default 4); tp mode: 2")
+                   help="shard mode: the tensor-parallel degree whose rank is run (default 4); "
+                        "tp mode: the ranks (default 2)")
     p.add_argument("--tokens", default="1,2,4,8,16", help="step sizes T")
     p.add_argument("--context", type=int, default=8192, help="tokens of context (MLA KV) per step")
     p.add_argument("--reps", type=int, default=50)
