@@ -70,7 +70,8 @@ class Candidates:
         lo = bisect.bisect_left(self._sorted_texts, tail)
         hi = bisect.bisect_left(self._sorted_texts, tail + "\U0010ffff")
         ids = self._sorted_ids[lo:hi] + [i for n in range(1, len(tail)) for i in self._ids_of.get(tail[:n], ())]
-        mask = torch.zeros(len(self.texts), dtype=torch.bool)
+        # pinned where a GPU may take it: the runner's copy then queues behind the prefill, not waiting for it
+        mask = torch.zeros(len(self.texts), dtype=torch.bool, pin_memory=torch.cuda.is_available())
         mask[ids] = True
         self._cache[tail] = mask
         if len(self._cache) > self.size:

@@ -208,7 +208,8 @@ class ModelRunner:
             self.set_sampling(sampling)
             logits = self.model.par.all_gather_last(self.model.head(h[-1:]))
             if allowed is not None:
-                logits = logits.masked_fill(~allowed.to(logits.device)[: logits.shape[-1]], float("-inf"))
+                allowed = allowed.to(logits.device, non_blocking=True)[: logits.shape[-1]]
+                logits = logits.masked_fill(~allowed, float("-inf"))
             self.pos.fill_(len(prompt))
             self.ids[:1].copy_(sample(logits, self.pos, sampling.greedy, self.temperature, self.top_p, self.seed))
         except BaseException:
