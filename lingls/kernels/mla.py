@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from lingls.kernels import reference as ref
+
 try:
     import triton
     import triton.language as tl
@@ -209,8 +211,6 @@ def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions
     """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), cos/sin [T, rope/2] fp32: writes
     [rms_norm(c) | rope(k_rope)] into cache[positions] and returns the rotated queries [T, H, rope] in the
     cache's dtype. Rope in fp32, one rounding (the model's eager form rotates in the activation dtype)."""
-    from lingls.kernels import reference as ref
-
     t, rank = kv.shape[0], norm_w.shape[0]
     c = ref.rms_norm(kv[:, :rank], norm_w, eps)
     k_rope = ref.apply_rope(kv[:, rank:].float(), cos, sin, interleave)
