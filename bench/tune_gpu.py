@@ -35,10 +35,10 @@ from lingls.runtime.fused_step import FusedStep  # noqa: E402
 MLA_CANDIDATES = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 32, 8)]  # the neighbourhood of the
 # last run's winners (its JSON swept splits 16..128 x rows 32, 64)
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
-ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")
-          for e, s, w in ((16, 4, 8), (8, 4, 4), (16, 8, 4), (32, 2, 8), (8, 8, 8))] + \
+ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")  # fewer warps: cheaper routing
+          for e, s, w in ((16, 8, 4), (16, 4, 8), (8, 8, 4), (16, 8, 2), (8, 8, 2), (32, 4, 4), (16, 8, 1))] + \
          [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw)
-          for e, s, w, rw in ((16, 4, 8, 1), (8, 4, 4, 2), (8, 4, 4, 4))]
+          for e, s, w, rw in ((16, 8, 4, 1), (8, 4, 4, 1), (8, 4, 4, 2), (8, 4, 4, 4))]
 # gate-up: rows per program, H ranges per block (split-K), warps, H tile
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk)
            for b, s, w, bk in ((32, 1, 4, 256), (16, 1, 4, 256), (32, 2, 4, 256), (32, 4, 4, 128), (16, 4, 4, 128),

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from lingls.kernels import reference as ref
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
+from lingls.kernels.prefetch import prefetch_args, prefetch_l2, prefetch_l2_each
 
 
 class MoEWeights(NamedTuple):
@@ -69,13 +70,15 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
-                   T, E, H, K_PER, scale,
+                   gu_ptr, T, E, H, I, K_PER, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                   PF_EXPERTS: tl.constexpr):
     """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
-    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
+    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token), and with
+    PF_EXPERTS asks for the chosen experts' gate-up weights at once, into L2, before the gate-up kernel starts."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -98,9 +101,14 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(0) * SPLIT - 1:
-            chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, 0, T,
-                                      TT, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
-            _align(tl.max(chosen.to(tl.int32), axis=0), eid, experts_ptr, n_ptr, E, HAS_SHARED)
+            present = tl.zeros((G_PAD, EPG_PAD), tl.int32)
+            for t in tl.static_range(TT):  # TT == T: one routing per token, one after another
+                chosen, ids = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT,
+                                           TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                present = present | chosen.to(tl.int32)
+                prefetch_l2_each(gu_ptr + ids.to(tl.int64) * (2 * I * H), tl.arange(0, K_PAD) < TOP_K, 4 * I * H,
+                                 PF_EXPERTS)
+            _align(present, _expert_ids(E, G, G_PAD, EPG, EPG_PAD), experts_ptr, n_ptr, E, HAS_SHARED)
             tl.atomic_xchg(cnt_ptr, 0)
 
 
@@ -116,9 +124,10 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    chosen, eid = _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, t, t + 1,
-                              2, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
-    mine = tl.max(chosen.to(tl.int32), axis=0)
+    chosen, _ = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD,
+                             G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+    mine = chosen.to(tl.int32)
+    eid = _expert_ids(E, G, G_PAD, EPG, EPG_PAD)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
@@ -131,94 +140,95 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
 
 
 @triton.jit
-def _route_rows(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, T, E, scale, row0, row_end,
-                TT: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
-                G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORMALIZE: tl.constexpr):
-    """Grouped top-k routing of tokens row0 <= t < row_end on a [TT, F] tile, column f holding expert
-    (f // EPG_PAD) * EPG + f % EPG_PAD of group f // EPG_PAD (ids ascend with f): sigmoid, group scores (sum of
-    the top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts, weights from the
-    unbiased scores (renormalised, scaled). Writes topk_w/topk_i (selection order) and the rows' weight table
-    wt[t, e] (0 where not chosen). Returns (chosen [TT, F] of the real rows, expert id per F column).
+def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
+                 SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                 EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Grouped top-k routing of token t on a [group, expert in group] tile: sigmoid, group scores (sum of the
+    top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts, weights from the unbiased
+    scores (renormalised, scaled). Writes topk_w/topk_i (selection order) and the token's row of the weight
+    table wt[t, e] (0 where not chosen). Returns (chosen [G_PAD, EPG_PAD] (element [g, c]: expert g * EPG + c),
+    the chosen ids [K_PAD] in selection order).
 
-    Only max/min/sum along the tile's rows, the lowest column winning among equal values. The earlier form (a
-    [TT, G, EPG] tile reshaped to [TT, F], then rounds of argmax or Triton's bitonic tl.topk) chose experts
-    outside the top-k on the H200 in this module's GPU tests, while Triton's interpreter was right; which op
-    was miscompiled was not isolated."""
-    tr = row0 + tl.arange(0, TT)
-    F: tl.constexpr = G_PAD * EPG_PAD
-    f = tl.arange(0, F)
-    grp = f // EPG_PAD
-    eid = grp * EPG + f % EPG_PAD
-    valid_f = (grp < G) & ((f % EPG_PAD) < EPG)
-    rows = (tr < row_end) & (tr < T)
-    m2 = rows[:, None] & valid_f[None, :]
-    logits = tl.zeros((TT, F), tl.float32)
+    Why this shape: the time is the number of reductions, each a synchronisation of the program's threads.
+    A group's scores sit in one row, so the group scores are two row reductions for all groups at once (not
+    a loop over groups), the group ranking one reduction over a [G, G] comparison, and each of the k picks a
+    max and a min over the tile, ties to the lowest id. Only max/min/sum and no reshape: a [T, G, EPG] tile
+    reshaped to [T, E] chose experts outside the top-k on the H200 (Triton 3.6; its interpreter was right)."""
+    rg = tl.arange(0, G_PAD)
+    rc = tl.arange(0, EPG_PAD)
+    eid = rg[:, None] * EPG + rc[None, :]
+    valid = (rg[:, None] < G) & (rc[None, :] < EPG)
+    logits = tl.zeros((G_PAD, EPG_PAD), tl.float32)
     for s in tl.static_range(SPLIT):
-        logits += tl.load(part_ptr + s * 16 * E + tr[:, None] * E + eid[None, :], mask=m2, other=0.0,
-                          cache_modifier=".cg")
-    s2 = tl.sigmoid(logits)
-    bias = tl.load(bias_ptr + eid, mask=valid_f, other=0.0)
-    choice = tl.where(valid_f[None, :], s2 + bias[None, :], float("-inf"))
-    # group score = sum of the group's two best (the best twice when it occurs twice)
-    ga = tl.arange(0, G_PAD)
-    gscore = tl.full((TT, G_PAD), float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        cg = tl.where((grp == g)[None, :], choice, float("-inf"))
-        m1 = tl.max(cg, axis=1)
-        twice = tl.sum((cg == m1[:, None]).to(tl.int32), axis=1) >= 2
-        m2nd = tl.max(tl.where(cg < m1[:, None], cg, float("-inf")), axis=1)
-        gscore = tl.where(ga[None, :] == g, (m1 + tl.where(twice, m1, m2nd))[:, None], gscore)
+        logits += tl.load(part_ptr + s * 16 * E + t * E + eid, mask=valid, other=0.0, cache_modifier=".cg")
+    score = tl.sigmoid(logits)
+    choice = tl.where(valid, score + tl.load(bias_ptr + eid, mask=valid, other=0.0), float("-inf"))
+    # group score = its best + its second best (the best again when it occurs twice)
+    best1 = tl.max(choice, axis=1)
+    first = tl.min(tl.where(choice == best1[:, None], rc[None, :], EPG_PAD), axis=1)
+    best2 = tl.max(tl.where(rc[None, :] == first[:, None], float("-inf"), choice), axis=1)
+    gscore = tl.where(rg < G, best1 + best2, float("-inf"))
     # a group is kept when fewer than TOPK_GROUP groups beat it (ties: the lower group first)
-    keep = tl.zeros((TT, F), tl.int1)
-    for g in tl.static_range(G):
-        mine = tl.sum(tl.where(ga[None, :] == g, gscore, 0.0), axis=1)
-        beaten = (gscore > mine[:, None]) | ((gscore == mine[:, None]) & (ga[None, :] < g))
-        kept = tl.sum(beaten.to(tl.int32), axis=1) < TOPK_GROUP
-        keep = keep | ((grp == g)[None, :] & kept[:, None])
-    c2 = tl.where(keep, choice, float("-inf"))
+    other = tl.where(rg[:, None] == rg[None, :], gscore[:, None], float("-inf"))
+    gcol = tl.max(other, axis=0)  # gscore laid along the columns
+    beaten = (gcol[None, :] > gscore[:, None]) | ((gcol[None, :] == gscore[:, None]) & (rg[None, :] < rg[:, None]))
+    kept = tl.sum(beaten.to(tl.int32), axis=1) < TOPK_GROUP
+    left = tl.where(kept[:, None], choice, float("-inf"))
+    flat = rg[:, None] * EPG_PAD + rc[None, :]
     kc = tl.arange(0, K_PAD)
-    chosen = tl.zeros((TT, F), tl.int1)
-    vals = tl.zeros((TT, K_PAD), tl.float32)
-    ids = tl.zeros((TT, K_PAD), tl.int32)
+    chosen = tl.zeros((G_PAD, EPG_PAD), tl.int1)
+    ids = tl.zeros((K_PAD,), tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(c2, axis=1)
-        col = tl.min(tl.where(c2 == best[:, None], f[None, :], F), axis=1)  # the lowest column among the best
-        hit = f[None, :] == col[:, None]
+        top = tl.max(tl.max(left, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(left == top, flat, G_PAD * EPG_PAD), axis=1), axis=0)
+        hit = flat == pick
         chosen = chosen | hit
-        c2 = tl.where(hit, float("-inf"), c2)
-        vals = tl.where(kc[None, :] == k, tl.sum(tl.where(hit, s2, 0.0), axis=1)[:, None], vals)
-        ids = tl.where(kc[None, :] == k, ((col // EPG_PAD) * EPG + col % EPG_PAD)[:, None], ids)
-    chosen = chosen & rows[:, None]
-    mult = scale / (tl.sum(vals, axis=1) + 1e-20) if NORMALIZE else tl.zeros((TT,), tl.float32) + scale
-    kmask = rows[:, None] & (kc[None, :] < TOP_K)
-    tl.store(topk_w_ptr + tr[:, None] * TOP_K + kc[None, :], vals * mult[:, None], mask=kmask)
-    tl.store(topk_i_ptr + tr[:, None] * TOP_K + kc[None, :], ids, mask=kmask)
-    tl.store(wt_ptr + tr[:, None] * E + eid[None, :], tl.where(chosen, s2 * mult[:, None], 0.0),
-             mask=rows[:, None] & valid_f[None, :])
-    return chosen, tl.where(valid_f, eid, E)
+        left = tl.where(hit, float("-inf"), left)
+        ids = tl.where(kc == k, (pick // EPG_PAD) * EPG + pick % EPG_PAD, ids)
+    # the chosen experts' unbiased scores, recomputed from their logits (the same sums, in the same order)
+    kmask = kc < TOP_K
+    picked = tl.zeros((K_PAD,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        picked += tl.load(part_ptr + s * 16 * E + t * E + ids, mask=kmask, other=0.0, cache_modifier=".cg")
+    vals = tl.where(kmask, tl.sigmoid(picked), 0.0)
+    mult = scale / (tl.sum(vals, axis=0) + 1e-20) if NORMALIZE else scale
+    tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
+    tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
+    tl.store(wt_ptr + t * E + eid, tl.where(chosen, score * mult, 0.0), mask=valid)
+    return chosen, ids
+
+
+@triton.jit
+def _expert_ids(E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr):
+    """The expert id of each element of the routing tile, E for padding."""
+    rg = tl.arange(0, G_PAD)
+    rc = tl.arange(0, EPG_PAD)
+    return tl.where((rg[:, None] < G) & (rc[None, :] < EPG), rg[:, None] * EPG + rc[None, :], E)
 
 
 @triton.jit
 def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
     """The experts any token chose, in ascending id order after the shared expert (slot 0, id E), and their
-    count: the slots the expert kernels walk."""
+    count: the slots the expert kernels walk. present and eid: the [group, expert in group] routing tile."""
     present = tl.where(eid < E, present, 0)
-    slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
+    per_group = tl.sum(present, axis=1)
+    before = tl.cumsum(per_group, axis=0) - per_group  # chosen experts in the groups before
+    slot = before[:, None] + tl.cumsum(present, axis=1) - present + HAS_SHARED
     tl.store(experts_ptr + slot, eid, mask=present > 0)
     if HAS_SHARED:
         tl.store(experts_ptr, E)
-    tl.store(n_ptr, tl.sum(present, axis=0) + HAS_SHARED)
+    tl.store(n_ptr, tl.sum(per_group, axis=0) + HAS_SHARED)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr, PF_DOWN: tl.constexpr):
     """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
     partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
-    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
+    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise.
+    PF_DOWN: the programs of a slot also ask for its expert's down projection, into L2, for `_down_kernel`."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -230,6 +240,8 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
         e = tl.load(experts_ptr + d)
         shared = e == E
         inter = tl.where(shared, I_S, I)
+        prefetch_l2(tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I)), 2 * H * inter,
+                    ib * tl.num_programs(2) + ks, tl.num_programs(1) * tl.num_programs(2), PF_DOWN)
         if ib * BLOCK_I < inter:
             base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * I * H))
             rt = tl.arange(0, 16)
@@ -281,9 +293,10 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                 T, H, E, I, I_S,
+                 pf_ptr, pf_bytes, T, H, E, I, I_S,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -292,6 +305,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, I_PAD)
     rt = tl.arange(0, 16)
+    prefetch_l2(pf_ptr, pf_bytes, sd * tl.num_programs(0) + hb, tl.num_programs(0) * SPLIT_D, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -360,7 +374,7 @@ def config_for(t: int) -> dict:
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
-              pdl: bool = False, **knobs):
+              pdl: bool = False, prefetch: torch.Tensor | None = None, prefetch_experts: bool = False, **knobs):
     """MoE of T <= 16 tokens in three or four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
@@ -372,6 +386,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
+    prefetch: a tensor a later kernel reads, warmed into L2 while the down projection runs (`kernels.prefetch`).
+    prefetch_experts: at T=1, the routing asks for the chosen experts' gate-up weights and the gate-up kernel for
+    their down weights, into L2, as soon as they are known (more T would spill L2: off there).
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -404,10 +421,12 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                    HAS_SHARED=has_shared)
     cnt = counters(dev, 1 + e)
     per_token = k["route"] == "per_token"
+    pf_experts = prefetch_experts and t == 1 and x.is_cuda and not INTERPRET
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, gate_up, t, e, h, i, k_per,
+        float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=max(triton.next_power_of_2(t), 2), ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
+        TT=t, ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET, PF_EXPERTS=pf_experts and not per_token,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
@@ -420,16 +439,17 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     i_blocks = triton.cdiv(max(i, i_s), block_i)
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
+        x, gate_up, sgu, down, sdn, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["gu_warps"], num_stages=3,
+        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, PF_DOWN=pf_experts, num_warps=k["gu_warps"],
+        num_stages=3,
         **launch)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
-        counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        counters(dev, h_blocks), **prefetch_args(prefetch, down), T=t, H=h, E=e, I=i, I_S=i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
         F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:

@@ -15,6 +15,12 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 
+L2 prefetch (`prefetch=True`, CUDA): the kernels are latency-bound, so the memory idles between and under
+them. Each launch also asks for the weights of a kernel one or two launches later (`kernels.prefetch`): the
+MoE down projection for the next layer's attention projection, the attention projection for the output
+projection, the KDA step for the router, the output projection for the shared expert's gate-up, the norm for
+its down; the routing itself for the chosen experts' gate-up, the gate-up kernel for their down (T=1).
+
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
 """
 
@@ -59,12 +65,15 @@ class _Ops:
 
 
 class FusedStep:
-    def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True):
+    def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True, prefetch: bool = True):
         """kernels: the Triton kernels (default on CUDA) or their references; pdl: launch each kernel as a
-        programmatic dependent launch of the previous one (CUDA; off only to measure what it saves)."""
+        programmatic dependent launch of the previous one; prefetch: warm L2 with later kernels' weights (both
+        CUDA only, and off only to measure what they save)."""
         self.model, self.cfg, self.par = model, model.config, model.par
         device = model.lm_head.weight.device
-        self.ops = _Ops(device.type == "cuda" if kernels is None else kernels, pdl)
+        kernels = device.type == "cuda" if kernels is None else kernels
+        self.ops = _Ops(kernels, pdl)
+        self.prefetch = prefetch and kernels and device.type == "cuda"
         self.layers = [self._prepare(layer) for layer in model.decoder_layers]
         self.mtp = [self._prepare(layer) for layer in model.mtp_layers]  # the drafter's MTP layers, same kernels
         self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
@@ -92,7 +101,29 @@ class FusedStep:
                                             shared_down=shared.down_proj.weight.detach() if shared is not None else None)
         elif isinstance(mlp, SwiGLU):
             entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        entry["first"] = entry.get("proj", entry.get("mla_proj"))  # the layer's first weight read (prefetch)
+        entry["warm"] = self._schedule(entry)
         return entry
+
+    @staticmethod
+    def _schedule(entry: dict) -> dict:
+        """Which weights each launch of the layer warms into L2, by launch (see the module note): one or two
+        launches ahead, so that they arrive in time and are still in L2 when read."""
+        if entry["first"] is None:
+            return {}  # MLA with q_lora_rank runs the model's own path
+        attn, moe = entry["layer"].attention, entry.get("moe")
+        warm = {"proj": attn.dense.weight}
+        if moe is not None and "proj" in entry:  # KDA: the step, the output projection, the norm
+            warm.update(kda=moe.router_w, dense=moe.shared_gate_up, post_norm=moe.shared_down)
+        elif moe is not None:  # MLA: the kernels between its projections are short
+            warm.update(dense=moe.router_w, post_norm=moe.shared_gate_up)
+        elif "gate_up" in entry:  # dense MLP
+            warm.update(post_norm=entry["gate_up"], gate_up=entry["layer"].mlp.down_proj.weight)
+        return warm
+
+    def _warm(self, tensor: torch.Tensor | None) -> dict:
+        """The prefetch argument for a launch: warm `tensor` into L2 (see the module note); {} when off."""
+        return {"prefetch": tensor} if self.prefetch and tensor is not None else {}
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None,
@@ -121,20 +152,22 @@ class FusedStep:
         """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
-        x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
+        x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps,
+                                       **self._warm(entries[0]["first"]))
         kept = {}
         # rope angles of this step's positions, shared by every MLA layer (one rope width and theta per model)
         angles = ref.rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta) if model.mla_slot else None
         for j, entry in enumerate(entries):
             i, layer = first + j, entry["layer"]
+            after = entries[j + 1]["first"] if j + 1 < len(entries) else None  # the next layer's first weight
             if layer.kind == KDA:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
                 a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, angles)
             x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
-                                           self.cfg.rms_norm_eps)
-            m = self.par.all_reduce(self._mlp(entry, x, i))
+                                           self.cfg.rms_norm_eps, **self._warm(entry["warm"].get("post_norm")))
+            m = self.par.all_reduce(self._mlp(entry, x, i, after))
             if j + 1 < len(entries):
                 x, residual = ops.add_rms_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight,
                                                self.cfg.rms_norm_eps)
@@ -147,12 +180,13 @@ class FusedStep:
     def _kda(self, entry, x, state, slot: int, stage) -> torch.Tensor:
         attn: KimiDeltaAttention = entry["layer"].attention
         c, h = attn.heads * attn.d, attn.heads
-        p = self.ops.linear(x, entry["proj"])
+        warm = entry["warm"]
+        p = self.ops.linear(x, entry["proj"], **self._warm(warm["proj"]))
         q, k, v, f, g, b = p.split([c, c, c, c, c, h], dim=1)
         o = self.ops.kda_step(q, k, v, f, b, g, state.conv[slot], entry["conv"], attn.A_log, attn.dt_bias,
                               attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps,
-                              stage=stage)
-        return self.ops.linear(o, attn.dense.weight)
+                              stage=stage, **self._warm(warm.get("kda")))
+        return self.ops.linear(o, attn.dense.weight, **self._warm(warm.get("dense")))
 
     def _mla(self, entry, x, cache, positions, kv_len: int, angles) -> torch.Tensor:
         """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it."""
@@ -161,20 +195,25 @@ class FusedStep:
             cache.index_copy_(0, positions, attn.latent(x, positions))
             return attn.attend_latent(x, positions, cache, kv_len)
         t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
-        q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
+        q, kv, g = self.ops.linear(x, entry["mla_proj"], **self._warm(entry["warm"]["proj"])).split(
+            [h * (nope + rope), rank + rope, h], dim=1)
         q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles, cache,
                                        positions, h, nope, attn.interleave)  # also writes this step's cache rows
         q_lat = torch.einsum("thn,hnr->thr", q.view(t, h, nope + rope)[..., :nope], entry["w_k"])  # W_k absorbed
         o_lat = self.ops.mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
         gate = torch.sigmoid(g.float()).to(o.dtype)
-        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight)
+        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight,
+                               **self._warm(entry["warm"].get("dense")))
 
-    def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:
+    def _mlp(self, entry, x, layer_index: int, after: torch.Tensor | None) -> torch.Tensor:
+        """The layer's MLP; `after` (the next layer's first weight) is warmed by its last launch."""
         mlp = entry["layer"].mlp
         if "moe" in entry:
+            warm = dict(prefetch=after, prefetch_experts=True) if self.prefetch else {}
             return self.ops.moe(x, *entry["moe"], limit=self.cfg.expert_limit(layer_index),
-                                shared_limit=self.cfg.shared_limit(layer_index), **self.moe_cfg)
-        act = self.ops.linear(x, entry["gate_up"], swiglu=True, limit=mlp.limit)
-        return self.ops.linear(act, mlp.down_proj.weight)
+                                shared_limit=self.cfg.shared_limit(layer_index), **self.moe_cfg, **warm)
+        act = self.ops.linear(x, entry["gate_up"], swiglu=True, limit=mlp.limit,
+                              **self._warm(entry["warm"].get("gate_up")))
+        return self.ops.linear(act, mlp.down_proj.weight, **self._warm(after))
 

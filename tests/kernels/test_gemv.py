@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
 from tests.kernels.conftest import rel  # noqa: E402
+from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
 
 from lingls.kernels import gemv as G
 
@@ -58,6 +59,17 @@ def test_one_token_fma_path_matches_reference(poisoned, n, k, swiglu, residual, 
     assert rel(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("fma,split_k", [(True, None), (False, 3)])
+def test_prefetch_changes_nothing(poisoned, fma, split_k):
+    """Warming another tensor into L2 while the GEMV runs (on a GPU; compiled out elsewhere) leaves its bits."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 2560, generator=gen).to(DEV, torch.bfloat16)
+    w = torch.randn(80, 2560, generator=gen).to(DEV, torch.bfloat16)
+    other = torch.randn(3 * 2**20 + 40, generator=gen).to(DEV, torch.bfloat16)  # a ragged 6 MB: a partial chunk
+    plain = G.gemv(x, w, split_k=split_k, block_k=128, fma=fma)
+    assert torch.equal(G.gemv(x, w, split_k=split_k, block_k=128, fma=fma, prefetch=other), plain)
+
+
 def test_gemv_twice_same_bits(poisoned):
     """Split-K sums its partials in a fixed order and the counters reset: two calls give identical bits."""
     gen = torch.Generator().manual_seed(7)
@@ -84,3 +96,17 @@ def test_tuned_launch_settings_compute_the_same_product(t, monkeypatch):
     monkeypatch.setitem(G.CONFIGS, (80, 384, False, 1 if t == 1 else 16),
                         dict(block_n=16, block_k=128, num_warps=4, num_stages=2))
     assert rel(G.gemv(x, w), G.gemv_reference(x, w)) < 1e-2
+
+
+def test_kernel_compiles_for_h200():
+    """Both paths (MMA, FMA), split-K, the SwiGLU epilogue, PDL and the L2 prefetch through the GPU compiler and
+    ptxas for sm_90 (no GPU needed)."""
+    lines = compile_for_sm90("""
+        from lingls.kernels import gemv
+        types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32",
+                     cnt_ptr="*i32", pf_ptr="*bf16", limit="fp32")
+        for fma, split, swiglu in ((True, 1, False), (False, 2, True), (True, 4, True)):
+            build(gemv._gemv_kernel, types, dict(BLOCK_N=32, BLOCK_K=128, K_ITERS=10, SPLIT_K=split, SWIGLU=swiglu,
+                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False, PREFETCH=True), 4, True)
+    """)
+    assert len(lines) == 3, lines

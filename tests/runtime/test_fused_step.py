@@ -46,6 +46,23 @@ def test_fusing_rows_keeps_one_copy_of_each_weight(model):
     assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
 
 
+def test_prefetch_schedule_warms_the_layers_later_weights(model):
+    """Each launch warms a weight its layer reads later (or the next layer's first): the right tensors, each
+    contiguous (one bulk range); on CPU the prefetch itself is off."""
+    fused = FusedStep(model, kernels=False)
+    assert not fused.prefetch
+    for entry in fused.layers:
+        layer, warm, moe = entry["layer"], entry["warm"], entry.get("moe")
+        assert warm["proj"] is layer.attention.dense.weight
+        if moe is not None:
+            for later in (moe.router_w, moe.shared_gate_up):
+                assert later is None or any(w is later for w in warm.values())
+        elif "gate_up" in entry:
+            assert warm["post_norm"] is entry["gate_up"] and warm["gate_up"] is layer.mlp.down_proj.weight
+        assert all(w is None or w.is_contiguous() for w in warm.values())
+    assert fused.layers[1]["first"] is not None
+
+
 def test_prefill_sized_inputs_are_refused(model):
     with pytest.raises(ValueError, match="prefill"):
         FusedStep(model, kernels=False).step(torch.zeros(17, dtype=torch.long), model.new_state(32), torch.arange(17))
