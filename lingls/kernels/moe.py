@@ -45,7 +45,7 @@ import triton.language as tl
 
 from lingls.kernels import reference as ref
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
-from lingls.kernels.prefetch import prefetch_args, prefetch_l2, prefetch_l2_each
+from lingls.kernels.prefetch import prefetch_args, prefetch_l2
 
 
 class MoEWeights(NamedTuple):
@@ -70,15 +70,13 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
-                   gu_ptr, T, E, H, I, K_PER, scale,
+                   T, E, H, K_PER, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                   PF_EXPERTS: tl.constexpr):
+                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
-    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token), and with
-    PF_EXPERTS asks for the chosen experts' gate-up weights at once, into L2, before the gate-up kernel starts."""
+    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -103,11 +101,9 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         if arrived == tl.num_programs(0) * SPLIT - 1:
             present = tl.zeros((G_PAD, EPG_PAD), tl.int32)
             for t in tl.static_range(TT):  # TT == T: one routing per token, one after another
-                chosen, ids = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT,
-                                           TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                chosen = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K,
+                                      K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
                 present = present | chosen.to(tl.int32)
-                prefetch_l2_each(gu_ptr + ids.to(tl.int64) * (2 * I * H), tl.arange(0, K_PAD) < TOP_K, 4 * I * H,
-                                 PF_EXPERTS)
             _align(present, _expert_ids(E, G, G_PAD, EPG, EPG_PAD), experts_ptr, n_ptr, E, HAS_SHARED)
             tl.atomic_xchg(cnt_ptr, 0)
 
@@ -124,9 +120,8 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    chosen, _ = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD,
-                             G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
-    mine = chosen.to(tl.int32)
+    mine = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
+                        G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE).to(tl.int32)
     eid = _expert_ids(E, G, G_PAD, EPG, EPG_PAD)
     tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
@@ -146,8 +141,7 @@ def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale
     """Grouped top-k routing of token t on a [group, expert in group] tile: sigmoid, group scores (sum of the
     top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts, weights from the unbiased
     scores (renormalised, scaled). Writes topk_w/topk_i (selection order) and the token's row of the weight
-    table wt[t, e] (0 where not chosen). Returns (chosen [G_PAD, EPG_PAD] (element [g, c]: expert g * EPG + c),
-    the chosen ids [K_PAD] in selection order).
+    table wt[t, e] (0 where not chosen). Returns chosen [G_PAD, EPG_PAD] (element [g, c]: expert g * EPG + c).
 
     Why this shape: the time is the number of reductions, each a synchronisation of the program's threads.
     A group's scores sit in one row, so the group scores are two row reductions for all groups at once (not
@@ -195,7 +189,7 @@ def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale
     tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
     tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
     tl.store(wt_ptr + t * E + eid, tl.where(chosen, score * mult, 0.0), mask=valid)
-    return chosen, ids
+    return chosen
 
 
 @triton.jit
@@ -387,8 +381,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     prefetch: a tensor a later kernel reads, warmed into L2 while the down projection runs (`kernels.prefetch`).
-    prefetch_experts: at T=1, the routing asks for the chosen experts' gate-up weights and the gate-up kernel for
-    their down weights, into L2, as soon as they are known (more T would spill L2: off there).
+    prefetch_experts: at T=1 the gate-up kernel also asks for its experts' down weights, into L2, for the down
+    kernel (at more tokens they would not fit beside the gate-up weights streaming through L2: off there).
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -423,10 +417,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     per_token = k["route"] == "per_token"
     pf_experts = prefetch_experts and t == 1 and x.is_cuda and not INTERPRET
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, gate_up, t, e, h, i, k_per,
-        float(scale),
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=t, ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET, PF_EXPERTS=pf_experts and not per_token,
+        TT=t, ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),

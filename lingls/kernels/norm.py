@@ -22,8 +22,6 @@ from lingls.kernels import reference as ref
 try:
     import triton
     import triton.language as tl
-
-    from lingls.kernels.prefetch import prefetch_args, prefetch_l2
 except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
     triton = tl = None
 
@@ -31,15 +29,13 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, pf_ptr, pf_bytes, sx, sr, so, N, eps,
-                         BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
+                         BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per row: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h))."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: safe before the previous kernel ends
-    prefetch_l2(pf_ptr, pf_bytes, row, tl.num_programs(0), PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -54,10 +50,8 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, pf_ptr, pf_bytes, sx, sr,
     tl.store(out_ptr + row * so + offs, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = 8,
-                       prefetch: torch.Tensor | None = None):
-    """The Triton form (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `add_rms_norm`;
-    `prefetch`: a tensor a later kernel reads, warmed into L2 meanwhile (`kernels.prefetch`)."""
+def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = 8):
+    """The Triton form (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `add_rms_norm`."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, N] with contiguous rows, got {tuple(x.shape)}")
     t, n = x.shape
@@ -69,8 +63,7 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
         out = torch.empty(t, n, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     r = residual if residual is not None else x
     kwargs = {"launch_pdl": True} if pdl and x.is_cuda else {}
-    _add_rms_norm_kernel[(t,)](x, r, weight, out, **prefetch_args(prefetch, weight), sx=x.stride(0),
-                               sr=r.stride(0), so=out.stride(0), N=n, eps=float(eps),
+    _add_rms_norm_kernel[(t,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), n, float(eps),
                                BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
                                USE_PDL=bool(kwargs), num_warps=num_warps, **kwargs)
     return out, r

@@ -48,15 +48,3 @@ def prefetch_args(tensor: torch.Tensor | None, like: torch.Tensor) -> dict:
     return dict(pf_ptr=tensor if on else like, pf_bytes=tensor.numel() * tensor.element_size() if on else 0,
                 PREFETCH=on)
 
-
-@triton.jit
-def prefetch_l2_each(bases, live, nbytes, ENABLE: tl.constexpr):
-    """This program prefetches bytes [0, nbytes) from each of the pointers `bases` (a vector) where `live`."""
-    if ENABLE:
-        lanes = tl.arange(0, LANES)
-        for first in range(0, tl.cdiv(nbytes, CHUNK), LANES):
-            c = (first + lanes).to(tl.int64)
-            size = tl.minimum(nbytes - c * CHUNK, CHUNK).to(tl.int32) // 16 * 16
-            size = tl.where(live[:, None], size[None, :], 0)
-            addr = bases.to(tl.pointer_type(tl.int8))[:, None] + c[None, :] * CHUNK
-            tl.inline_asm_elementwise(_ASM, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)

@@ -104,8 +104,8 @@ def test_ties_and_residual(poisoned, route):
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_prefetch_changes_nothing(poisoned, t):
-    """The L2 prefetches (the chosen experts' weights at T=1, a later tensor under the down projection; on a GPU,
-    compiled out elsewhere) leave the bits of the output and the routing."""
+    """The L2 prefetches (the chosen experts' down weights at T=1, a later tensor under the down projection; on a
+    GPU, compiled out elsewhere) leave the bits of the output and the routing."""
     gen = torch.Generator().manual_seed(5)
     h, e, i, i_s, k, g, kg = CONFIGS[3][:7]
     w = make(gen, h, e, i, i_s)
@@ -133,10 +133,10 @@ def test_kernels_compile_for_h200():
                        HAS_SHARED=True, USE_PDL=True)
         tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
                       experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", scale="fp32")
-        for tt, pf in ((1, True), (9, False)):
-            build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16", gu_ptr="*bf16"),
-                  dict(routing, BLOCK_E=16, BLOCK_K=128, K_ITERS=3, SPLIT=8, TT=tt, ROUTE=True, F32_DOT=False,
-                       PF_EXPERTS=pf), 4, True)
+        for tt, warps in ((1, 4), (9, 2)):
+            build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16"),
+                  dict(routing, BLOCK_E=16, BLOCK_K=128, K_ITERS=3, SPLIT=8, TT=tt, ROUTE=True, F32_DOT=False),
+                  warps, True)
         build(moe._route_token_kernel, tables, dict(routing, SPLIT=4), 1, True)
         build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", dn_ptr="*bf16",
               sdn_ptr="*bf16", experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32",

@@ -71,7 +71,6 @@ def test_kernel_compiles_for_h200_without_spills():
         from lingls.kernels import norm
         for residual in (True, False):
             build(norm._add_rms_norm_kernel, dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
-                  pf_ptr="*bf16", eps="fp32"), dict(BLOCK=4096, HAS_RESIDUAL=residual, USE_PDL=True,
-                  PREFETCH=residual), 8, True)
+                  eps="fp32"), dict(BLOCK=4096, HAS_RESIDUAL=residual, USE_PDL=True), 8, True)
     """)
     assert len(lines) == 2 and all("STACK:0 " in line for line in lines), lines

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
 from lingls.model.ling import LingForCausalLM
-from lingls.runtime.fused_step import FusedStep
+from lingls.runtime.fused_step import PREFETCH_KINDS, FusedStep
 from tests.model.conftest import randomize, small_config
 
 
@@ -47,20 +47,19 @@ def test_fusing_rows_keeps_one_copy_of_each_weight(model):
 
 
 def test_prefetch_schedule_warms_the_layers_later_weights(model):
-    """Each launch warms a weight its layer reads later (or the next layer's first): the right tensors, each
-    contiguous (one bulk range); on CPU the prefetch itself is off."""
-    fused = FusedStep(model, kernels=False)
+    """Each scheduled launch warms a weight its layer reads later, each contiguous (one bulk range); unknown
+    kinds are refused; on CPU the prefetch itself is off."""
+    fused = FusedStep(model, kernels=False, prefetch=tuple(PREFETCH_KINDS))
     assert not fused.prefetch
     for entry in fused.layers:
         layer, warm, moe = entry["layer"], entry["warm"], entry.get("moe")
-        assert warm["proj"] is layer.attention.dense.weight
+        assert warm["proj"] == ("out_proj", layer.attention.dense.weight)
         if moe is not None:
-            for later in (moe.router_w, moe.shared_gate_up):
-                assert later is None or any(w is later for w in warm.values())
-        elif "gate_up" in entry:
-            assert warm["post_norm"] is entry["gate_up"] and warm["gate_up"] is layer.mlp.down_proj.weight
-        assert all(w is None or w.is_contiguous() for w in warm.values())
+            assert any(w == ("router", moe.router_w) for w in warm.values())
+        assert all(kind in PREFETCH_KINDS and (w is None or w.is_contiguous()) for kind, w in warm.values())
     assert fused.layers[1]["first"] is not None
+    with pytest.raises(ValueError, match="unknown prefetch"):
+        FusedStep(model, kernels=False, prefetch=("everything",))
 
 
 def test_prefill_sized_inputs_are_refused(model):
