@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from lingls.kernels import reference as ref
-from lingls.kernels.prefetch import prefetch_args, prefetch_l2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
@@ -86,11 +85,11 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.c
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, pf_ptr, pf_bytes,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -99,7 +98,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, pf_ptr, pf_b
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
     # the first W tile is requested before waiting for the previous kernel (PDL): weights never depend on it
     wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
-    prefetch_l2(pf_ptr, pf_bytes, pid_k * tl.num_programs(0) + pid_n, tl.num_programs(0) * SPLIT_K, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -192,13 +190,14 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 
 # Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
 # steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
-# Pinned from bench/results/fused_step_shard42.json (one H200, Ling-3.0-flash TP=4 rank shapes); the KDA
-# projection (5128 x 2560) is best with the automatic plan at both T buckets.
+# Pinned from bench/results/tune_shard42.json (one H200, Ling-3.0-flash TP=4 rank shapes): at T=1 every shape
+# is best on the FMA path with 8 rows x 512 columns per program (the dense MLP's gate-up with split-K).
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
+    (5128, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
     (2560, 1536, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # dense MLP down
-    (1536, 2560, True, 1): dict(block_n=32, block_k=256, num_warps=8, num_stages=3, fma=True),  # dense MLP gate-up
-    (2120, 2560, False, 1): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),  # MLA q | kv_a | gate
+    (1536, 2560, True, 1): dict(block_n=16, block_k=128, split_k=4, num_warps=4, num_stages=3, fma=True),  # gate-up
+    (2120, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
     (2560, 1024, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
     (2560, 1536, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
     (1536, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
@@ -210,8 +209,7 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False,
-         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
@@ -219,7 +217,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
     from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
     programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
-    `prefetch`: a tensor a later kernel reads, warmed into L2 while this one runs (`kernels.prefetch`).
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
@@ -236,9 +233,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     part = torch.empty(split * (2 if swiglu else 1) * 16 * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out
     _gemv_kernel[(blocks, split)](
-        x, w, out, res, part, counters(x.device, blocks), **prefetch_args(prefetch, w),
-        T=t, N=n, K=k, K_PER=k_per, stride_x=x.stride(0), stride_w=w.stride(0), stride_o=out.stride(0),
-        stride_r=res.stride(0), limit=float(limit),
+        x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
+        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
         FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))

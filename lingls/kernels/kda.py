@@ -44,8 +44,6 @@ from lingls.kernels import reference as ref
 try:
     import triton
     import triton.language as tl
-
-    from lingls.kernels.prefetch import prefetch_args, prefetch_l2
 except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
     triton = tl = None
 
@@ -70,10 +68,10 @@ def _conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
 def _kda_step_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, z_ptr, sq, sk, sv, sf, sb, sz,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr,
-    out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr, stage_conv_ptr, pf_ptr, pf_bytes,
+    out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr, stage_conv_ptr,
     q_scale, lower_bound, eps,
     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     h = tl.program_id(0)
     j = tl.program_id(1)
@@ -98,7 +96,6 @@ def _kda_step_kernel(
     wv3 = tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    prefetch_l2(pf_ptr, pf_bytes, h * NV + j, H * NV, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -220,11 +217,9 @@ def config_for(t: int) -> tuple[int, int]:
 
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
                    lower_bound: float, eps: float = 1e-6, stage=None, out=None, pdl: bool = False,
-                   block_v: int | None = None, num_warps: int | None = None,
-                   prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                   block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
-    block_v (value columns per program) and num_warps override `CONFIGS`; `prefetch`: a tensor a later kernel
-    reads, warmed into L2 meanwhile (`kernels.prefetch`)."""
+    block_v (value columns per program) and num_warps override `CONFIGS`."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
@@ -263,8 +258,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         _row_stride(q, "q"), _row_stride(k, "k"), _row_stride(v, "v"), _row_stride(f, "f"), _row_stride(b, "b"),
         _row_stride(z, "z") if z is not None else 0,
         conv_state, conv_weight, a_log, dt_bias, norm_weight if norm_weight is not None else a_log, state,
-        out, _row_stride(out, "out"), o_acc, count, stage_state, stage_conv, **prefetch_args(prefetch, q),
-        q_scale=d ** -0.5, lower_bound=float(lower_bound), eps=float(eps),
+        out, _row_stride(out, "out"), o_acc, count, stage_state, stage_conv,
+        d ** -0.5, float(lower_bound), float(eps),
         T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
         STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=bool(kwargs),
         num_warps=num_warps, **kwargs,

@@ -45,7 +45,6 @@ import triton.language as tl
 
 from lingls.kernels import reference as ref
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
-from lingls.kernels.prefetch import prefetch_args, prefetch_l2
 
 
 class MoEWeights(NamedTuple):
@@ -215,14 +214,13 @@ def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr, PF_DOWN: tl.constexpr):
+                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
     partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
-    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise.
-    PF_DOWN: the programs of a slot also ask for its expert's down projection, into L2, for `_down_kernel`."""
+    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -234,8 +232,6 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr,
         e = tl.load(experts_ptr + d)
         shared = e == E
         inter = tl.where(shared, I_S, I)
-        prefetch_l2(tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I)), 2 * H * inter,
-                    ib * tl.num_programs(2) + ks, tl.num_programs(1) * tl.num_programs(2), PF_DOWN)
         if ib * BLOCK_I < inter:
             base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * I * H))
             rt = tl.arange(0, 16)
@@ -287,10 +283,9 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                 pf_ptr, pf_bytes, T, H, E, I, I_S,
+                 T, H, E, I, I_S,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -299,7 +294,6 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, I_PAD)
     rt = tl.arange(0, 16)
-    prefetch_l2(pf_ptr, pf_bytes, sd * tl.num_programs(0) + hb, tl.num_programs(0) * SPLIT_D, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -368,7 +362,7 @@ def config_for(t: int) -> dict:
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
-              pdl: bool = False, prefetch: torch.Tensor | None = None, prefetch_experts: bool = False, **knobs):
+              pdl: bool = False, **knobs):
     """MoE of T <= 16 tokens in three or four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
@@ -380,9 +374,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
-    prefetch: a tensor a later kernel reads, warmed into L2 while the down projection runs (`kernels.prefetch`).
-    prefetch_experts: at T=1 the gate-up kernel also asks for its experts' down weights, into L2, for the down
-    kernel (at more tokens they would not fit beside the gate-up weights streaming through L2: off there).
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
@@ -415,7 +406,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                    HAS_SHARED=has_shared)
     cnt = counters(dev, 1 + e)
     per_token = k["route"] == "per_token"
-    pf_experts = prefetch_experts and t == 1 and x.is_cuda and not INTERPRET
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
@@ -432,17 +422,16 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     i_blocks = triton.cdiv(max(i, i_s), block_i)
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, down, sdn, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
+        x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, PF_DOWN=pf_experts, num_warps=k["gu_warps"],
-        num_stages=3,
+        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["gu_warps"], num_stages=3,
         **launch)
     split_d = max(1, min(k["split_d"], d_max))
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
-        counters(dev, h_blocks), **prefetch_args(prefetch, down), T=t, H=h, E=e, I=i, I_S=i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
         F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:

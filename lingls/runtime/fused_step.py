@@ -15,12 +15,6 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 
-L2 prefetch (CUDA): the kernels are latency-bound, so the memory idles under them. A launch can also ask for
-the weights of a kernel one or two launches later (`kernels.prefetch`); `prefetch` names which, of
-`PREFETCH_KINDS`. The cost is in the asking launch: it ends only when its prefetches have landed, and the
-next launch waits for that. So only launches with many programs ask (one program issuing megabytes is slow),
-and `DEFAULT_PREFETCH` holds the kinds measured to pay on the H200 (bench/fused_step_gpu.py times each).
-
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
 """
 
@@ -35,15 +29,6 @@ from lingls.model.config import KDA
 from lingls.model.ling import GatedMLA, KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
 
 MAX_TOKENS = 16
-# what is warmed, by which launch
-PREFETCH_KINDS = {
-    "experts": "the MoE gate-up kernel warms its experts' down projections (T=1)",
-    "out_proj": "the attention's input projection warms its output projection",
-    "router": "the KDA step (MLA: the output projection) warms the router",
-    "shared": "the KDA output projection warms the shared expert's gate-up",
-    "next_layer": "the MLP's down projection warms the next layer's input projection",
-}
-DEFAULT_PREFETCH = ("experts",)
 
 
 def _fuse_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -74,19 +59,12 @@ class _Ops:
 
 
 class FusedStep:
-    def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True,
-                 prefetch: tuple[str, ...] = DEFAULT_PREFETCH):
+    def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True):
         """kernels: the Triton kernels (default on CUDA) or their references; pdl: launch each kernel as a
-        programmatic dependent launch of the previous one; prefetch: the L2 prefetches to issue, of
-        PREFETCH_KINDS (both CUDA only; changed only to measure what they save)."""
-        unknown = set(prefetch) - set(PREFETCH_KINDS)
-        if unknown:
-            raise ValueError(f"unknown prefetch kinds {sorted(unknown)}; known: {sorted(PREFETCH_KINDS)}")
+        programmatic dependent launch of the previous one (CUDA; off only to measure what it saves)."""
         self.model, self.cfg, self.par = model, model.config, model.par
         device = model.lm_head.weight.device
-        kernels = device.type == "cuda" if kernels is None else kernels
-        self.ops = _Ops(kernels, pdl)
-        self.prefetch = frozenset(prefetch) if kernels and device.type == "cuda" else frozenset()
+        self.ops = _Ops(device.type == "cuda" if kernels is None else kernels, pdl)
         self.layers = [self._prepare(layer) for layer in model.decoder_layers]
         self.mtp = [self._prepare(layer) for layer in model.mtp_layers]  # the drafter's MTP layers, same kernels
         self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
@@ -114,27 +92,7 @@ class FusedStep:
                                             shared_down=shared.down_proj.weight.detach() if shared is not None else None)
         elif isinstance(mlp, SwiGLU):
             entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
-        entry["first"] = entry.get("proj", entry.get("mla_proj"))  # the layer's first weight read (prefetch)
-        entry["warm"] = self._schedule(entry)
         return entry
-
-    @staticmethod
-    def _schedule(entry: dict) -> dict:
-        """launch -> (prefetch kind, the weight it warms), for this layer's launches (see PREFETCH_KINDS)."""
-        if entry["first"] is None:
-            return {}  # MLA with q_lora_rank runs the model's own path
-        attn, moe = entry["layer"].attention, entry.get("moe")
-        warm = {"proj": ("out_proj", attn.dense.weight)}
-        if moe is not None and "proj" in entry:  # KDA
-            warm.update(kda=("router", moe.router_w), dense=("shared", moe.shared_gate_up))
-        elif moe is not None:  # MLA: the kernels between its projections are short
-            warm.update(dense=("router", moe.router_w))
-        return warm
-
-    def _warm(self, entry: dict, launch: str) -> dict:
-        """The prefetch argument of one of the layer's launches ({} when its kind is off)."""
-        kind, tensor = entry["warm"].get(launch, (None, None))
-        return {"prefetch": tensor} if kind in self.prefetch and tensor is not None else {}
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None,
@@ -169,7 +127,6 @@ class FusedStep:
         angles = ref.rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta) if model.mla_slot else None
         for j, entry in enumerate(entries):
             i, layer = first + j, entry["layer"]
-            after = entries[j + 1]["first"] if j + 1 < len(entries) and "next_layer" in self.prefetch else None
             if layer.kind == KDA:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
@@ -177,7 +134,7 @@ class FusedStep:
                 a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, angles)
             x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
                                            self.cfg.rms_norm_eps)
-            m = self.par.all_reduce(self._mlp(entry, x, i, after))
+            m = self.par.all_reduce(self._mlp(entry, x, i))
             if j + 1 < len(entries):
                 x, residual = ops.add_rms_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight,
                                                self.cfg.rms_norm_eps)
@@ -190,12 +147,12 @@ class FusedStep:
     def _kda(self, entry, x, state, slot: int, stage) -> torch.Tensor:
         attn: KimiDeltaAttention = entry["layer"].attention
         c, h = attn.heads * attn.d, attn.heads
-        p = self.ops.linear(x, entry["proj"], **self._warm(entry, "proj"))
+        p = self.ops.linear(x, entry["proj"])
         q, k, v, f, g, b = p.split([c, c, c, c, c, h], dim=1)
         o = self.ops.kda_step(q, k, v, f, b, g, state.conv[slot], entry["conv"], attn.A_log, attn.dt_bias,
                               attn.o_norm.weight, state.kda[slot], lower_bound=attn.lower_bound, eps=attn.eps,
-                              stage=stage, **self._warm(entry, "kda"))
-        return self.ops.linear(o, attn.dense.weight, **self._warm(entry, "dense"))
+                              stage=stage)
+        return self.ops.linear(o, attn.dense.weight)
 
     def _mla(self, entry, x, cache, positions, kv_len: int, angles) -> torch.Tensor:
         """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it."""
@@ -204,24 +161,20 @@ class FusedStep:
             cache.index_copy_(0, positions, attn.latent(x, positions))
             return attn.attend_latent(x, positions, cache, kv_len)
         t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
-        q, kv, g = self.ops.linear(x, entry["mla_proj"], **self._warm(entry, "proj")).split(
-            [h * (nope + rope), rank + rope, h], dim=1)
+        q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
         q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles, cache,
                                        positions, h, nope, attn.interleave)  # also writes this step's cache rows
         q_lat = torch.einsum("thn,hnr->thr", q.view(t, h, nope + rope)[..., :nope], entry["w_k"])  # W_k absorbed
         o_lat = self.ops.mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
         gate = torch.sigmoid(g.float()).to(o.dtype)
-        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight,
-                               **self._warm(entry, "dense"))
+        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight)
 
-    def _mlp(self, entry, x, layer_index: int, after: torch.Tensor | None) -> torch.Tensor:
-        """The layer's MLP; `after` (the next layer's first weight, or None) is warmed by its last launch."""
+    def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:
         mlp = entry["layer"].mlp
         if "moe" in entry:
-            warm = dict(prefetch=after, prefetch_experts="experts" in self.prefetch) if self.prefetch else {}
             return self.ops.moe(x, *entry["moe"], limit=self.cfg.expert_limit(layer_index),
-                                shared_limit=self.cfg.shared_limit(layer_index), **self.moe_cfg, **warm)
+                                shared_limit=self.cfg.shared_limit(layer_index), **self.moe_cfg)
         act = self.ops.linear(x, entry["gate_up"], swiglu=True, limit=mlp.limit)
-        return self.ops.linear(act, mlp.down_proj.weight, **({"prefetch": after} if after is not None else {}))
+        return self.ops.linear(act, mlp.down_proj.weight)
 

@@ -59,17 +59,6 @@ def test_one_token_fma_path_matches_reference(poisoned, n, k, swiglu, residual, 
     assert rel(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("fma,split_k", [(True, None), (False, 3)])
-def test_prefetch_changes_nothing(poisoned, fma, split_k):
-    """Warming another tensor into L2 while the GEMV runs (on a GPU; compiled out elsewhere) leaves its bits."""
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(1, 2560, generator=gen).to(DEV, torch.bfloat16)
-    w = torch.randn(80, 2560, generator=gen).to(DEV, torch.bfloat16)
-    other = torch.randn(3 * 2**20 + 40, generator=gen).to(DEV, torch.bfloat16)  # a ragged 6 MB: a partial chunk
-    plain = G.gemv(x, w, split_k=split_k, block_k=128, fma=fma)
-    assert torch.equal(G.gemv(x, w, split_k=split_k, block_k=128, fma=fma, prefetch=other), plain)
-
-
 def test_gemv_twice_same_bits(poisoned):
     """Split-K sums its partials in a fixed order and the counters reset: two calls give identical bits."""
     gen = torch.Generator().manual_seed(7)
@@ -99,14 +88,14 @@ def test_tuned_launch_settings_compute_the_same_product(t, monkeypatch):
 
 
 def test_kernel_compiles_for_h200():
-    """Both paths (MMA, FMA), split-K, the SwiGLU epilogue, PDL and the L2 prefetch through the GPU compiler and
-    ptxas for sm_90 (no GPU needed)."""
+    """Both paths (MMA, FMA), split-K, the SwiGLU epilogue and PDL through the GPU compiler and ptxas for sm_90
+    (no GPU needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import gemv
         types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32",
-                     cnt_ptr="*i32", pf_ptr="*bf16", limit="fp32")
+                     cnt_ptr="*i32", limit="fp32")
         for fma, split, swiglu in ((True, 1, False), (False, 2, True), (True, 4, True)):
             build(gemv._gemv_kernel, types, dict(BLOCK_N=32, BLOCK_K=128, K_ITERS=10, SPLIT_K=split, SWIGLU=swiglu,
-                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False, PREFETCH=True), 4, True)
+                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
     """)
     assert len(lines) == 3, lines

@@ -214,12 +214,11 @@ def test_kernels_compile_for_h200_without_spills():
         ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", f_ptr="*bf16", b_ptr="*bf16", z_ptr="*bf16",
                     conv_ptr="*bf16", conv_w_ptr="*bf16", a_log_ptr="*fp32", dt_bias_ptr="*fp32",
                     norm_w_ptr="*bf16", state_ptr="*fp32", o_acc_ptr="*fp32", count_ptr="*i32",
-                    stage_state_ptr="*fp32", q_scale="fp32", lower_bound="fp32", eps="fp32", pf_ptr="*bf16")
+                    stage_state_ptr="*fp32", q_scale="fp32", lower_bound="fp32", eps="fp32")
         for t, stage, norm, pdl in ((1, False, True, True), (9, True, True, True), (16, True, True, False),
                                     (4, False, False, False)):
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
-            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl,
-                          PREFETCH=pdl)  # with the L2 prefetch's inline PTX
+            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
             build(kda._kda_step_kernel, types, consts, 4, pdl)
         build(kda._commit_kernel, dict(index_ptr="*i32", live_a="*fp32", staged_a="*fp32", live_b="*bf16",
               staged_b="*bf16"), dict(BLOCK=4096, BLOCKS_A=32, USE_PDL=True), 4, True)

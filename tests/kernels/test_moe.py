@@ -102,20 +102,6 @@ def test_ties_and_residual(poisoned, route):
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_prefetch_changes_nothing(poisoned, t):
-    """The L2 prefetches (the chosen experts' down weights at T=1, a later tensor under the down projection; on a
-    GPU, compiled out elsewhere) leave the bits of the output and the routing."""
-    gen = torch.Generator().manual_seed(5)
-    h, e, i, i_s, k, g, kg = CONFIGS[3][:7]
-    w = make(gen, h, e, i, i_s)
-    cfg = dict(top_k=k, n_group=g, topk_group=kg, normalize=True, scale=2.5)
-    x = torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16)
-    plain = M.fused_moe(x, *w, return_routing=True, **cfg)
-    warm = M.fused_moe(x, *w, return_routing=True, prefetch=w.gate_up, prefetch_experts=True, **cfg)
-    assert all(torch.equal(a, b) for a, b in zip(plain, warm))
-
-
 def test_dispatch_on_cpu_is_the_reference():
     w = make(torch.Generator().manual_seed(2), 32, 16, 8, 8)
     w = M.MoEWeights(*(a.cpu() if a is not None else None for a in w))
@@ -126,7 +112,7 @@ def test_dispatch_on_cpu_is_the_reference():
 
 def test_kernels_compile_for_h200():
     """The router (routing in its last program, and per token), gate-up and down kernels at flash's shapes, with
-    PDL and the L2 prefetches, through the GPU compiler and ptxas for sm_90 (no GPU needed)."""
+    PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, TOPK_GROUP=4, NORMALIZE=True,
@@ -138,14 +124,12 @@ def test_kernels_compile_for_h200():
                   dict(routing, BLOCK_E=16, BLOCK_K=128, K_ITERS=3, SPLIT=8, TT=tt, ROUTE=True, F32_DOT=False),
                   warps, True)
         build(moe._route_token_kernel, tables, dict(routing, SPLIT=4), 1, True)
-        build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", dn_ptr="*bf16",
-              sdn_ptr="*bf16", experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32",
+        build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32",
               cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
-              dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, USE_PDL=True, F32_DOT=False,
-                   PF_DOWN=True), 4, True)
+              dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, USE_PDL=True, F32_DOT=False), 4, True)
         build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-              n_ptr="*i32", wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32",
-              pf_ptr="*bf16"), dict(D_PER=1, SPLIT_D=16, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=True,
-                                    USE_PDL=True, F32_DOT=False, PREFETCH=True), 8, True)
+              n_ptr="*i32", wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+              dict(D_PER=1, SPLIT_D=16, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=True, USE_PDL=True, F32_DOT=False),
+              8, True)
     """)
     assert len(lines) == 5, lines

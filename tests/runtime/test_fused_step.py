@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
 from lingls.model.ling import LingForCausalLM
-from lingls.runtime.fused_step import PREFETCH_KINDS, FusedStep
+from lingls.runtime.fused_step import FusedStep
 from tests.model.conftest import randomize, small_config
 
 
@@ -44,22 +44,6 @@ def test_fusing_rows_keeps_one_copy_of_each_weight(model):
     FusedStep(model, kernels=False)
     attn = model.model.layers[0].attention
     assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
-
-
-def test_prefetch_schedule_warms_the_layers_later_weights(model):
-    """Each scheduled launch warms a weight its layer reads later, each contiguous (one bulk range); unknown
-    kinds are refused; on CPU the prefetch itself is off."""
-    fused = FusedStep(model, kernels=False, prefetch=tuple(PREFETCH_KINDS))
-    assert not fused.prefetch
-    for entry in fused.layers:
-        layer, warm, moe = entry["layer"], entry["warm"], entry.get("moe")
-        assert warm["proj"] == ("out_proj", layer.attention.dense.weight)
-        if moe is not None:
-            assert any(w == ("router", moe.router_w) for w in warm.values())
-        assert all(kind in PREFETCH_KINDS and (w is None or w.is_contiguous()) for kind, w in warm.values())
-    assert fused.layers[1]["first"] is not None
-    with pytest.raises(ValueError, match="unknown prefetch"):
-        FusedStep(model, kernels=False, prefetch=("everything",))
 
 
 def test_prefill_sized_inputs_are_refused(model):
