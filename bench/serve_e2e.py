@@ -1,6 +1,6 @@
 """Batch-1 latency through the real `lingls serve`, timed by its client: one long prompt, one long generation.
 
-Starts `lingls serve --model DIR [--tp N] [--draft D]` on a free port, waits for /health, then per run sends one
+Starts `lingls serve --model DIR [--tp N] [--draft D [--simulate-accept A]]` on a free port, waits for /health, then per run sends one
 streaming greedy completion (stream_options.include_usage) of a prompt of --prompt-tokens tokens (random ids
 of the model's vocabulary, decoded to text; each run a fresh prompt, so no prefix is reused) asking for
 --new-tokens tokens, and records from the client side:
@@ -8,10 +8,12 @@ of the model's vocabulary, decoded to text; each run a fresh prompt, so no prefi
 - TPOT: (last chunk - first chunk) / (completion tokens - 1), the completion tokens being the server's count,
 and, from the server's /metrics after all runs, its own TTFT and TPOT means. The seed's workload is an
 8,192-token prompt and 1,024 new tokens. With a weightless checkpoint (`python -m lingls.model.random_checkpoint
-DIR --flash --weightless`) this runs Ling-3.0-flash's real shapes end to end; its text is noise.
+DIR --flash --weightless`) this runs Ling-3.0-flash's real shapes end to end; its text is noise, and its drafts
+are never accepted, so `--simulate-accept A` makes every round accept A drafts (SIMULATED acceptance, recorded
+as such, with the server's accept length).
 
-    python bench/serve_e2e.py --model DIR [--tp N] [--draft mtp] [--prompt-tokens 8192] [--new-tokens 1024]
-                              [--runs 3] [--device cuda|cpu] --out OUT.json
+    python bench/serve_e2e.py --model DIR [--tp N] [--draft mtp [--draft-k K] [--simulate-accept A]]
+                              [--prompt-tokens 8192] [--new-tokens 1024] [--runs 3] [--device cuda|cpu] --out OUT.json
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def _free_port() -> int:
 def start_server(args, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lingls.cli", "serve", "--model", args.model, "--port", str(port),
            "--tp", str(args.tp), "--draft", args.draft]
+    if args.draft_k is not None:
+        cmd += ["--draft-k", str(args.draft_k)]
+    if args.simulate_accept is not None:
+        cmd += ["--simulate-accept", str(args.simulate_accept)]
     if args.device:
         cmd += ["--device", args.device]
     with open(log, "w") as err:
@@ -95,7 +101,7 @@ def one_run(port: int, prompt: str, new_tokens: int, timeout: float) -> dict:
 
 
 def server_metrics(port: int) -> dict:
-    """Mean TTFT and TPOT from the server's Prometheus histograms (sum / count)."""
+    """Mean TTFT and TPOT from the server's Prometheus histograms (sum / count), and the speculative accept length."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
@@ -109,6 +115,8 @@ def server_metrics(port: int) -> dict:
         c = [v for k, v in values.items() if k.endswith(f"{what}_seconds_count")]
         if s and c and c[0]:
             out[f"server_{what}_mean_ms"] = s[0] / c[0] * 1e3
+    if "lingls_spec_accept_length" in values:
+        out["server_accept_length"] = values["lingls_spec_accept_length"]
     return out
 
 
@@ -117,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--draft", default="none")
+    p.add_argument("--draft-k", type=int, default=None, help="passed to lingls serve")
+    p.add_argument("--simulate-accept", type=int, default=None,
+                   help="passed to lingls serve: forced accepted drafts per round (random weights; SIMULATED)")
     p.add_argument("--device", default=None, help="passed to lingls serve (default: its own choice)")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--new-tokens", type=int, default=1024)
@@ -132,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     t0 = time.perf_counter()
     proc = start_server(args, port, out.with_suffix(".log"))
-    result = {"bench": "serve_e2e", "model": args.model, "tp": args.tp, "draft": args.draft,
+    result = {"bench": "serve_e2e", "model": args.model, "tp": args.tp, "draft": args.draft, "draft_k": args.draft_k,
+              "simulated_accept": args.simulate_accept,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "load_s": time.perf_counter() - t0,
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
     try:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", default="none",
                        help="speculative drafter: none, mtp, lookup, a block-drafter directory, or lookup+DRAFTER")
     serve.add_argument("--draft-k", type=int, default=None, help="drafted tokens per round (default 2 on CPU, 4 on GPU)")
+    serve.add_argument("--simulate-accept", type=int, default=None, metavar="N",
+                       help="benchmarks only: every speculative round accepts N drafts whatever they are (the text "
+                            "is NOT the model's); times real acceptance lengths on random-weight checkpoints")
     serve.add_argument("--dtype", default=None, help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
 
     complete = sub.add_parser("complete", help="print the completion at PATH:LINE:COL (1-based)")

@@ -78,9 +78,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dtype: str | None, capacity: int | None):
-    """Join the process group, load this rank's shard, build and warm its runner (all ranks do this together)."""
+def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dtype: str | None, capacity: int | None,
+               draft: tuple):
+    """Join the process group, load this rank's shard, build and warm its runner (all ranks do this together).
+
+    draft = (--draft, --draft-k, --simulate-accept): every rank drafts the same tokens from the same (all-reduced)
+    hidden states and accepts the same count, so rank 0's speculative rounds and the followers' stay in step."""
     from lingls.model import load_model
+    from lingls.runtime.local import attach_drafter
     from lingls.runtime.runner import ModelRunner
 
     set_safe_env()
@@ -95,13 +100,14 @@ def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dty
     cap = capacity or min(model.config.max_position_embeddings, 32768 if cuda else 4096)
     runner = ModelRunner(model, capacity=cap)
     runner.warmup(greedy_only=True)
+    attach_drafter(runner, *draft)
     return runner
 
 
-def _follower(rank, size, port, model_dir, device, dtype, capacity, commands, taken, done, ready) -> None:
+def _follower(rank, size, port, model_dir, device, dtype, capacity, draft, commands, taken, done, ready) -> None:
     """Ranks 1..N-1: replay rank 0's runner calls until told to stop (None)."""
     try:
-        runner = _load_rank(rank, size, port, model_dir, device, dtype, capacity)
+        runner = _load_rank(rank, size, port, model_dir, device, dtype, capacity, draft)
         ready.put((rank, None))
     except BaseException:
         ready.put((rank, traceback.format_exc()))
@@ -133,7 +139,7 @@ class _Rank0Runner:
 
     def __init__(self, runner, queues, taken, done):
         self.runner, self.queues, self.taken, self.done = runner, queues, taken, done
-        self.capacity, self.cache = runner.capacity, runner.cache
+        self.capacity, self.cache, self.spec = runner.capacity, runner.cache, runner.spec
         self._seq = 0
 
     def prefill(self, prompt: list[int], sampling, allowed=None) -> int:
@@ -166,13 +172,15 @@ class TensorParallelEngine(LocalEngine):
     """LocalEngine over N ranks. `device="cpu"` runs the ranks on CPU with gloo (tests)."""
 
     def __init__(self, model_dir: str | None, tp: int, device: str | None = None, dtype: str | None = None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, draft: str | None = None, draft_k: int | None = None,
+                 simulate_accept: int | None = None):
         if tp < 1:
             raise EngineError(f"--tp must be >= 1, got {tp}")
         self.kind = "cpu" if device == "cpu" else "cuda"
         if self.kind == "cuda":
             check_gpus(tp)
-        super().__init__(model_dir, device=self.kind, dtype=dtype, capacity=capacity)
+        super().__init__(model_dir, device=self.kind, dtype=dtype, capacity=capacity, draft=draft, draft_k=draft_k,
+                         simulate_accept=simulate_accept)
         self.tp = tp
         self.name = self.model_dir.name
         self._procs: list = []
@@ -185,19 +193,20 @@ class TensorParallelEngine(LocalEngine):
             set_safe_env()
             ctx = mp.get_context("spawn")
             port = _free_port()
+            draft = (self.draft, self.draft_k, self.simulate_accept)
             taken, done, ready = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False), ctx.Queue()
             self._queues = [ctx.Queue() for _ in range(1, self.tp)]
             self.load_progress = f"starting {self.tp} ranks"
             for rank in range(1, self.tp):
                 p = ctx.Process(target=_follower, daemon=True, args=(
-                    rank, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity,
+                    rank, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity, draft,
                     self._queues[rank - 1], taken, done, ready))
                 p.start()
                 self._procs.append(p)
             t0 = time.perf_counter()
             self.load_progress = f"loading {self.tp} shards of {self.model_dir}"
             try:
-                runner = _load_rank(0, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity)
+                runner = _load_rank(0, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity, draft)
             except Exception as e:
                 self._stop_followers()
                 raise EngineError(f"cannot load the model on {self.tp} ranks: {e}") from None

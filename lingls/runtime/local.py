@@ -131,12 +131,41 @@ class _Job:
             self.cancel.set()
 
 
+def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_accept: int | None = None) -> None:
+    """Speculative decoding on `runner` with the drafter(s) of a --draft string (nothing for none).
+
+    simulate_accept (benchmarks only): every round accepts that many drafts whatever they are, so a checkpoint
+    with random weights, whose drafts are never accepted, shows the time of real acceptance lengths. The text
+    it produces is not the model's."""
+    if not draft or draft == "none":
+        if simulate_accept is not None:
+            raise EngineError("--simulate-accept needs a drafter (--draft)")
+        return
+    import torch
+
+    from lingls.runtime.speculative import DEFAULT_K, attach
+
+    # on CPU a verify step costs ~1.6 decode steps at K=4, so short drafts pay best there
+    # (bench/results/spec_cpu*.json); on a GPU it costs about one
+    k = draft_k or (DEFAULT_K if runner.device.type == "cuda" else 2)
+    if simulate_accept is not None and not 0 <= simulate_accept <= k:
+        raise EngineError(f"--simulate-accept {simulate_accept}: must be 0..{k} (the drafted tokens per round)")
+    try:
+        spec = attach(runner, draft, k)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if simulate_accept is not None:
+        log.warning("--simulate-accept %d: every round accepts %d drafts; the output is NOT the model's",
+                    simulate_accept, simulate_accept)
+        spec.force_accept = torch.full((1,), simulate_accept, dtype=torch.long, device=runner.device)
+
+
 class LocalEngine:
     """The Engine protocol over a ModelRunner on a worker thread."""
 
     def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,
                  capacity: int | None = None, use_graphs: bool | None = None, draft: str | None = None,
-                 draft_k: int | None = None):
+                 draft_k: int | None = None, simulate_accept: int | None = None):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         check_model_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -147,7 +176,8 @@ class LocalEngine:
         self.stats = EngineStats()
         self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)
         self.device, self.dtype, self.capacity, self.use_graphs = device, dtype, capacity, use_graphs
-        self.draft, self.draft_k = draft, draft_k  # speculative decoding: a --draft string (speculative.py)
+        # speculative decoding: a --draft string (speculative.py), and for benchmarks a forced accept count
+        self.draft, self.draft_k, self.simulate_accept = draft, draft_k, simulate_accept
         self.runner = None
         self.load_progress = "not loaded"
         self._load_lock = threading.Lock()
@@ -192,16 +222,7 @@ class LocalEngine:
             self.load_progress = "capturing decode graphs"
             runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
             runner.warmup(greedy_only=True)
-            if self.draft and self.draft != "none":
-                from lingls.runtime.speculative import DEFAULT_K, attach
-
-                try:
-                    # on CPU a verify step costs ~1.6 decode steps at K=4, so short drafts pay best there
-                    # (bench/results/spec_cpu*.json); on a GPU it costs about one
-                    k = self.draft_k or (DEFAULT_K if device.startswith("cuda") else 2)
-                    attach(runner, self.draft, k)
-                except ValueError as e:
-                    raise EngineError(str(e)) from None
+            attach_drafter(runner, self.draft, self.draft_k, self.simulate_accept)
             self.runner = runner
             self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
 

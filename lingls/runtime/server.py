@@ -301,19 +301,17 @@ async def serve(server: Server, host: str, port: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="lingls serve: %(message)s", stream=sys.stderr)
-    draft = getattr(args, "draft", None) or "none"
+    speculation = dict(draft=getattr(args, "draft", None) or "none", draft_k=getattr(args, "draft_k", None),
+                       simulate_accept=getattr(args, "simulate_accept", None))
     try:
         if getattr(args, "tp", 1) > 1:
-            if draft != "none":
-                log.warning("--draft %s: speculative decoding runs without --tp for now; serving without a drafter", draft)
             from lingls.runtime.distributed import TensorParallelEngine
 
-            engine = TensorParallelEngine(args.model, args.tp, device=args.device, dtype=args.dtype)
+            engine = TensorParallelEngine(args.model, args.tp, device=args.device, dtype=args.dtype, **speculation)
         else:
             from lingls.runtime.local import LocalEngine
 
-            engine = LocalEngine(args.model, device=args.device, dtype=args.dtype, draft=draft,
-                                 draft_k=getattr(args, "draft_k", None))
+            engine = LocalEngine(args.model, device=args.device, dtype=args.dtype, **speculation)
     except EngineError as e:
         print(f"lingls serve: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,22 @@ async def test_two_ranks_generate_what_the_whole_model_generates(tiny_dir, tiny_
         await engine.close()
 
 
+async def test_two_ranks_draft_and_verify_in_step(tiny_dir, tiny_model):
+    """Speculative decoding under --tp: every rank drafts (prompt lookup) and verifies the same tokens, and greedy
+    output is still exactly the whole model's."""
+    engine = TensorParallelEngine(str(tiny_dir), tp=2, device="cpu", draft="lookup", draft_k=3)
+    try:
+        prompt = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n"  # repeats, so lookup finds drafts
+        ids = engine.tokenizer.encode(prompt)
+        chunks = [c async for c in engine.stream(GenerateRequest(prompt, max_tokens=12, heal=False))]
+        want = reference_greedy(tiny_model, ids, 12)
+        cut = next((i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids), len(want))
+        assert "".join(c.text for c in chunks) == engine.tokenizer.decode(want[:cut])
+        assert engine.runner.spec is not None and engine.runner.spec.stats.rounds > 0
+    finally:
+        await engine.close()
+
+
 def test_more_ranks_than_gpus_is_a_clear_error(tiny_dir):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
         pytest.skip("this machine has 64 GPUs")

@@ -128,3 +128,11 @@ async def test_the_embedded_model_is_the_default(tmp_path, monkeypatch):
     assert engine.tokenizer.fim is not None and engine.count_tokens("def f():\n    pass\n") > 0
     chunks = [c async for c in engine.stream(GenerateRequest("def add(a, b):\n    return", max_tokens=4))]
     assert chunks[-1].finish in ("length", "stop") and chunks[-1].usage["completion_tokens"] >= 1
+
+
+def test_simulated_acceptance_needs_a_drafter_and_fits_k(tiny_dir):
+    """--simulate-accept (benchmarks at random weights) is refused clearly without a drafter or beyond K."""
+    with pytest.raises(EngineError, match="needs a drafter"):
+        LocalEngine(str(tiny_dir), device="cpu", simulate_accept=1).load()
+    with pytest.raises(EngineError, match="must be 0..2"):
+        LocalEngine(str(tiny_dir), device="cpu", draft="lookup", draft_k=2, simulate_accept=5).load()
