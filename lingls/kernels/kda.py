@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
 
 try:
@@ -213,7 +214,7 @@ CONFIGS = {1: (16, 4), 16: (32, 4)}
 
 
 def config_for(t: int) -> tuple[int, int]:
-    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+    return by_tokens(CONFIGS, t)
 
 
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,

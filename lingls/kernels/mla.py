@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
 
 try:
@@ -46,7 +47,7 @@ CONFIGS = {1: (64, 64, 4), 16: (32, 32, 4)}
 
 
 def config_for(t: int) -> tuple[int, int, int]:
-    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+    return by_tokens(CONFIGS, t)
 
 
 def heads_per_program(t: int, h: int) -> int:

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
 
@@ -356,7 +357,7 @@ CONFIGS = {
 
 
 def config_for(t: int) -> dict:
-    return CONFIGS[min((k for k in CONFIGS if k >= t), default=max(CONFIGS))]
+    return by_tokens(CONFIGS, t)
 
 
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
