@@ -67,9 +67,13 @@ def routed_experts(model, ids, state, pos) -> int:
 
 
 def floor_bytes(model, t: int, distinct: int) -> int:
-    """Weights a T-token step reads (every expert counted only if routed) + KDA state r/w + MLA latent KV."""
+    """Bytes `FusedStep.step` reads at T tokens: the decoder layers' weights (every expert counted only if
+    routed), the embedding rows, KDA state r/w, MLA latent KV. Not the final norm and lm_head: the step returns
+    the pre-norm hidden states (the lm_head shard, 201 MB at TP=4, is the sampler's, not timed here)."""
     total = 0
     for name, p in model.named_parameters():
+        if name.startswith("lm_head.") or name == "model.norm.weight":
+            continue
         if "word_embeddings" in name:
             total += t * p.shape[1] * p.element_size()
         elif ".mlp.experts." in name:

@@ -13,7 +13,8 @@ best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for 
 winners are what the code's CONFIGS ship. Every MoE stage starts from the shipped settings, so a sweep cut
 short by the budget never replaces them with an untimed choice.
 
-    python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,...]]]   (T: 1 and/or 9; default both)
+    python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]]
+    (T: 1 and/or 9, default both; STAGE: mla, kda, moe, gemv, default all)
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ from lingls.kernels import gemv, kda, mla, moe  # noqa: E402
 from lingls.model.config import KDA  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
-MLA_CANDIDATES = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 32, 8)]  # the neighbourhood of the
-# last run's winners (its JSON swept splits 16..128 x rows 32, 64)
+MLA_CANDIDATES = [(64, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 16, 8), (128, 16, 8), (128, 32, 8),
+                  (32, 16, 8)]  # (splits, rows per block, warps); ptxas: 16 rows x 8 warps is the one without spills
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
-ROUTER = [dict(router_block_e=e, router_split=s, router_warps=w, route="fused")  # fewer warps: cheaper routing
-          for e, s, w in ((16, 8, 4), (16, 4, 8), (8, 8, 4), (16, 8, 2), (8, 8, 2), (32, 4, 4), (16, 8, 1))] + \
-         [dict(router_block_e=e, router_split=s, router_warps=w, route="per_token", route_warps=rw)
-          for e, s, w, rw in ((16, 8, 4, 1), (8, 4, 4, 1), (8, 4, 4, 2), (8, 4, 4, 4))]
-# gate-up: rows per program, H ranges per block (split-K), warps, H tile
-GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk)
-           for b, s, w, bk in ((32, 1, 4, 256), (16, 1, 4, 256), (32, 2, 4, 256), (32, 4, 4, 128), (16, 4, 4, 128),
-                               (64, 4, 8, 128))]
+# router: experts and H columns per program, H ranges, warps (which also route when the routing is fused)
+ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="fused")
+          for e, bk, s, w in ((8, 512, 5, 1), (8, 512, 5, 2), (8, 512, 5, 4), (16, 512, 5, 2), (16, 512, 5, 4),
+                              (4, 512, 5, 1), (8, 256, 10, 1), (8, 256, 10, 2), (16, 256, 10, 4), (16, 128, 8, 4))] + \
+         [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="per_token", route_warps=rw)
+          for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
+                                  (8, 128, 4, 4, 4))]
+# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
+GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
+           for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
+                                  (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
+                                  (16, 4, 4, 128, True), (8, 5, 4, 512, True), (16, 5, 4, 256, True),
+                                  (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True))]
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
@@ -67,24 +73,26 @@ def graph_us(calls, per_graph: int) -> float:
 
 
 def tune_mla(model, t: int) -> list[dict]:
+    """The attention of every MLA layer as the step runs it (split kernel, then the merge with W_v and the gate)."""
     layers = [layer.attention for layer in model.decoder_layers if layer.kind != KDA]
-    heads = layers[0].heads
-    caches = [torch.randn(CONTEXT + 64, layers[0].rank + layers[0].rope, device="cuda", dtype=torch.bfloat16)
-              for _ in layers]
-    q_lat = torch.randn(t, heads, layers[0].rank, device="cuda", dtype=torch.bfloat16)
+    heads, rank = layers[0].heads, layers[0].rank
+    caches = [torch.randn(CONTEXT + 64, rank + layers[0].rope, device="cuda", dtype=torch.bfloat16) for _ in layers]
+    w_vs = [a.kv_b_proj.weight.detach().view(heads, a.nope + a.vdim, rank)[:, a.nope:] for a in layers]
+    q_lat = torch.randn(t, heads, rank, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(t, heads, layers[0].rope, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(t, heads, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
-    want = mla.mla_decode_reference(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07)
+    want = mla.mla_attend_reference(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate).float()
     rows = []
     for splits, bn, warps in MLA_CANDIDATES:
         if time.time() > DEADLINE[0]:
             break
         knobs = dict(num_splits=splits, block_n=bn, num_warps=warps)
         try:
-            got = mla.mla_decode_triton(q_lat, q_rope, caches[0], pos, 0.07, **knobs)
+            got = mla.mla_decode_triton(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
-            us = graph_us([lambda c=c: mla.mla_decode_triton(q_lat, q_rope, c, pos, 0.07, **knobs) for c in caches],
-                          len(caches))
+            us = graph_us([lambda c=c, w=w: mla.mla_decode_triton(q_lat, q_rope, c[:CONTEXT], pos, 0.07, w, gate, **knobs)
+                           for c, w in zip(caches, w_vs)], len(caches))
             rows.append(dict(T=t, **knobs, us=us, rel_err=err))
         except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or run is reported, not fatal
             rows.append(dict(T=t, **knobs, error=repr(e)[:200]))
@@ -188,7 +196,7 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
     for stage in (ROUTER, GATE_UP, DOWN):
         results = []
         for cand in [{}] + stage:  # {}: the best so far (at first, the shipped settings)
-            if (t > 1 and cand.get("dn_fma")) or time.time() > DEADLINE[0]:
+            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma"))) or time.time() > DEADLINE[0]:
                 continue
             knobs = {**best, **cand}
             try:
@@ -216,7 +224,8 @@ def step_ms(model, fused: FusedStep, t: int) -> float:
     return median_ms(graphed(lambda: fused.step(ids, state, pos)), reps=30)
 
 
-def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9)) -> int:
+def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9),
+         stages: tuple[str, ...] = ("mla", "kda", "moe", "gemv")) -> int:
     t0 = time.time()
     DEADLINE[0] = t0 + budget_s
     torch.manual_seed(0)
@@ -228,25 +237,25 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
         before = {t: step_ms(model, fused, t) for t in (1, 9)}  # the settings the code shipped with
         print(f"fused step with the shipped settings: {before}", flush=True)
         for t in tokens:
-            rows = tune_mla(model, t)
+            rows = tune_mla(model, t) if "mla" in stages else []
             tuning["mla"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"])
-            rows = tune_kda(fused, t)
+            rows = tune_kda(fused, t) if "kda" in stages else []
             tuning["kda"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["kda"][t] = (b["block_v"], b["num_warps"])
-            rows = tune_moe(fused, t)
+            rows = tune_moe(fused, t) if "moe" in stages else []
             tuning["moe"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["moe"][t] = {k: v for k, v in b.items() if k not in ("T", "us", "rel_err")}
-            rows = tune_gemv(fused, t)
+            rows = tune_gemv(fused, t) if "gemv" in stages else []
             tuning["gemv"] += rows
             for shape in {(r["n"], r["k"], r["swiglu"]) for r in rows}:
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
@@ -290,4 +299,5 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tune.json", int(sys.argv[2]) if len(sys.argv) > 2 else 42,
                   float(sys.argv[3]) if len(sys.argv) > 3 else float("inf"),
-                  tuple(int(t) for t in sys.argv[4].split(",")) if len(sys.argv) > 4 else (1, 9)))
+                  tuple(int(t) for t in sys.argv[4].split(",")) if len(sys.argv) > 4 else (1, 9),
+                  tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else ("mla", "kda", "moe", "gemv")))

@@ -61,6 +61,7 @@ def heads_per_program(t: int, h: int) -> int:
 
 
 if triton is not None:
+    from lingls.kernels.gemv import INTERPRET, _mma, counters
 
     @triton.jit
     def _rotate(ptr, i, m, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, cos, sin):
@@ -74,41 +75,62 @@ if triton is not None:
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
     @triton.jit
-    def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qr_ptr, sq, skv, sc, eps,
-                             H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
-                             R_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                             INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr):
-        t = tl.program_id(0)
+    def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qr_ptr, wk_ptr, ql_ptr,
+                             T, sq, skv, sc, swk_h, swk_n, eps,
+                             H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
+                             R: tl.constexpr, R_PAD: tl.constexpr, RBLK: tl.constexpr, HALF: tl.constexpr,
+                             HALF_PAD: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr,
+                             F32_DOT: tl.constexpr):
+        """Programs 0..T-1: token t's cache row and rotated queries. Programs T..: (head, block of R) of the
+        absorbed queries q_lat[:, h] = q_nope[:, h] @ W_k[h] for all T tokens in one MMA tile."""
+        pid = tl.program_id(0)
+        absorb = pid >= T
+        j = tl.maximum(pid - T, 0)
+        head = j // (R_PAD // RBLK)
+        rr = (j % (R_PAD // RBLK)) * RBLK + tl.arange(0, RBLK)
+        rn = tl.arange(0, NOPE_PAD)
+        # W_k's tile is requested before waiting for the previous kernel (PDL): weights never depend on it
+        wk = tl.load(wk_ptr + head * swk_h + rn[:, None] * swk_n + rr[None, :],
+                     mask=absorb & (rn[:, None] < NOPE) & (rr[None, :] < R), other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * sc
-        r = tl.arange(0, R_PAD)
-        rm = r < R
-        c = tl.load(kv_ptr + t * skv + r, mask=rm, other=0.0)
-        cf = c.to(tl.float32)
-        y = (cf * tl.rsqrt(tl.sum(cf * cf, 0) / R + eps)).to(c.dtype).to(tl.float32)  # as norm.py rounds
-        tl.store(row + r, (tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32) * y).to(cache_ptr.dtype.element_ty),
-                 mask=rm)
-        i = tl.arange(0, HALF_PAD)
-        im = i < HALF
-        cos = tl.load(cos_ptr + t * HALF + i, mask=im, other=0.0)
-        sin = tl.load(sin_ptr + t * HALF + i, mask=im, other=0.0)
-        a, b = _rotate(kv_ptr + t * skv + R, i, im, HALF, INTERLEAVE, cos, sin)
-        tl.store(row + R + i, a.to(cache_ptr.dtype.element_ty), mask=im)
-        tl.store(row + R + HALF + i, b.to(cache_ptr.dtype.element_ty), mask=im)
-        h = tl.arange(0, H_PAD)
-        hm = (h[:, None] < H) & im[None, :]
-        a, b = _rotate(q_ptr + t * sq + h[:, None] * (NOPE + 2 * HALF) + NOPE, i[None, :], hm, HALF, INTERLEAVE,
-                       cos[None, :], sin[None, :])
-        out = qr_ptr + (t * H + h[:, None]) * (2 * HALF) + i[None, :]
-        tl.store(out, a.to(qr_ptr.dtype.element_ty), mask=hm)
-        tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
+        if absorb:
+            rt = tl.arange(0, 16)
+            qn = tl.load(q_ptr + rt[:, None] * sq + head * (NOPE + 2 * HALF) + rn[None, :],
+                         mask=(rt[:, None] < T) & (rn[None, :] < NOPE), other=0.0)
+            ql = _mma(tl.zeros((16, RBLK), tl.float32), qn, wk, F32_DOT)
+            tl.store(ql_ptr + (rt[:, None] * H + head) * R + rr[None, :], ql.to(ql_ptr.dtype.element_ty),
+                     mask=(rt[:, None] < T) & (rr[None, :] < R))
+        else:
+            t = pid
+            row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * sc
+            r = tl.arange(0, R_PAD)
+            rm = r < R
+            c = tl.load(kv_ptr + t * skv + r, mask=rm, other=0.0)
+            cf = c.to(tl.float32)
+            y = (cf * tl.rsqrt(tl.sum(cf * cf, 0) / R + eps)).to(c.dtype).to(tl.float32)  # as norm.py rounds
+            tl.store(row + r, (tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32) * y).to(cache_ptr.dtype.element_ty),
+                     mask=rm)
+            i = tl.arange(0, HALF_PAD)
+            im = i < HALF
+            cos = tl.load(cos_ptr + t * HALF + i, mask=im, other=0.0)
+            sin = tl.load(sin_ptr + t * HALF + i, mask=im, other=0.0)
+            a, b = _rotate(kv_ptr + t * skv + R, i, im, HALF, INTERLEAVE, cos, sin)
+            tl.store(row + R + i, a.to(cache_ptr.dtype.element_ty), mask=im)
+            tl.store(row + R + HALF + i, b.to(cache_ptr.dtype.element_ty), mask=im)
+            h = tl.arange(0, H_PAD)
+            hm = (h[:, None] < H) & im[None, :]
+            a, b = _rotate(q_ptr + t * sq + h[:, None] * (NOPE + 2 * HALF) + NOPE, i[None, :], hm, HALF, INTERLEAVE,
+                           cos[None, :], sin[None, :])
+            out = qr_ptr + (t * H + h[:, None]) * (2 * HALF) + i[None, :]
+            tl.store(out, a.to(qr_ptr.dtype.element_ty), mask=hm)
+            tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
         """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
@@ -137,7 +159,7 @@ if triton is not None:
             j_ok = j < n_rows
             c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
             kr = tl.load(cache + j[:, None] * (R + P) + R + p[None, :], mask=j_ok[:, None], other=0.0)
-            s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+            s = _mma(_mma(tl.zeros((BT, BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
             s = s * scale
             s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -145,7 +167,7 @@ if triton is not None:
             alpha = tl.exp(m - m_safe)
             w = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(w, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c)
+            acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
             m = m_new
             b += 1
         base = split * T * H + row  # partials [split, T, H]: only the tile's real rows are written
@@ -154,9 +176,21 @@ if triton is not None:
         tl.store(part_ml + base * 2 + 1, l, mask=ok)
 
     @triton.jit
-    def _mla_merge_kernel(part_acc, part_ml, out, T, H: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    def _mla_merge_kernel(part_acc, part_ml, out, wv_ptr, g_ptr, part_o, cnt_ptr, T, swv_h, swv_v, sg,
+                          H: tl.constexpr, R: tl.constexpr, RBLK: tl.constexpr, V: tl.constexpr,
+                          V_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, ABSORB: tl.constexpr,
                           USE_PDL: tl.constexpr):
-        row = tl.program_id(0)  # t * H + head
+        """Program (row = t * H + head, block of R): merges the splits' partial softmaxes over its block of the
+        latent output. With ABSORB it goes on to the gated value output: its block's share of
+        o_lat @ W_v[head]^T, published as an fp32 partial, and the last of the row's programs to arrive sums
+        the shares in a fixed order, rounds, and multiplies by sigmoid(g[t, head]) (the model's bf16 roundings)."""
+        row = tl.program_id(0)
+        rb = tl.program_id(1)
+        r = rb * RBLK + tl.arange(0, RBLK)
+        v = tl.arange(0, V_PAD)
+        head = row % H
+        if ABSORB:  # W_v's tile is requested before waiting for the previous kernel (PDL)
+            wv = tl.load(wv_ptr + head * swv_h + v[:, None] * swv_v + r[None, :], mask=v[:, None] < V, other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -167,37 +201,71 @@ if triton is not None:
         m_all = tl.max(m, axis=0)
         wgt = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
         denom = tl.sum(l * wgt, axis=0)
-        r = tl.arange(0, R)
         acc = tl.load(part_acc + base[:, None] * R + r[None, :])
         o = tl.sum(acc * wgt[:, None], axis=0) / denom
-        tl.store(out + row * R + r, o)
+        if ABSORB:
+            o = o.to(wv_ptr.dtype.element_ty).to(tl.float32)  # the latent output in the activation dtype
+            share = tl.sum(wv.to(tl.float32) * o[None, :], axis=1)
+            tl.store(part_o + (rb * T * H + row) * V_PAD + v, share)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
+            if arrived == R // RBLK - 1:
+                y = tl.zeros((V_PAD,), tl.float32)
+                for b in tl.static_range(R // RBLK):
+                    y += tl.load(part_o + (b * T * H + row) * V_PAD + v, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + row, 0)
+                dt = out.dtype.element_ty
+                gate = tl.sigmoid(tl.load(g_ptr + (row // H) * sg + head).to(tl.float32)).to(dt).to(tl.float32)
+                tl.store(out + row * V + v, (y.to(dt).to(tl.float32) * gate).to(dt), mask=v < V)
+        else:
+            tl.store(out + row * R + r, o)
 
 
-def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, num_splits: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None, pdl: bool = False):
-    """The kernel form of `mla_decode_reference` (fp32 output). positions must be ascending (the last is the
-    furthest), as the queries of one decode or verify step are. Unset knobs come from `CONFIGS`."""
+def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, gate=None,
+                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                      pdl: bool = False):
+    """The kernel form of `mla_decode_reference` (fp32 output), or with w_v [H, V, R] and gate [T, H] (the gate
+    projection's logits) that of `mla_attend_reference` ([T, H*V] in w_v's dtype). positions must be ascending
+    (the last is the furthest), as the queries of one decode or verify step are. Unset knobs come from
+    `CONFIGS`."""
     t, h, r = q_lat.shape
     p = q_rope.shape[-1]
     splits, bn, warps = config_for(t)
     num_splits, block_n, num_warps = num_splits or splits, block_n or bn, num_warps or warps
+    assert num_splits & (num_splits - 1) == 0, f"num_splits must be a power of two, got {num_splits}"
     g = heads_per_program(t, h)
     bt = max(16, triton.next_power_of_2(t * g))  # tl.dot needs at least 16 rows
     dev = q_lat.device
     part_acc = torch.empty(num_splits, t, h, r, device=dev, dtype=torch.float32)
     part_ml = torch.empty(num_splits, t, h, 2, device=dev, dtype=torch.float32)
-    out = torch.empty(t, h, r, device=dev, dtype=torch.float32)
     q_lat, q_rope = q_lat.to(cache.dtype).contiguous(), q_rope.to(cache.dtype).contiguous()
     pdl = pdl and cache.is_cuda
     launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
                                             R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, USE_PDL=pdl,
-                                            num_warps=num_warps, **launch)
-    _mla_merge_kernel[(t * h,)](part_acc, part_ml, out, t, H=h, R=r, NUM_SPLITS=num_splits, USE_PDL=pdl, **launch)
+                                            F32_DOT=INTERPRET, num_warps=num_warps, **launch)
+    rblk = min(MERGE_BLOCK, r)
+    absorb = w_v is not None
+    if absorb:
+        v = w_v.shape[1]
+        assert w_v.shape == (h, v, r) and w_v.stride(2) == 1 and gate.shape == (t, h) and gate.stride(1) == 1
+        v_pad = triton.next_power_of_2(v)
+        out = torch.empty(t, h * v, device=dev, dtype=w_v.dtype)
+        part_o = torch.empty(r // rblk, t, h, v_pad, device=dev, dtype=torch.float32)
+        strides = (w_v.stride(0), w_v.stride(1), gate.stride(0))
+    else:
+        v = v_pad = 1
+        out = torch.empty(t, h, r, device=dev, dtype=torch.float32)
+        w_v = gate = part_o = out  # unused
+        strides = (0, 0, 0)
+    _mla_merge_kernel[(t * h, r // rblk)](part_acc, part_ml, out, w_v, gate, part_o, counters(dev, t * h), t, *strides,
+                                          H=h, R=r, RBLK=rblk, V=v, V_PAD=v_pad, NUM_SPLITS=num_splits,
+                                          ABSORB=absorb, USE_PDL=pdl, **launch)
     return out
 
 
 MAX_QUERIES = 16  # the kernel keeps a step's queries in registers: decode and verify steps, not prefills
+MERGE_BLOCK = 64  # latent columns per merge program (R / 64 programs per query and head)
 
 
 def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False):
@@ -207,32 +275,56 @@ def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)
 
 
+def mla_attend_reference(q_lat, q_rope, cache, positions, scale: float, w_v, gate):
+    """The gated value output [T, H*V] of the absorbed attention, with the model's roundings: the latent output
+    in w_v's dtype, its product with W_v [H, V, R] (fp32 sums, one rounding), times sigmoid(gate [T, H])."""
+    dt = w_v.dtype
+    o_lat = mla_decode_reference(q_lat, q_rope, cache, positions, scale).to(dt)
+    o = torch.einsum("thr,hvr->thv", o_lat.float(), w_v.float()).to(dt)
+    return (o * torch.sigmoid(gate.float()).to(dt).unsqueeze(-1)).reshape(o.shape[0], -1)
+
+
+def mla_attend(q_lat, q_rope, cache, positions, scale: float, w_v, gate, pdl: bool = False):
+    """`mla_attend_reference`: the kernels (split, then merge with W_v and the gate) for CUDA decode/verify steps,
+    the reference otherwise."""
+    if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
+        return mla_decode_triton(q_lat, q_rope, cache, positions, scale, w_v, gate, pdl=pdl)
+    return mla_attend_reference(q_lat, q_rope, cache, positions, scale, w_v, gate)
+
+
 def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int,
-                           interleave: bool):
-    """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), cos/sin [T, rope/2] fp32: writes
-    [rms_norm(c) | rope(k_rope)] into cache[positions] and returns the rotated queries [T, H, rope] in the
-    cache's dtype. Rope in fp32, one rounding (the model's eager form rotates in the activation dtype)."""
+                           interleave: bool, w_k):
+    """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), cos/sin [T, rope/2] fp32, w_k
+    [H, nope, rank]: writes [rms_norm(c) | rope(k_rope)] into cache[positions] and returns the absorbed
+    queries q_lat = q_nope @ W_k [T, H, rank] and the rotated ones q_rope [T, H, rope], in the cache's dtype.
+    Rope in fp32, one rounding (the model's eager form rotates in the activation dtype)."""
     t, rank = kv.shape[0], norm_w.shape[0]
     c = ref.rms_norm(kv[:, :rank], norm_w, eps)
     k_rope = ref.apply_rope(kv[:, rank:].float(), cos, sin, interleave)
     cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
-    q_rope = q.reshape(t, heads, -1)[..., nope:].float()
-    return ref.apply_rope(q_rope, cos, sin, interleave, heads=True).to(cache.dtype)
+    q = q.reshape(t, heads, -1)
+    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope].float(), w_k.float()).to(cache.dtype)
+    return q_lat, ref.apply_rope(q[..., nope:].float(), cos, sin, interleave, heads=True).to(cache.dtype)
 
 
 def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int, interleave: bool,
-                 pdl: bool = False):
-    """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1);
+                 w_k, pdl: bool = False):
+    """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1): one
+    program per token for its cache row and rotated queries, one per (head, 64 latent columns) for q_lat.
     pdl: programmatic dependent launch."""
     t, rank = kv.shape[0], norm_w.shape[0]
     rope = kv.shape[1] - rank
-    assert q.stride(1) == 1 and kv.stride(1) == 1 and cache.stride(1) == 1 and rope % 2 == 0
+    assert q.stride(1) == 1 and kv.stride(1) == 1 and cache.stride(1) == 1 and rope % 2 == 0 and t <= MAX_QUERIES
+    assert w_k.shape == (heads, nope, rank) and w_k.stride(2) == 1
     q_rope = torch.empty(t, heads, rope, device=kv.device, dtype=cache.dtype)
-    _mla_prologue_kernel[(t,)](q, kv, norm_w, cos.contiguous(), sin.contiguous(), positions, cache, q_rope,
-                               q.stride(0), kv.stride(0), cache.stride(0), float(eps), H=heads,
-                               H_PAD=triton.next_power_of_2(heads), NOPE=nope, R=rank,
-                               R_PAD=triton.next_power_of_2(rank), HALF=rope // 2,
-                               HALF_PAD=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave,
-                               USE_PDL=pdl and kv.is_cuda, num_warps=4,
-                               **({"launch_pdl": True} if pdl and kv.is_cuda else {}))
-    return q_rope
+    q_lat = torch.empty(t, heads, rank, device=kv.device, dtype=cache.dtype)
+    r_pad = triton.next_power_of_2(rank)
+    rblk = max(16, min(MERGE_BLOCK, r_pad))  # tl.dot needs at least 16 columns
+    _mla_prologue_kernel[(t + heads * triton.cdiv(r_pad, rblk),)](
+        q, kv, norm_w, cos.contiguous(), sin.contiguous(), positions, cache, q_rope, w_k, q_lat,
+        t, q.stride(0), kv.stride(0), cache.stride(0), w_k.stride(0), w_k.stride(1), float(eps), H=heads,
+        H_PAD=triton.next_power_of_2(heads), NOPE=nope, NOPE_PAD=max(16, triton.next_power_of_2(nope)), R=rank,
+        R_PAD=max(r_pad, rblk), RBLK=rblk, HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2),
+        INTERLEAVE=interleave, USE_PDL=pdl and kv.is_cuda, F32_DOT=INTERPRET, num_warps=4,
+        **({"launch_pdl": True} if pdl and kv.is_cuda else {}))
+    return q_lat, q_rope

@@ -11,13 +11,14 @@ streaming many experts at once:
    sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
    experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
    expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
-   expert (slot 0, id E), their count, and each token's weight per expert wt[token, expert] (0 where the
-   token did not choose it; the shared expert always weighs 1). One program routing all tokens is serial
-   work that grows with T; `route="per_token"` (verify steps) hands it to a second small launch with one
-   program per token (the last to arrive aligns).
+   expert (slot 0, id E), then -1 in the slots no token needs, and each token's weight per expert
+   wt[token, expert] (0 where the token did not choose it; the shared expert always weighs 1). One program
+   routing all tokens is serial work that grows with T; `route="per_token"` (verify steps) hands it to a
+   second small launch with one program per token (the last to arrive aligns).
 2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
    rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
-   Slots past the count exit at once: the grid is sized for the worst case, so nothing is read back to the host.
+   A -1 slot exits at once: the grid is sized for the worst case, so nothing is read back to the host, and
+   a program's first dependent read is its own slot (no separate count to fetch first).
 3. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
    activations with its rows of the expert's down projection and accumulates wt[token, expert] * result in
    fp32, so the weighted sum over the k experts and the shared expert happens in registers, without atomics,
@@ -45,7 +46,7 @@ import triton.language as tl
 
 from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, _swiglu, counters
+from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _load_w, _mma, _swiglu, counters
 
 
 class MoEWeights(NamedTuple):
@@ -69,50 +70,60 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr,
-                   T, E, H, K_PER, scale,
+def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr,
+                   T, E, H, K_PER, D_MAX, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                   HAS_SHARED: tl.constexpr, ROUTE: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
-    """Router matvec partials over (block of experts, range of H); with ROUTE the last program to arrive routes
-    all T tokens and aligns the experts (otherwise `_route_token_kernel` does, one program per token)."""
+                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   WRITE_TOPK: tl.constexpr, ROUTE: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+    """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token);
+    with ROUTE the last program to arrive routes all T tokens and aligns the experts (otherwise
+    `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((16, BLOCK_E), tl.float32)
-    kk = pid_k * K_PER + rk
-    wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
-    if USE_PDL:  # the first weight tile is on its way while the previous kernel finishes
+    k_lo = pid_k * K_PER
+    wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)  # requested before waiting: weights never change
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for i in range(0, K_ITERS):
-        kk = pid_k * K_PER + i * BLOCK_K + rk
-        if i > 0:
-            wr = tl.load(w_ptr + re[:, None] * H + kk[None, :], mask=(re[:, None] < E) & (kk[None, :] < H), other=0.0)
-        xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
-        acc = _mma(acc, xt, tl.trans(wr), F32_DOT)
-    tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
+    if FMA:
+        acc = tl.zeros((BLOCK_E, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((16, BLOCK_E), tl.float32)
+    acc, _ = _accumulate(acc, acc, x_ptr, wr, wr, rt, k_lo + rk, T, H, H, False, FMA, F32_DOT)
+    for i in range(1, K_ITERS):
+        kk = k_lo + i * BLOCK_K + rk
+        wr, _ = _load_w(w_ptr, re, kk, E, H, H, False)
+        acc, _ = _accumulate(acc, acc, x_ptr, wr, wr, rt, kk, T, H, H, False, FMA, F32_DOT)
+    if FMA:
+        tl.store(part_ptr + pid_k * 16 * E + re, tl.sum(acc, axis=1), mask=re < E)
+    else:
+        tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc,
+                 mask=(rt[:, None] < T) & (re[None, :] < E))
     if ROUTE:
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(0) * SPLIT - 1:
-            present = tl.zeros((G_PAD, EPG_PAD), tl.int32)
+            present = tl.zeros((E_PAD,), tl.int32)
             for t in tl.static_range(TT):  # TT == T: one routing per token, one after another
                 chosen = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K,
-                                      K_PAD, G, G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE)
+                                      K_PAD, G, G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK)
                 present = present | chosen.to(tl.int32)
-            _align(present, _expert_ids(E, G, G_PAD, EPG, EPG_PAD), experts_ptr, n_ptr, E, HAS_SHARED)
+            _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
             tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
-def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, n_ptr, wt_ptr, T, E, scale,
+def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr, T, E, D_MAX, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
-                        G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
+                        G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        D_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
     leaves the counter and the table at zero again."""
@@ -121,116 +132,138 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     mine = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
-                        G_PAD, EPG, EPG_PAD, TOPK_GROUP, NORMALIZE).to(tl.int32)
-    eid = _expert_ids(E, G, G_PAD, EPG, EPG_PAD)
-    tl.atomic_or(cnt_ptr + 1 + eid, mine, mask=mine > 0, sem="relaxed")
+                        G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
+    re = tl.arange(0, E_PAD)
+    tl.atomic_or(cnt_ptr + 1 + re, mine, mask=mine > 0, sem="relaxed")
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == T - 1:
-        valid = eid < E
-        present = tl.load(cnt_ptr + 1 + eid, mask=valid, other=0, cache_modifier=".cg")
-        _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED)
-        tl.store(cnt_ptr + 1 + eid, tl.zeros_like(present), mask=valid)
+        present = tl.load(cnt_ptr + 1 + re, mask=re < E, other=0, cache_modifier=".cg")
+        _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
+        tl.store(cnt_ptr + 1 + re, tl.zeros_like(present), mask=re < E)
         tl.atomic_xchg(cnt_ptr, 0)
+
+
+# Routing compares packed int64 keys: the fp32 value's bits made order-preserving as a signed int in the high
+# half, (N_PAD - 1 - index) in the low half. One max then yields the best value and, among equal values, the
+# lowest index, where a float max would need a second reduction for the index.
+_NO_KEY = tl.constexpr(-(2 ** 63) + 1)  # below every key, -inf's included
+
+
+@triton.jit
+def _key(value, index, N_PAD: tl.constexpr):
+    bits = value.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller int
+    return (ordered.to(tl.int64) << 32) | (N_PAD - 1 - index).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key, N_PAD: tl.constexpr):
+    return N_PAD - 1 - (key & (N_PAD - 1)).to(tl.int32)
+
+
+@triton.jit
+def _logits(part_ptr, t, e, mask, E, SPLIT: tl.constexpr):
+    """Token t's router logits at experts e: the H ranges' partials summed in a fixed order."""
+    logits = tl.zeros(e.shape, tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(part_ptr + s * 16 * E + t * E + e, mask=mask, other=0.0, cache_modifier=".cg")
+    return logits
 
 
 @triton.jit
 def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
                  SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                 EPG: tl.constexpr, EPG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Grouped top-k routing of token t on a [group, expert in group] tile: sigmoid, group scores (sum of the
-    top-2 of score + bias per group), the best TOPK_GROUP groups, the top-k experts, weights from the unbiased
-    scores (renormalised, scaled). Writes topk_w/topk_i (selection order) and the token's row of the weight
-    table wt[t, e] (0 where not chosen). Returns chosen [G_PAD, EPG_PAD] (element [g, c]: expert g * EPG + c).
+                 EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr):
+    """Grouped top-k routing of token t: sigmoid, group scores (sum of the top-2 of score + bias per group), the
+    best TOPK_GROUP groups, the top-k experts of those, weights from the unbiased scores (renormalised,
+    scaled). Writes the token's row of the weight table wt[t, e] (0 where not chosen) and, with WRITE_TOPK,
+    topk_w/topk_i in selection order. Returns chosen [E_PAD].
 
     Why this shape: the time is the number of reductions, each a synchronisation of the program's threads.
-    A group's scores sit in one row, so the group scores are two row reductions for all groups at once (not
-    a loop over groups), the group ranking one reduction over a [G, G] comparison, and each of the k picks a
-    max and a min over the tile, ties to the lowest id. Only max/min/sum and no reshape: a [T, G, EPG] tile
-    reshaped to [T, E] chose experts outside the top-k on the H200 (Triton 3.6; its interpreter was right)."""
+    The groups are ranked on a [group, expert in group] tile, where a group's scores sit in one row: its best
+    two are two row reductions for all groups at once, the ranking one reduction over a [G, G] comparison.
+    The k picks run on the flat [E] row, one max of packed keys each (value and lowest index at once). Ties
+    go to the lower id. No reshape: one reshaped tile chose experts outside the top-k on the H200 (Triton 3.6;
+    its interpreter was right)."""
     rg = tl.arange(0, G_PAD)
     rc = tl.arange(0, EPG_PAD)
-    eid = rg[:, None] * EPG + rc[None, :]
-    valid = (rg[:, None] < G) & (rc[None, :] < EPG)
-    logits = tl.zeros((G_PAD, EPG_PAD), tl.float32)
-    for s in tl.static_range(SPLIT):
-        logits += tl.load(part_ptr + s * 16 * E + t * E + eid, mask=valid, other=0.0, cache_modifier=".cg")
-    score = tl.sigmoid(logits)
-    choice = tl.where(valid, score + tl.load(bias_ptr + eid, mask=valid, other=0.0), float("-inf"))
-    # group score = its best + its second best (the best again when it occurs twice)
-    best1 = tl.max(choice, axis=1)
-    first = tl.min(tl.where(choice == best1[:, None], rc[None, :], EPG_PAD), axis=1)
-    best2 = tl.max(tl.where(rc[None, :] == first[:, None], float("-inf"), choice), axis=1)
-    gscore = tl.where(rg < G, best1 + best2, float("-inf"))
+    gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
+    gid = rg[:, None] * EPG + rc[None, :]
+    gchoice = tl.sigmoid(_logits(part_ptr, t, gid, gvalid, E, SPLIT)) + tl.load(bias_ptr + gid, mask=gvalid, other=0.0)
+    gkey = tl.where(gvalid, _key(gchoice, rc[None, :], EPG_PAD), _NO_KEY)
+    best1 = tl.max(gkey, axis=1)
+    best2 = tl.max(tl.where(gkey == best1[:, None], _NO_KEY, gkey), axis=1)  # the best again if it occurs twice
+    gscore = tl.where(rg < G, _key_value(best1) + _key_value(best2), float("-inf"))
     # a group is kept when fewer than TOPK_GROUP groups beat it (ties: the lower group first)
-    other = tl.where(rg[:, None] == rg[None, :], gscore[:, None], float("-inf"))
-    gcol = tl.max(other, axis=0)  # gscore laid along the columns
+    gcol = tl.max(tl.where(rg[:, None] == rg[None, :], gscore[:, None], float("-inf")), axis=0)  # along columns
     beaten = (gcol[None, :] > gscore[:, None]) | ((gcol[None, :] == gscore[:, None]) & (rg[None, :] < rg[:, None]))
     kept = tl.sum(beaten.to(tl.int32), axis=1) < TOPK_GROUP
-    left = tl.where(kept[:, None], choice, float("-inf"))
-    flat = rg[:, None] * EPG_PAD + rc[None, :]
+    re = tl.arange(0, E_PAD)
+    valid = re < E
+    kept_e = tl.max(((re[:, None] // EPG == rg[None, :]) & kept[None, :]).to(tl.int32), axis=1) > 0
+    score = tl.sigmoid(_logits(part_ptr, t, re, valid, E, SPLIT))
+    choice = score + tl.load(bias_ptr + re, mask=valid, other=0.0)
+    left = tl.where(valid & kept_e, _key(choice, re, E_PAD), _NO_KEY)
     kc = tl.arange(0, K_PAD)
-    chosen = tl.zeros((G_PAD, EPG_PAD), tl.int1)
     ids = tl.zeros((K_PAD,), tl.int32)
+    chosen = tl.zeros((E_PAD,), tl.int1)
     for k in tl.static_range(TOP_K):
-        top = tl.max(tl.max(left, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(left == top, flat, G_PAD * EPG_PAD), axis=1), axis=0)
-        hit = flat == pick
+        top = tl.max(left, axis=0)
+        hit = left == top
         chosen = chosen | hit
-        left = tl.where(hit, float("-inf"), left)
-        ids = tl.where(kc == k, (pick // EPG_PAD) * EPG + pick % EPG_PAD, ids)
-    # the chosen experts' unbiased scores, recomputed from their logits (the same sums, in the same order)
-    kmask = kc < TOP_K
-    picked = tl.zeros((K_PAD,), tl.float32)
-    for s in tl.static_range(SPLIT):
-        picked += tl.load(part_ptr + s * 16 * E + t * E + ids, mask=kmask, other=0.0, cache_modifier=".cg")
-    vals = tl.where(kmask, tl.sigmoid(picked), 0.0)
-    mult = scale / (tl.sum(vals, axis=0) + 1e-20) if NORMALIZE else scale
-    tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
-    tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
-    tl.store(wt_ptr + t * E + eid, tl.where(chosen, score * mult, 0.0), mask=valid)
+        left = tl.where(hit, _NO_KEY, left)
+        ids = tl.where(kc == k, _key_index(top, E_PAD), ids)
+    weights = tl.where(chosen, score, 0.0)
+    mult = scale / (tl.sum(weights, axis=0) + 1e-20) if NORMALIZE else scale
+    tl.store(wt_ptr + t * E + re, weights * mult, mask=valid)
+    if WRITE_TOPK:  # selection order, for callers that ask (tests, benchmarks); the expert kernels read wt
+        kmask = kc < TOP_K
+        vals = tl.sum(tl.where((ids[:, None] == re[None, :]) & kmask[:, None], score[None, :], 0.0), axis=1)
+        tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
+        tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
     return chosen
 
 
 @triton.jit
-def _expert_ids(E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr):
-    """The expert id of each element of the routing tile, E for padding."""
-    rg = tl.arange(0, G_PAD)
-    rc = tl.arange(0, EPG_PAD)
-    return tl.where((rg[:, None] < G) & (rc[None, :] < EPG), rg[:, None] * EPG + rc[None, :], E)
-
-
-@triton.jit
-def _align(present, eid, experts_ptr, n_ptr, E, HAS_SHARED: tl.constexpr):
-    """The experts any token chose, in ascending id order after the shared expert (slot 0, id E), and their
-    count: the slots the expert kernels walk. present and eid: the [group, expert in group] routing tile."""
-    present = tl.where(eid < E, present, 0)
-    per_group = tl.sum(present, axis=1)
-    before = tl.cumsum(per_group, axis=0) - per_group  # chosen experts in the groups before
-    slot = before[:, None] + tl.cumsum(present, axis=1) - present + HAS_SHARED
-    tl.store(experts_ptr + slot, eid, mask=present > 0)
+def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """The slots the expert kernels walk: the shared expert (slot 0, id E), then the experts any token chose
+    (present [E_PAD]) in ascending id order, then -1 up to D_MAX (slots that exit at once)."""
+    re = tl.arange(0, E_PAD)
+    present = tl.where(re < E, present, 0)
+    slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
+    tl.store(experts_ptr + slot, re, mask=present > 0)
     if HAS_SHARED:
         tl.store(experts_ptr, E)
-    tl.store(n_ptr, tl.sum(per_group, axis=0) + HAS_SHARED)
+    count = tl.sum(present, axis=0) + HAS_SHARED
+    rd = tl.arange(0, D_PAD)
+    tl.store(experts_ptr + rd, tl.full((D_PAD,), -1, tl.int32), mask=(rd >= count) & (rd < D_MAX))
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
-    """Program (slot, block of I, range of H). With SPLIT_K > 1 the H ranges of a (slot, block) publish fp32
-    partials of gate and up and the last to arrive sums them in a fixed order before the SwiGLU: a decode
-    step's 9 experts x (I / BLOCK_I) blocks are too few programs to keep every SM streaming otherwise."""
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
+    SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
+    them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
+    programs to keep every SM streaming otherwise."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    n = tl.load(n_ptr)
-    if d < n:
-        e = tl.load(experts_ptr + d)
+    e = tl.load(experts_ptr + d)  # -1: a slot no token needs
+    if e >= 0:
         shared = e == E
         inter = tl.where(shared, I_S, I)
         if ib * BLOCK_I < inter:
@@ -239,16 +272,19 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, n_ptr, wt_ptr, act_ptr,
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
-            acc_g = tl.zeros((16, BLOCK_I), tl.float32)
-            acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+            if FMA:
+                acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+                acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+            else:
+                acc_g = tl.zeros((16, BLOCK_I), tl.float32)
+                acc_u = tl.zeros((16, BLOCK_I), tl.float32)
             for i in range(0, K_ITERS):
                 kk = k_lo + i * BLOCK_K + rk
-                xt = tl.load(x_ptr + rt[:, None] * H + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < H), other=0.0)
-                wmask = (ri[:, None] < inter) & (kk[None, :] < H)
-                wg = tl.load(base + ri[:, None] * H + kk[None, :], mask=wmask, other=0.0)
-                wu = tl.load(base + (ri[:, None] + inter) * H + kk[None, :], mask=wmask, other=0.0)
-                acc_g = _mma(acc_g, xt, tl.trans(wg), F32_DOT)
-                acc_u = _mma(acc_u, xt, tl.trans(wu), F32_DOT)
+                wg, wu = _load_w(base, ri, kk, inter, H, H, True)
+                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT)
+            if FMA:
+                acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_g, axis=1)[None, :]
+                acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_u, axis=1)[None, :]
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
@@ -283,8 +319,8 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 
 
 @triton.jit
-def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                 T, H, E, I, I_S,
+def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                 T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
                  HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
@@ -298,13 +334,12 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, n_ptr, wt_ptr, out_ptr, 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    n = tl.load(n_ptr)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
-    for k in range(0, D_PER):  # slots past n are masked off: no memory traffic
+    for k in range(0, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
         d = sd + k * SPLIT_D
-        live = d < n
-        e = tl.load(experts_ptr + d, mask=live, other=0)
+        e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
+        live = e >= 0
         shared = e == E
         inter = tl.where(shared, I_S, I)
         base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
@@ -346,18 +381,28 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 
 
 # Launch knobs by the step's token count (the smallest key >= T applies): router programs over experts and
-# over H and its warps, gate-up rows per program, down rows per program and slot shares. Chosen by
-# bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON lists every candidate's time).
+# over H (each streaming router_block_k columns at a time), its warps (which also route), the routing's launch
+# and warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path, down rows per program, slot
+# shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON
+# lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=16, router_split=8, router_warps=4, route="fused", route_warps=1, block_i=32,
-            gu_block_k=128, gu_split=4, gu_warps=4, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
-    16: dict(router_block_e=8, router_split=4, router_warps=4, route="per_token", route_warps=4, block_i=32,
-             gu_block_k=256, gu_split=1, gu_warps=4, block_h=64, split_d=8, dn_warps=4, dn_fma=False),
+    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=2, route="fused", route_warps=1,
+            block_i=32, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=8,
+            dn_fma=True),
+    16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
+             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
+             dn_fma=False),
 }
 
 
 def config_for(t: int) -> dict:
     return by_tokens(CONFIGS, t)
+
+
+def _h_ranges(h: int, split: int, block_k: int) -> tuple[int, int]:
+    """(columns per range, ranges): `split` ranges of whole block_k tiles covering h columns."""
+    k_per = triton.cdiv(triton.cdiv(h, split), block_k) * block_k
+    return k_per, triton.cdiv(h, k_per)
 
 
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
@@ -369,16 +414,15 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
-    knobs: launch settings overriding `CONFIGS` (router_block_e, router_split, router_warps, route ("fused" |
-    "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, block_h,
-    split_d, dn_warps, dn_fma (T=1: the down projection on the FMA units instead of MMA)), for the tuning
+    knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
+    route ("fused" | "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
+    gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma; the FMA paths apply at T=1 only), for the tuning
     benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
     t, h = x.shape
     k = {**config_for(t), **knobs}
-    router_block_e, router_split, block_i, block_h = k["router_block_e"], k["router_split"], k["block_i"], k["block_h"]
     e = router_w.shape[0]
     i = down.shape[2]
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0
@@ -390,49 +434,48 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     out = torch.empty_like(x)
     topk_w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     topk_i = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    experts = torch.empty(d_max, dtype=torch.int32, device=dev)
-    n_live = torch.empty(1, dtype=torch.int32, device=dev)
+    experts = torch.empty(d_max, dtype=torch.int32, device=dev)  # the slots: expert ids, -1 where unused
     wt = torch.empty(t, e, dtype=torch.float32, device=dev)  # each token's weight per expert (0: not chosen)
     act = torch.empty(d_max, 16, i_pad, dtype=x.dtype, device=dev)
 
     pdl = pdl and x.is_cuda  # programmatic dependent launch: each launch overlaps the previous kernel's tail
     launch = {"launch_pdl": True} if pdl else {}
-    block_k = 128
-    k_per = triton.cdiv(triton.cdiv(h, router_split), block_k) * block_k
-    split = triton.cdiv(h, k_per)
+    router_block_e, router_block_k = k["router_block_e"], k["router_block_k"]
+    k_per, split = _h_ranges(h, k["router_split"], router_block_k)
     part = torch.empty(split, 16, e, dtype=torch.float32, device=dev)
     epg = e // n_group
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
-                   EPG=epg, EPG_PAD=triton.next_power_of_2(epg), TOPK_GROUP=topk_group, NORMALIZE=normalize,
-                   HAS_SHARED=has_shared)
+                   EPG=epg, EPG_PAD=triton.next_power_of_2(epg), E_PAD=triton.next_power_of_2(e),
+                   D_PAD=triton.next_power_of_2(d_max), TOPK_GROUP=topk_group, NORMALIZE=normalize,
+                   HAS_SHARED=has_shared, WRITE_TOPK=return_routing)
     cnt = counters(dev, 1 + e)
     per_token = k["route"] == "per_token"
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, n_live, wt, t, e, h, k_per, float(scale),
-        BLOCK_E=router_block_e, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
-        TT=t, ROUTE=not per_token, USE_PDL=pdl, F32_DOT=INTERPRET,
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, wt, t, e, h, k_per, d_max, float(scale),
+        BLOCK_E=router_block_e, BLOCK_K=router_block_k, K_ITERS=k_per // router_block_k, SPLIT=split,
+        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
-        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, n_live, wt, t, e, float(scale),
+        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
                                   SPLIT=split, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
-    gu_block_k, gu_split = k["gu_block_k"], k["gu_split"]
-    gu_k_per = triton.cdiv(triton.cdiv(h, gu_split), gu_block_k) * gu_block_k
-    gu_split = triton.cdiv(h, gu_k_per)
-    i_blocks = triton.cdiv(max(i, i_s), block_i)
+    gu_block_k = k["gu_block_k"]
+    gu_k_per, gu_split = _h_ranges(h, k["gu_split"], gu_block_k)
+    i_blocks = triton.cdiv(max(i, i_s), k["block_i"])
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, n_live, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), BLOCK_I=block_i, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["gu_warps"], num_stages=3,
-        **launch)
+        x, gate_up, sgu, experts, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
+        float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
+        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
+        num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
+    block_h = k["block_h"]
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
-        act, down, sdn, experts, n_live, wt, out, residual if residual is not None else out, down_part,
-        counters(dev, h_blocks), t, h, e, i, i_s, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
+        counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
         F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:

@@ -10,8 +10,9 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
 - MLA: one GEMV for q, the latent's down-projection and the gate; `mla.mla_prologue` (RMSNorm of the latent,
-  rope of key and queries, the cache rows written); the absorbed W_k / W_v products around the split-sequence
-  kernel of `kernels.mla`; one GEMV for the output projection (with q_lora_rank, the model's own absorbed path);
+  rope of key and queries, the cache rows written, the queries absorbed through W_k); `mla.mla_attend` (the
+  split-sequence kernel, then the merge with W_v and the gate); one GEMV for the output projection (with
+  q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 
@@ -55,7 +56,7 @@ class _Ops:
         self.moe = partial(moe.fused_moe, pdl=pdl) if kernels else moe.fused_moe_reference
         self.prepare_moe = moe.prepare_moe_weights
         self.mla_prologue = partial(mla.mla_prologue, pdl=pdl) if kernels else mla.mla_prologue_reference
-        self.mla_decode = partial(mla.mla_decode, pdl=pdl)
+        self.mla_attend = partial(mla.mla_attend, pdl=pdl) if kernels else mla.mla_attend_reference
 
 
 class FusedStep:
@@ -160,15 +161,12 @@ class FusedStep:
         if "mla_proj" not in entry:
             cache.index_copy_(0, positions, attn.latent(x, positions))
             return attn.attend_latent(x, positions, cache, kv_len)
-        t, h, nope, rope, rank = x.shape[0], attn.heads, attn.nope, attn.rope, attn.rank
+        h, nope, rope, rank = attn.heads, attn.nope, attn.rope, attn.rank
         q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
-        q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles, cache,
-                                       positions, h, nope, attn.interleave)  # also writes this step's cache rows
-        q_lat = torch.einsum("thn,hnr->thr", q.view(t, h, nope + rope)[..., :nope], entry["w_k"])  # W_k absorbed
-        o_lat = self.ops.mla_decode(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
-        o = torch.einsum("thr,hvr->thv", o_lat, entry["w_v"])  # W_v absorbed into the output
-        gate = torch.sigmoid(g.float()).to(o.dtype)
-        return self.ops.linear((o * gate.unsqueeze(-1)).reshape(t, -1), attn.dense.weight)
+        q_lat, q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles,
+                                              cache, positions, h, nope, attn.interleave, entry["w_k"])
+        o = self.ops.mla_attend(q_lat, q_rope, cache[:kv_len], positions, attn.scale, entry["w_v"], g)
+        return self.ops.linear(o, attn.dense.weight)
 
     def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:
         mlp = entry["layer"].mlp

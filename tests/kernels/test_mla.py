@@ -5,6 +5,8 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from tests.kernels.conftest import rel  # noqa: E402
+
 from lingls.kernels.mla import heads_per_program, mla_decode_reference, mla_decode_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,13 +68,60 @@ def test_prologue_writes_the_cache_rows_and_rotates_the_queries(t, h, interleave
     w = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype)
     positions = torch.arange(30 - t, 30)
     cos, sin = rope_cos_sin(positions, rope, 10000.0)
+    w_k = (torch.randn(h, nope + 4, rank, generator=g) * nope ** -0.5).to(dtype)[:, 2: 2 + nope]  # a strided view
     caches = [torch.full((40, rank + rope), float("nan"), dtype=dtype) for _ in range(2)]
-    want = mla_prologue_reference(q, kv, w, 1e-6, cos, sin, caches[0], positions, h, nope, interleave)
+    want = mla_prologue_reference(q, kv, w, 1e-6, cos, sin, caches[0], positions, h, nope, interleave, w_k)
     on = [a.to(DEV) for a in (proj, w, cos, sin, caches[1], positions)]
     got = mla_prologue(on[0][:, : h * (nope + rope)], on[0][:, h * (nope + rope): h * (nope + rope) + rank + rope],
-                       on[1], 1e-6, on[2], on[3], on[4], on[5], h, nope, interleave).cpu()
+                       on[1], 1e-6, on[2], on[3], on[4], on[5], h, nope, interleave, w_k.to(DEV))
     caches[1] = on[4].cpu()
     tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)  # bf16: 2 ulps
-    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert got[0].shape == (t, h, rank) and got[1].shape == (t, h, rope)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().float(), b.float(), **tol)
     assert torch.isfinite(caches[1][positions]).all() and caches[1][: 30 - t].isnan().all()
     torch.testing.assert_close(caches[1][positions].float(), caches[0][positions].float(), **tol)
+
+
+@pytest.mark.parametrize("t,h,v,splits", [(1, 8, 16, 4), (9, 2, 24, 2), (16, 3, 16, 8)])
+def test_attend_applies_w_v_and_the_gate_in_the_merge(poisoned, t, h, v, splits):
+    """`mla_attend` (split kernel, then the merge with W_v and the gate, split over blocks of the latent)
+    against its reference (the model's roundings); every scratch buffer poisoned."""
+    from lingls.kernels.mla import mla_attend_reference
+
+    g = torch.Generator().manual_seed(t * 7 + h)
+    r, p, n = 128, 16, 90  # two merge blocks of 64 latent columns
+    q_lat = torch.randn(t, h, r, generator=g).bfloat16()
+    q_rope = torch.randn(t, h, p, generator=g).bfloat16()
+    cache = torch.randn(n, r + p, generator=g).bfloat16()
+    w_v = (torch.randn(h, v + 8, r, generator=g) * r ** -0.5).bfloat16()[:, 8:]  # a strided view, as in the model
+    gate = torch.randn(t, h + 3, generator=g).bfloat16()[:, :h]
+    positions = torch.arange(80 - t, 80)
+    want = mla_attend_reference(q_lat, q_rope, cache, positions, 0.1, w_v, gate)
+    got = mla_decode_triton(*(a.to(DEV) for a in (q_lat, q_rope, cache, positions)), 0.1, w_v.to(DEV), gate.to(DEV),
+                            num_splits=splits, block_n=16)
+    assert got.shape == (t, h * v) and got.dtype == torch.bfloat16
+    assert rel(got.cpu(), want) < 2e-2  # bf16 output, after probabilities rounded to bf16 for the value MMA
+
+
+def test_kernels_compile_for_h200():
+    """The prologue (with the W_k programs), split and merge (plain and with W_v and the gate) kernels at flash's
+    TP=4 rank shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed)."""
+    from tests.kernels.test_kda import compile_for_sm90
+
+    lines = compile_for_sm90("""
+        from lingls.kernels import mla
+        build(mla._mla_prologue_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32",
+              sin_ptr="*fp32", pos_ptr="*i64", cache_ptr="*bf16", qr_ptr="*bf16", wk_ptr="*bf16", ql_ptr="*bf16",
+              eps="fp32"), dict(H=8, H_PAD=8, NOPE=128, NOPE_PAD=128, R=512, R_PAD=512, RBLK=64, HALF=32,
+              HALF_PAD=32, INTERLEAVE=True, USE_PDL=True, F32_DOT=False), 4, True)
+        for bt, g in ((16, 8), (16, 1)):
+            build(mla._mla_split_kernel, dict(q_lat="*bf16", q_rope="*bf16", cache="*bf16", positions="*i64",
+                  part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, P=64, BT=bt, BN=64,
+                  NUM_SPLITS=64, USE_PDL=True, F32_DOT=False), 4, True)
+        for absorb in (False, True):
+            build(mla._mla_merge_kernel, dict(part_acc="*fp32", part_ml="*fp32", out="*bf16" if absorb else "*fp32",
+                  wv_ptr="*bf16", g_ptr="*bf16", part_o="*fp32", cnt_ptr="*i32"), dict(H=8, R=512, RBLK=64, V=128,
+                  V_PAD=128, NUM_SPLITS=64, ABSORB=absorb, USE_PDL=True), 4, True)
+    """)
+    assert len(lines) == 5, lines

@@ -76,7 +76,11 @@ def test_fused_moe_matches_reference(poisoned, t, conf, route):
                                      (1, dict(route="per_token", route_warps=1, router_warps=8)),
                                      (9, dict(gu_split=2, gu_block_k=32, block_i=16)),
                                      (1, dict(dn_fma=True, gu_split=1, split_d=1)),
-                                     (1, dict(gu_split=3, gu_block_k=32, dn_fma=True, split_d=4))])
+                                     (1, dict(gu_split=3, gu_block_k=32, dn_fma=True, split_d=4)),
+                                     (1, dict(router_block_k=32, router_split=2, router_block_e=4, gu_fma=True,
+                                              block_i=16, gu_block_k=32, gu_split=2)),
+                                     (1, dict(gu_fma=True, gu_split=1, gu_block_k=64, route="per_token")),
+                                     (9, dict(router_block_k=32, router_split=3, router_warps=1))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
@@ -111,25 +115,50 @@ def test_dispatch_on_cpu_is_the_reference():
 
 
 def test_kernels_compile_for_h200():
-    """The router (routing in its last program, and per token), gate-up and down kernels at flash's shapes, with
-    PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed)."""
+    """The router (routing in its last program at T=1 on the FMA path and at T=9 on MMA, and per token), gate-up
+    (MMA and FMA) and down kernels at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90
+    (no GPU needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
-        routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, TOPK_GROUP=4, NORMALIZE=True,
-                       HAS_SHARED=True, USE_PDL=True)
+        routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
+                       HAS_SHARED=True, WRITE_TOPK=False, USE_PDL=True)
         tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
-                      experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", scale="fp32")
-        for tt, warps in ((1, 4), (9, 2)):
+                      experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
+        for tt, warps, d_pad in ((1, 2, 16), (9, 4, 128)):
             build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16"),
-                  dict(routing, BLOCK_E=16, BLOCK_K=128, K_ITERS=3, SPLIT=8, TT=tt, ROUTE=True, F32_DOT=False),
-                  warps, True)
-        build(moe._route_token_kernel, tables, dict(routing, SPLIT=4), 1, True)
-        build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32", n_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32",
-              cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
-              dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, USE_PDL=True, F32_DOT=False), 4, True)
+                  dict(routing, BLOCK_E=8, BLOCK_K=512, K_ITERS=1, SPLIT=5, TT=tt, D_PAD=d_pad, ROUTE=True,
+                       FMA=tt == 1, F32_DOT=False), warps, True)
+        build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True), 1, True)
+        for fma in (False, True):
+            build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
+                  wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False),
+                  4, True)
         build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-              n_ptr="*i32", wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+              wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
               dict(D_PER=1, SPLIT_D=16, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=True, USE_PDL=True, F32_DOT=False),
               8, True)
     """)
-    assert len(lines) == 5, lines
+    assert len(lines) == 6, lines
+
+
+@pytest.mark.parametrize("route", ["fused", "per_token"])
+def test_unused_slots_are_marked(monkeypatch, route):
+    """The slots no token needs must read -1. Here the scratch starts at 0 (an expert every token chooses,
+    through its bias) instead of the usual -1 poison, so a slot left unwritten would count expert 0 again."""
+    real = torch.empty
+
+    def empty(*shape, dtype=None, device=None):
+        out = real(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.zero_()
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", lambda x: empty(*x.shape, dtype=x.dtype, device=x.device))
+    gen = torch.Generator().manual_seed(9)
+    w = make(gen, 64, 64, 16, 16)
+    w.expert_bias[0] = 10.0
+    x = torch.randn(1, 64, generator=gen).to(DEV, torch.bfloat16).expand(9, 64).contiguous()  # 8 experts, 73 slots
+    cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, route=route, **cfg)
+    assert (ti == 0).any(dim=1).all()
+    assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)) < 1e-2
