@@ -34,13 +34,13 @@ from lingls.kernels import gemv, kda, mla, moe  # noqa: E402
 from lingls.model.config import KDA  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
-MLA_CANDIDATES = [(64, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 16, 8), (128, 16, 8), (128, 32, 8),
-                  (32, 16, 8)]  # (splits, rows per block, warps); ptxas: 16 rows x 8 warps is the one without spills
+MLA_CANDIDATES = [(128, 32, 8), (64, 32, 8), (128, 16, 4), (256, 16, 4), (128, 64, 8), (32, 32, 4), (64, 32, 4),
+                  (32, 16, 4), (16, 32, 4)]  # (splits, rows per block, warps)
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
 # router: experts and H columns per program, H ranges, warps (which also route when the routing is fused)
 ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="fused")
-          for e, bk, s, w in ((8, 512, 5, 1), (8, 512, 5, 2), (8, 512, 5, 4), (16, 512, 5, 2), (16, 512, 5, 4),
-                              (4, 512, 5, 1), (8, 256, 10, 1), (8, 256, 10, 2), (16, 256, 10, 4), (16, 128, 8, 4))] + \
+          for e, bk, s, w in ((8, 512, 5, 2), (8, 512, 5, 8), (16, 512, 5, 8), (16, 256, 10, 8), (32, 256, 10, 8),
+                              (16, 512, 5, 4), (16, 256, 10, 4))] + \
          [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="per_token", route_warps=rw)
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
                                   (8, 128, 4, 4, 4))]
@@ -196,7 +196,8 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
     for stage in (ROUTER, GATE_UP, DOWN):
         results = []
         for cand in [{}] + stage:  # {}: the best so far (at first, the shipped settings)
-            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma"))) or time.time() > DEADLINE[0]:
+            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma") or cand.get("route") == "fused")) or \
+                    time.time() > DEADLINE[0]:  # one program routing 9 tokens: 2x slower in every past run
                 continue
             knobs = {**best, **cand}
             try:
@@ -214,6 +215,34 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
         if results:
             best = min(results, key=lambda r: r[0])[1]
     return rows
+
+
+def router_probe(fused: FusedStep) -> dict:
+    """µs per layer of the T=1 router launch with the routing in its last program and without (the matvec
+    alone, ROUTE=False): what the routing itself costs, at the shipped settings."""
+    entries = [e["moe"] for e in fused.layers if "moe" in e]
+    cfg, knobs = fused.moe_cfg, moe.config_for(1)
+    x = torch.randn(1, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    e, h = entries[0].router_w.shape
+    k_per, split = moe._h_ranges(h, knobs["router_split"], knobs["router_block_k"])
+    part = torch.empty(split, 16, e, device="cuda")
+    tw, ti = torch.empty(1, cfg["top_k"], device="cuda"), torch.empty(1, cfg["top_k"], device="cuda", dtype=torch.int32)
+    slots = torch.empty(cfg["top_k"] + 1, device="cuda", dtype=torch.int32)
+    wt = torch.empty(1, e, device="cuda")
+    cnt = moe.counters(x.device, 1 + e)
+    routing = dict(TOP_K=cfg["top_k"], K_PAD=cfg["top_k"], G=cfg["n_group"], G_PAD=cfg["n_group"],
+                   EPG=e // cfg["n_group"], EPG_PAD=e // cfg["n_group"], E_PAD=e, D_PAD=16, TOPK_GROUP=cfg["topk_group"],
+                   NORMALIZE=cfg["normalize"], HAS_SHARED=True, WRITE_TOPK=False)
+
+    def launch(w, route: bool):
+        moe._router_kernel[(e // knobs["router_block_e"], split)](
+            x, w.router_w, w.expert_bias, part, cnt, tw, ti, slots, wt, 1, e, h, k_per, cfg["top_k"] + 1,
+            float(cfg["scale"]), BLOCK_E=knobs["router_block_e"], BLOCK_K=knobs["router_block_k"],
+            K_ITERS=k_per // knobs["router_block_k"], SPLIT=split, TT=1, ROUTE=route, FMA=True, USE_PDL=True,
+            F32_DOT=False, num_warps=knobs["router_warps"], launch_pdl=True, **routing)
+
+    return {f"route_{route}": graph_us([lambda w=w, r=route: launch(w, r) for w in entries], len(entries))
+            for route in (False, True)}
 
 
 def step_ms(model, fused: FusedStep, t: int) -> float:
@@ -236,6 +265,11 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     with torch.inference_mode():
         before = {t: step_ms(model, fused, t) for t in (1, 9)}  # the settings the code shipped with
         print(f"fused step with the shipped settings: {before}", flush=True)
+        try:
+            probe = router_probe(fused)
+        except Exception as e:  # noqa: BLE001 - a diagnostic; the tuning goes on without it
+            probe = {"error": repr(e)[:300]}
+        print(f"T=1 router launch, us per layer: {probe}", flush=True)
         for t in tokens:
             rows = tune_mla(model, t) if "mla" in stages else []
             tuning["mla"] += rows
@@ -281,7 +315,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if base:
                 print(f"{kind} T={t}: first candidate {base[0]['us']:.1f} us, best "
                       f"{min(r['us'] for r in tuning[kind] if r['T'] == t and 'us' in r):.1f} us")
-    rc = measure(model, out, bw, extra=dict(fused_ms_shipped_settings=before, tuning=tuning,
+    rc = measure(model, out, bw, extra=dict(fused_ms_shipped_settings=before, router_probe_us=probe, tuning=tuning,
                                             chosen={k: {str(t): v for t, v in c.items()} for k, c in chosen.items()},
                                             configs_used={k: {str(t): v for t, v in c.items()}
                                                           for k, c in defaults.items()}))

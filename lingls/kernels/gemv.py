@@ -39,9 +39,12 @@ MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
 
 @triton.jit
 def _mma(acc, a, b, F32_DOT: tl.constexpr):
-    """acc += a @ b with fp32 accumulation (see the module note on the interpreter)."""
+    """acc += a @ b with fp32 accumulation (see the module note on the interpreter). fp32 operands (models run
+    in fp32, as the tests' small ones) are multiplied in full fp32 precision, not rounded to TF32."""
     if F32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 

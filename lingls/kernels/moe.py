@@ -386,8 +386,8 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON
 # lists every candidate's time).
 CONFIGS = {
-    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=2, route="fused", route_warps=1,
-            block_i=32, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=8,
+    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,
+            block_i=16, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=True, block_h=16, split_d=16, dn_warps=4,
             dn_fma=True),
     16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
              block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,

@@ -77,8 +77,9 @@ def test_prologue_writes_the_cache_rows_and_rotates_the_queries(t, h, interleave
     caches[1] = on[4].cpu()
     tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)  # bf16: 2 ulps
     assert got[0].shape == (t, h, rank) and got[1].shape == (t, h, rope)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.cpu().float(), b.float(), **tol)
+    tf32 = dict(rtol=1e-2, atol=1e-2) if DEV == "cuda" and dtype == torch.float32 else tol  # fp32 MMA runs as TF32
+    torch.testing.assert_close(got[0].cpu().float(), want[0].float(), **tf32)
+    torch.testing.assert_close(got[1].cpu().float(), want[1].float(), **tol)
     assert torch.isfinite(caches[1][positions]).all() and caches[1][: 30 - t].isnan().all()
     torch.testing.assert_close(caches[1][positions].float(), caches[0][positions].float(), **tol)
 
@@ -117,11 +118,13 @@ def test_kernels_compile_for_h200():
               HALF_PAD=32, INTERLEAVE=True, USE_PDL=True, F32_DOT=False), 4, True)
         for bt, g in ((16, 8), (16, 1)):
             build(mla._mla_split_kernel, dict(q_lat="*bf16", q_rope="*bf16", cache="*bf16", positions="*i64",
-                  part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, P=64, BT=bt, BN=64,
-                  NUM_SPLITS=64, USE_PDL=True, F32_DOT=False), 4, True)
+                  part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, RC=64, P=64, BT=bt, BN=32,
+                  NUM_SPLITS=128, USE_PDL=True, F32_DOT=False), 8 if g == 8 else 4, True)
         for absorb in (False, True):
             build(mla._mla_merge_kernel, dict(part_acc="*fp32", part_ml="*fp32", out="*bf16" if absorb else "*fp32",
                   wv_ptr="*bf16", g_ptr="*bf16", part_o="*fp32", cnt_ptr="*i32"), dict(H=8, R=512, RBLK=64, V=128,
                   V_PAD=128, NUM_SPLITS=64, ABSORB=absorb, USE_PDL=True), 4, True)
     """)
     assert len(lines) == 5, lines
+    for line in lines[1:3]:  # the split kernel at the shipped settings: at most a few spilled registers
+        assert int(line.split("STACK:")[1].split()[0]) <= 64, line  # (it once spilled 4.7 KB per thread)
