@@ -129,13 +129,9 @@ if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
-                          G: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                          BN: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
-        """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G).
-
-        Registers decide this kernel's speed: an MMA's left operand is held whole by every warp, so the
-        scores are summed over RC-wide slices of the latent (the queries' slice re-read from L1 each time)
-        rather than from a [BT, R] query tile; only the value product takes the block's full rows."""
+                          G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+        """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -149,9 +145,9 @@ if triton is not None:
         n_blocks = tl.cdiv(n_rows, BN)
         per_split = tl.cdiv(n_blocks, NUM_SPLITS)
         r = tl.arange(0, R)
-        rc = tl.arange(0, RC)
         p = tl.arange(0, P)
         row = t * H + head
+        ql = tl.load(q_lat + row[:, None] * R + r[None, :], mask=ok[:, None], other=0.0)
         qr = tl.load(q_rope + row[:, None] * P + p[None, :], mask=ok[:, None], other=0.0)
         m = tl.full([BT], float("-inf"), tl.float32)
         l = tl.zeros([BT], tl.float32)
@@ -161,12 +157,9 @@ if triton is not None:
         while b < end:  # a while loop: its bound is a device value (Triton's interpreter rejects it in range())
             j = b * BN + tl.arange(0, BN)
             j_ok = j < n_rows
+            c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
             kr = tl.load(cache + j[:, None] * (R + P) + R + p[None, :], mask=j_ok[:, None], other=0.0)
-            s = _mma(tl.zeros((BT, BN), tl.float32), qr, tl.trans(kr), F32_DOT)
-            for k in tl.static_range(R // RC):
-                ql = tl.load(q_lat + row[:, None] * R + k * RC + rc[None, :], mask=ok[:, None], other=0.0)
-                c = tl.load(cache + j[:, None] * (R + P) + k * RC + rc[None, :], mask=j_ok[:, None], other=0.0)
-                s = _mma(s, ql, tl.trans(c), F32_DOT)
+            s = _mma(_mma(tl.zeros((BT, BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
             s = s * scale
             s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -174,7 +167,6 @@ if triton is not None:
             alpha = tl.exp(m - m_safe)
             w = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(w, axis=1)
-            c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)  # from L1 / L2
             acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
             m = m_new
             b += 1
@@ -250,8 +242,7 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     pdl = pdl and cache.is_cuda
     launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
-                                            R=r, RC=min(SCORE_SLICE, r), P=p, BT=bt, BN=block_n,
-                                            NUM_SPLITS=num_splits, USE_PDL=pdl,
+                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, USE_PDL=pdl,
                                             F32_DOT=INTERPRET, num_warps=num_warps, **launch)
     rblk = min(MERGE_BLOCK, r)
     absorb = w_v is not None
@@ -275,7 +266,6 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
 
 MAX_QUERIES = 16  # the kernel keeps a step's queries in registers: decode and verify steps, not prefills
 MERGE_BLOCK = 64  # latent columns per merge program (R / 64 programs per query and head)
-SCORE_SLICE = 64  # latent columns per score MMA in the split kernel (see its docstring)
 
 
 def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False):

@@ -10,6 +10,8 @@ from lingls.model.ling import LingForCausalLM
 from lingls.runtime.fused_step import FusedStep
 from tests.model.conftest import randomize, small_config
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels take CUDA tensors (or CPU ones, interpreted)
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -18,21 +20,21 @@ def model():
                                      share_expert_swiglu_limit_list=[0, 0, 2.0, 2.0]))
     m.init_weights()
     randomize(m, 0)
-    return m.eval()
+    return m.eval().to(DEV)
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
 def test_fused_step_equals_model_step(model, kernels):
-    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(30, device=DEV)
     with torch.inference_mode():
         prefilled = model.new_state(64)
-        model.step(ids[:20], prefilled, torch.arange(20))
+        model.step(ids[:20], prefilled, pos[:20])
         want_state = prefilled.clone()
-        want = [model.step(ids[20:21], want_state, torch.tensor([20])),
-                model.step(ids[21:30], want_state, torch.arange(21, 30))]
+        want = [model.step(ids[20:21], want_state, pos[20:21]), model.step(ids[21:30], want_state, pos[21:30])]
         state = prefilled.clone()
         fused = FusedStep(model, kernels=kernels)
-        got = [fused.step(ids[20:21], state, torch.tensor([20])), fused.step(ids[21:30], state, torch.arange(21, 30))]
+        got = [fused.step(ids[20:21], state, pos[20:21]), fused.step(ids[21:30], state, pos[21:30])]
     for g, w in zip(got, want):
         assert (g - w).abs().max().item() < 1e-5
     assert (state.kda - want_state.kda).abs().max().item() < 1e-5
@@ -48,28 +50,31 @@ def test_fusing_rows_keeps_one_copy_of_each_weight(model):
 
 def test_prefill_sized_inputs_are_refused(model):
     with pytest.raises(ValueError, match="prefill"):
-        FusedStep(model, kernels=False).step(torch.zeros(17, dtype=torch.long), model.new_state(32), torch.arange(17))
+        FusedStep(model, kernels=False).step(torch.zeros(17, dtype=torch.long, device=DEV), model.new_state(32),
+                                             torch.arange(17, device=DEV))
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
 def test_staged_verify_and_kept_layers(model, kernels):
     """With `stage`, the live KDA state is left alone and stage[t] holds the state after position t; `keep`
     returns the named layers' outputs (what a block drafter reads)."""
-    ids = torch.randint(0, 96, (25,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 96, (25,), generator=torch.Generator().manual_seed(2)).to(DEV)
+    pos = torch.arange(25, device=DEV)
     with torch.inference_mode():
         state = model.new_state(64)
-        model.step(ids[:20], state, torch.arange(20))
+        model.step(ids[:20], state, pos[:20])
         n_kda = state.kda.shape[0]
-        stage = (torch.zeros(n_kda, 5, *state.kda.shape[1:]), torch.zeros(n_kda, 5, *state.conv.shape[1:]))
+        stage = (torch.zeros(n_kda, 5, *state.kda.shape[1:], device=DEV),
+                 torch.zeros(n_kda, 5, *state.conv.shape[1:], device=DEV))
         live = state.clone()
         fused = FusedStep(model, kernels=kernels)
-        h, kept = fused.step(ids[20:25], live, torch.arange(20, 25), stage=stage, keep=(1, 2))
+        h, kept = fused.step(ids[20:25], live, pos[20:25], stage=stage, keep=(1, 2))
         assert torch.equal(live.kda, state.kda)  # untouched: only staged
         for t in (0, 2, 4):  # the state after position 20 + t is the state of running t + 1 tokens
             want = state.clone()
-            model.step(ids[20:21 + t], want, torch.arange(20, 21 + t))
+            model.step(ids[20:21 + t], want, pos[20:21 + t])
             assert (stage[0][:, t] - want.kda).abs().max().item() < 1e-5
-        assert (h - model.step(ids[20:25], state.clone(), torch.arange(20, 25))).abs().max().item() < 1e-5
+        assert (h - model.step(ids[20:25], state.clone(), pos[20:25])).abs().max().item() < 1e-5
         assert set(kept) == {1, 2} and kept[1].shape == h.shape
 
 
@@ -80,15 +85,15 @@ def test_mtp_step_equals_the_models(kernels):
     m = LingForCausalLM(small_config(num_hidden_layers=2, num_nextn_predict_layers=1))
     m.init_weights()
     randomize(m, 3)
-    m.eval()
-    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
+    m.eval().to(DEV)
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4)).to(DEV)
     with torch.inference_mode():
         state = m.new_state(32)
-        h = m.step(ids[:10], state, torch.arange(10))
+        h = m.step(ids[:10], state, torch.arange(10, device=DEV))
         want_state, got_state = state.clone(), state.clone()
         fused = FusedStep(m, kernels=kernels)
         for rows in (slice(0, 1), slice(0, 9)):  # a draft step and the rows after a verify
-            pos = torch.arange(rows.start, rows.stop)
+            pos = torch.arange(rows.start, rows.stop, device=DEV)
             want = m.mtp_step(h[rows], ids[1:10][rows], want_state, pos)
             got = fused.mtp_step(h[rows], ids[1:10][rows], got_state, pos)
             assert (got - want).abs().max().item() < 1e-5
