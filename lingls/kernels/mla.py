@@ -268,9 +268,15 @@ MAX_QUERIES = 16  # the kernel keeps a step's queries in registers: decode and v
 MERGE_BLOCK = 64  # latent columns per merge program (R / 64 programs per query and head)
 
 
+def _kernel_serves(q_lat, q_rope, cache) -> bool:
+    """CUDA decode/verify steps whose latent and rope widths fit an MMA (K >= 16; tiny test models do not)."""
+    return (triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES and q_lat.shape[-1] >= 16
+            and q_rope.shape[-1] >= 16)
+
+
 def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False):
     """Latent attention output [T, H, R] fp32: the kernel for CUDA decode/verify steps, the reference otherwise."""
-    if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
+    if _kernel_serves(q_lat, q_rope, cache):
         return mla_decode_triton(q_lat, q_rope, cache, positions, scale, pdl=pdl)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)
 
@@ -287,7 +293,7 @@ def mla_attend_reference(q_lat, q_rope, cache, positions, scale: float, w_v, gat
 def mla_attend(q_lat, q_rope, cache, positions, scale: float, w_v, gate, pdl: bool = False):
     """`mla_attend_reference`: the kernels (split, then merge with W_v and the gate) for CUDA decode/verify steps,
     the reference otherwise."""
-    if triton is not None and cache.is_cuda and q_lat.shape[0] <= MAX_QUERIES:
+    if _kernel_serves(q_lat, q_rope, cache):
         return mla_decode_triton(q_lat, q_rope, cache, positions, scale, w_v, gate, pdl=pdl)
     return mla_attend_reference(q_lat, q_rope, cache, positions, scale, w_v, gate)
 
