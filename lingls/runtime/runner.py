@@ -24,7 +24,7 @@ import torch
 
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
-from lingls.runtime.sampling import greedy_tokens, sample
+from lingls.runtime.sampling import sample
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,8 @@ class ModelRunner:
         A decode step (t == 1) also chains: its token becomes the next input and the position advances."""
         positions = self.pos + self.arange[:t]
         h = (self.fused or self.model).step(self.ids[:t], self.state, positions, kv_len=kv_len)
-        if greedy:
-            tok = greedy_tokens(self.model, self.model.model.norm(h))
-        else:
-            logits = self.model.par.all_gather_last(self.model.head(h))
-            tok = sample(logits, positions + 1, greedy, self.temperature, self.top_p, self.seed)
+        logits = self.model.par.all_gather_last(self.model.head(h))
+        tok = sample(logits, positions + 1, greedy, self.temperature, self.top_p, self.seed)
         self.out[:t].copy_(tok)
         if t == 1:
             self.ids[:1].copy_(tok)

@@ -13,11 +13,6 @@ import torch
 
 from lingls.kernels.reference import uniform_hash
 
-try:
-    from lingls.kernels import sampling as fused
-except ImportError:  # CPU-only installs without Triton: greedy_tokens forms the logits
-    fused = None
-
 
 def sample(logits: torch.Tensor, positions: torch.Tensor, greedy: bool, temperature: torch.Tensor | None = None,
            top_p: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,20 +30,3 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, greedy: bool, temperat
     noise = -torch.log(uniform_hash(seed, positions[:, None], order))  # keyed by token id, not rank
     choice = (sorted_p * keep / noise).argmax(-1, keepdim=True)
     return order.gather(-1, choice).squeeze(-1)
-
-
-def greedy_tokens(model, x: torch.Tensor) -> torch.Tensor:
-    """argmax over the whole vocab of lm_head(x), x [T, hidden] already through its final norm -> ids [T].
-
-    The logits are never formed: on CUDA one launch per rank computes its vocab shard's logits and reduces
-    them to a (best logit, global id) per row (`kernels.sampling.lm_head_choose`), and with tensor parallelism
-    only those pairs are gathered, not the [T, vocab] logits. Both forms take the first maximum of the fp32
-    logits of the bf16 inputs, so every device and rank count chooses the same token."""
-    w, par = model.lm_head.weight, model.par
-    if fused is None:
-        return par.all_gather_last((x.float() @ w.float().t()).contiguous()).argmax(-1)
-    val, idx = fused.choose(x.contiguous(), w, vocab_offset=par.rank * w.shape[0])
-    if par.size == 1:
-        return idx
-    pairs = par.all_gather_last(torch.stack([val.double(), idx.double()])).view(2, par.size, -1)  # exact in fp64
-    return fused.combine_ranks(pairs[0], pairs[1].long())

@@ -36,7 +36,7 @@ from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.runner import ModelRunner, _Fence
-from lingls.runtime.sampling import greedy_tokens, uniform_hash
+from lingls.runtime.sampling import uniform_hash
 
 DEFAULT_K = 4
 COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)
@@ -83,9 +83,10 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
     return n, tokens
 
 
-def accept_greedy(tokens: torch.Tensor, drafts: torch.Tensor):
-    """Greedy verification: (n, tokens) with tokens the target's greedy choice at each position and n the number
-    of leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding would produce)."""
+def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
+    """Greedy verification: (n, tokens) with tokens the target's argmax at each position and n the number of
+    leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding would produce)."""
+    tokens = logits.argmax(-1)
     return (drafts == tokens[:-1]).long().cumprod(0).sum(), tokens
 
 
@@ -187,7 +188,7 @@ class MTPDrafter(Drafter):
         self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
 
     def _argmax(self, x):
-        return greedy_tokens(self.model, self.model.mtp_layers[0].final_layernorm(x))
+        return self.model.par.all_gather_last(self.model.mtp_head(x)).argmax(-1)
 
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
@@ -449,10 +450,10 @@ class Speculator:
         r, m, state = self.runner, self.model, self.runner.state
         positions = r.pos + self.arange
         h, feats = self._target(self.ids, positions, kv_len, staged=True)
+        logits = m.par.all_gather_last(m.head(h))
         if greedy:
-            n, tokens = accept_greedy(greedy_tokens(m, m.model.norm(h)), self.ids[1:])
+            n, tokens = accept_greedy(logits, self.ids[1:])
         else:
-            logits = m.par.all_gather_last(m.head(h))
             n, tokens = rejection_sample(logits, self.ids[1:], self.q, positions + 1, r.temperature, r.top_p, r.seed)
         n = n.view(1)
         if self.force_accept is not None:  # the round claims the first n drafts, then the target's own token
