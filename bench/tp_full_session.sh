@@ -7,6 +7,7 @@
 #    new tokens, without drafting and with the MTP drafter at K=8 with 6 and 8 of 8 drafts accepted per round
 #    (SIMULATED: `--simulate-accept`; random drafts are never accepted). One run each: the cold 8k prefill takes
 #    ~55 s at TP=2 (torch-op prefill).
+# 4. bench/plot_tp.py: the step sweep's plot.
 # Each under its own limit; results and logs land in $OUT (or bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,3 +31,4 @@ for a in 6 8; do
     timeout -k 10 150 python3 bench/serve_e2e.py --model "$CKPT" --tp "$N" --draft mtp --draft-k 8 --simulate-accept $a \
         --runs 1 --load-timeout 100 --out "$OUT/serve_e2e_tp${N}_mtp_a$a.json" 2>&1 | tail -1
 done
+[ -f "$OUT/tp_gpu_tp$N.json" ] && python3 bench/plot_tp.py "$OUT/tp_gpu_tp$N.png" "TP=$N=$OUT/tp_gpu_tp$N.json"

@@ -47,7 +47,7 @@ def all_reduce(ranks, xs, outs=None):
 
 
 @needs_triton
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_rank_gets_the_same_sum_call_after_call(world):
     ranks = simulated_ranks(world)
     g = torch.Generator().manual_seed(world)
