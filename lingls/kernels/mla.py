@@ -2,18 +2,23 @@
 
 Each cache row is [c (rank) | k_rope (rope)]. A query t of head h scores row j as
     s = scale * (q_lat[t, h] . c_j + q_rope[t, h] . k_rope_j),   visible iff j <= positions[t],
-and returns sum_j softmax(s)_j c_j (the latent output; W_v is applied after, by the caller).
+and returns sum_j softmax(s)_j c_j (the latent output), or, in the step's form (`mla_attend`), the gated value
+output sigmoid(g[t, h]) * (o_lat[t, h] @ W_v[h]^T) that the output projection reads.
 
 The kernel splits the rows into NUM_SPLITS ranges, one program per (range, group of heads): a program puts its
 heads' queries into one MMA tile (all 8 heads of a TP=4 rank at T=1), and the programs of a range read the
 same rows, so the cache crosses HBM about once and the other head groups hit L2. The number of rows to
 read comes from `positions` on the device (the last query's position + 1), so a CUDA graph captured once
 serves every length up to the cache's capacity without the host ever learning the length. A second small
-kernel merges the ranges' partial softmaxes.
+kernel merges the ranges' partial softmaxes, one program per (query, head, 64 latent columns); in the step's
+form it also applies W_v and the gate (the last of a row's programs sums the column blocks' shares), which
+replaces a cuBLAS product, a cast and three elementwise launches per layer.
 
 Before it, `mla_prologue` turns a step's projections into the cache rows and the rotated queries in one launch
 per step (one program per token): the RMSNorm of the latent, rope on the shared key and on every head's query,
-and the write of [c | k_rope] at the token's position. In torch ops that is ~25 small kernels per MLA layer.
+and the write of [c | k_rope] at the token's position; programs beside them (one per head and 64 latent columns)
+absorb W_k into the queries, q_lat = q_nope @ W_k. In torch ops that is ~25 small kernels and a cuBLAS product
+per MLA layer.
 """
 
 from __future__ import annotations
