@@ -88,6 +88,32 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.c
 
 
 @triton.jit
+def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
+              BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr,
+              F32_DOT: tl.constexpr):
+    """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo, (wt, wu) being the first tile, already loaded
+    (callers request it before waiting on the previous kernel where they can): [16, ROWS] fp32 sums for W's rows
+    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path)."""
+    rt = tl.arange(0, 16)
+    rk = tl.arange(0, BLOCK_K)
+    if FMA:  # one token: products on the FMA units, reduced over K once at the end
+        acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
+        acc_up = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((16, ROWS), tl.float32)
+        acc_up = tl.zeros((16, ROWS), tl.float32)
+    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
+    for i in range(1, K_ITERS):
+        kk = k_lo + i * BLOCK_K + rk
+        wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
+        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
+    if FMA:
+        acc = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :]
+        acc_up = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -104,20 +130,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if FMA:  # one token: products on the FMA units, reduced over K once at the end
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    else:
-        acc = tl.zeros((16, BLOCK_N), tl.float32)
-        acc_up = tl.zeros((16, BLOCK_N), tl.float32)
-    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
-    for i in range(1, K_ITERS):
-        kk = k_lo + i * BLOCK_K + rk
-        wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
-        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
-    if FMA:
-        acc = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc, axis=1)[None, :]
-        acc_up = tl.zeros((16, BLOCK_N), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
+    acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
+                            SWIGLU, FMA, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1

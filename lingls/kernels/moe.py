@@ -46,7 +46,7 @@ import triton.language as tl
 
 from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _load_w, _mma, _swiglu, counters
+from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
 
 
 class MoEWeights(NamedTuple):
@@ -91,20 +91,8 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if FMA:
-        acc = tl.zeros((BLOCK_E, BLOCK_K), tl.float32)
-    else:
-        acc = tl.zeros((16, BLOCK_E), tl.float32)
-    acc, _ = _accumulate(acc, acc, x_ptr, wr, wr, rt, k_lo + rk, T, H, H, False, FMA, F32_DOT)
-    for i in range(1, K_ITERS):
-        kk = k_lo + i * BLOCK_K + rk
-        wr, _ = _load_w(w_ptr, re, kk, E, H, H, False)
-        acc, _ = _accumulate(acc, acc, x_ptr, wr, wr, rt, kk, T, H, H, False, FMA, F32_DOT)
-    if FMA:
-        tl.store(part_ptr + pid_k * 16 * E + re, tl.sum(acc, axis=1), mask=re < E)
-    else:
-        tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc,
-                 mask=(rt[:, None] < T) & (re[None, :] < E))
+    acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, F32_DOT)
+    tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
     if ROUTE:
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
@@ -278,6 +266,8 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             else:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32)
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32)
+            # gemv's `_dot_rows` loop, but loading every tile inside it: the expert is known only after the
+            # wait, so no first tile can be requested early, and the peeled form holds 44 registers more
             for i in range(0, K_ITERS):
                 kk = k_lo + i * BLOCK_K + rk
                 wg, wu = _load_w(base, ri, kk, inter, H, H, True)
