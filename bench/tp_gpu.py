@@ -12,7 +12,8 @@ crashes or hangs loses only itself; results stream to the parent as they come an
   Latency: median us per call over 200 back-to-back calls, eager and inside one CUDA graph, 5 KB and 45 KB.
 - `model`: build_flash(42 layers, tp=N) per rank (random bf16 weights, real shapes; fewer layers if it would
   not fit, said in the output), FusedStep at T=1 (decode) and the verify sizes of --tokens (default 9) over an
-  8k context, captured in a CUDA graph: median ms with NCCL and with the peer all-reduce, the per-rank byte
+  8k context, captured in a CUDA graph: median ms with NCCL, with the peer all-reduce followed by the add +
+  RMSNorm kernel, and with the two fused in one kernel (`peer`, what make_parallel sets up), the per-rank byte
   floor, the ratio, all-reduces per step, and whether the first and last ranks (and both all-reduces) produce
   the same hidden states.
 
@@ -295,11 +296,11 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
                        "floor_ms": floor_bytes(model, t, distinct) / bw * 1e3}
             put(f"T{t}", dict(rows[t]))
 
-        def measure(name: str, op) -> None:
+        def measure(name: str, op, add_norm=None) -> None:
             for t, (ids, pos) in inputs.items():
                 row = rows[t]
                 try:
-                    par.all_reduce = op
+                    par.all_reduce, par.all_reduce_add_norm = op, add_norm
                     outs[name, t] = fused.step(ids, state.clone(), pos).clone()
                     work = state.clone()
                     replay = graphed(lambda: fused.step(ids, work, pos))
@@ -322,9 +323,12 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
         put("peer_created", peer is not None)
         if peer is None:
             return
-        measure("peer", peer)
+        measure("peer_unfused", peer)  # all-reduce, then the add + RMSNorm kernel
+        measure("peer", peer, peer.add_rms_norm)  # the two in one kernel, as make_parallel sets it up
         for t in inputs:
-            a, b = outs.get(("nccl", t)), outs.get(("peer", t))
+            a, b, u = outs.get(("nccl", t)), outs.get(("peer", t)), outs.get(("peer_unfused", t))
+            if b is not None and u is not None:
+                rows[t]["peer_fused_equals_unfused"] = torch.equal(b, u)  # the same bits, one launch fewer
             if a is not None and b is not None:
                 rows[t]["peer_equals_nccl"] = torch.equal(a, b)
                 rows[t]["rel_diff_peer_vs_nccl"] = ((a.float() - b.float()).norm() / a.float().norm()).item()
@@ -350,15 +354,17 @@ def report(result: dict) -> None:
     if model:
         print(f"\n## Ling-3.0-flash TP={result.get('tp', 2)}, {model.get('layers', '?')} layers, "
               f"{model.get('weights_GB_per_rank', 0):.1f} GB/rank, ctx {CONTEXT}, FusedStep in a CUDA graph (rank 0)")
-        print("| T | all-reduces | floor ms | NCCL ms | x floor | peer ms | x floor | peer == NCCL | ranks equal |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| T | all-reduces | floor ms | NCCL ms | x floor | peer unfused ms | peer ms | x floor | "
+              "fused == unfused | peer == NCCL | ranks equal |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for t in sorted(int(k[1:]) for k in model if k[:1] == "T" and k[1:].isdigit()):
             r = model.get(f"T{t}")
             if not r:
                 continue
             f = lambda k, fmt="{:.3f}": "-" if r.get(k) is None else fmt.format(r[k])  # noqa: E731
             print(f"| {t} | {f('all_reduces_per_step', '{}')} | {f('floor_ms')} | {f('nccl_ms')} | "
-                  f"{f('nccl_over_floor', '{:.2f}')} | {f('peer_ms')} | {f('peer_over_floor', '{:.2f}')} | "
+                  f"{f('nccl_over_floor', '{:.2f}')} | {f('peer_unfused_ms')} | {f('peer_ms')} | "
+                  f"{f('peer_over_floor', '{:.2f}')} | {f('peer_fused_equals_unfused', '{}')} | "
                   f"{f('peer_equals_nccl', '{}')} | {f('peer_ranks_identical', '{}')} |")
         if "note" in model:
             print("note:", model["note"])

@@ -36,6 +36,9 @@ class Parallel:
     size: int = 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     all_gather_last: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # concatenates shards on the last dim
+    # (x, residual, weight, eps) -> (rms_norm(residual + all_reduce(x)), residual updated in place) in one
+    # kernel, where the collective has one (the peer all-reduce); None: all_reduce, then the norm kernel
+    all_reduce_add_norm: Callable | None = None
 
     def split(self, n: int, what: str) -> int:
         if n % self.size:

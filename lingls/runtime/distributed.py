@@ -62,7 +62,8 @@ def make_parallel(rank: int, size: int) -> Parallel:
             dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
 
-    return Parallel(rank, size, all_reduce, all_gather_last)
+    fused = getattr(all_reduce, "add_rms_norm", None)  # the peer all-reduce's fused add + RMSNorm
+    return Parallel(rank, size, all_reduce, all_gather_last, fused)
 
 
 def check_gpus(tp: int) -> None:

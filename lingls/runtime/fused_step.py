@@ -6,7 +6,8 @@ contiguous tensor and the model's own parameters are re-pointed at views of it (
 so the eager model and this step keep computing from the same memory.
 
 Per decoder layer, with the residual stream kept in the activation dtype as the model keeps it:
-- add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer;
+- add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer; under tensor parallelism with the
+  peer all-reduce, the all-reduce before each of them joins that kernel (`Parallel.all_reduce_add_norm`);
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
 - MLA: one GEMV for q, the latent's down-projection and the gate; `mla.mla_prologue` (RMSNorm of the latent,
@@ -50,6 +51,7 @@ class _Ops:
         from lingls.kernels import gemv, kda, mla, moe, norm
 
         pdl = pdl and kernels and torch.cuda.is_available()  # programmatic dependent launch: CUDA only
+        self.kernels, self.pdl = kernels, pdl
         self.linear = partial(gemv.gemv, pdl=pdl) if kernels else gemv.gemv_reference
         self.kda_step = partial(kda.fused_kda_step, pdl=pdl) if kernels else kda.kda_step_reference
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
@@ -133,17 +135,23 @@ class FusedStep:
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
                 a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, angles)
-            x, residual = ops.add_rms_norm(self.par.all_reduce(a), residual, layer.post_attention_layernorm.weight,
-                                           self.cfg.rms_norm_eps)
-            m = self.par.all_reduce(self._mlp(entry, x, i))
+            x, residual = self._reduce_add_norm(a, residual, layer.post_attention_layernorm.weight)
+            m = self._mlp(entry, x, i)
             if j + 1 < len(entries):
-                x, residual = ops.add_rms_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight,
-                                               self.cfg.rms_norm_eps)
+                x, residual = self._reduce_add_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight)
             else:
-                residual = residual + m
+                residual = residual + self.par.all_reduce(m)
             if keep and i in keep:
                 kept[i] = residual.clone()  # the stream is updated in place by the next layer
         return residual if keep is None else (residual, kept)
+
+    def _reduce_add_norm(self, a, residual, weight):
+        """(rms_norm(residual + all_reduce(a)), the new residual): one kernel where the collective fuses the
+        add and the norm (the peer all-reduce, kernels on), else the all-reduce, then `add_rms_norm`."""
+        fused = self.par.all_reduce_add_norm
+        if fused is not None and self.ops.kernels:
+            return fused(a, residual, weight, self.cfg.rms_norm_eps, pdl=self.ops.pdl)
+        return self.ops.add_rms_norm(self.par.all_reduce(a), residual, weight, self.cfg.rms_norm_eps)
 
     def _kda(self, entry, x, state, slot: int, stage) -> torch.Tensor:
         attn: KimiDeltaAttention = entry["layer"].attention

@@ -27,6 +27,11 @@ How:
   polls its flag with acquire semantics at system scope, then a CTA barrier, then reads the slots (volatile
   loads: the data was written by another GPU). The sum is formed in fp32 in rank order 0..WORLD-1, so every
   rank gets bit-identical results.
+- Every all-reduce in a layer is followed by the residual add and the next RMSNorm. `add_rms_norm` does all
+  three in one launch (`_one_shot_add_norm_kernel`, one program per token row, so the norm's sum of squares
+  stays in the program) with the same bits as the two kernels, saving a launch per all-reduce (84 per step).
+  It runs on its own channel of the buffer (flags, slots, epochs), because it splits a message by rows and
+  the plain kernel by BLOCK elements: sharing epochs would let a fast rank reuse a slot a peer still reads.
 - A bounded spin: a peer that never arrives (dead process, mismatched calls) sets `error` instead of hanging
   the GPU forever; `failed()` reads it.
 
@@ -61,11 +66,14 @@ log = logging.getLogger(__name__)
 BLOCK = 1024  # elements per program (2 KB of bf16: 16-byte vectors over 4 warps)
 MAX_SPIN = 1 << 24  # flag polls before a program gives up (~10 s or more: far beyond any legitimate skew)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CHANNELS = 2  # 0: the plain all-reduce; 1: all-reduce + residual add + RMSNorm (one program per row)
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """Byte layout of one rank's receive buffer."""
+    """Byte layout of one rank's receive buffer: `CHANNELS` independent channels, each its flag words then its
+    data. A channel's programs keep their own epochs, so two kernels that split messages differently (the plain
+    all-reduce by BLOCK elements, the fused add + RMSNorm by rows) never meet in one flag or slot."""
 
     world: int
     max_bytes: int  # per slot: the largest message, in bytes
@@ -79,8 +87,12 @@ class _Layout:
         return -(-self.max_programs * self.world * 8 // 256) * 256  # data starts 256-byte aligned
 
     @property
-    def total(self) -> int:
+    def channel_bytes(self) -> int:
         return self.flag_bytes + 2 * self.world * self.max_bytes
+
+    @property
+    def total(self) -> int:
+        return CHANNELS * self.channel_bytes
 
 
 if triton is not None:
@@ -136,6 +148,68 @@ if triton is not None:
             tl.store(epochs_ptr + pid, e)
 
 
+    @triton.jit
+    def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, data_ptr, flag_ptr, delta_ptr, epochs_ptr,
+                                  error_ptr, N, slot_elems, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                  BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr,
+                                  MAX_SPIN: tl.constexpr, USE_PDL: tl.constexpr):
+        """Row `program_id` of x [T, N]: a = sum over ranks of x (rounded to x's dtype, as the plain all-reduce
+        leaves it), then `norm.add_rms_norm`'s arithmetic: h = a + residual (rounded to the residual's dtype,
+        written back to it), out = w * rms_norm(h). The same bits as the all-reduce followed by that kernel, in
+        one launch: a whole row per program, so the norm's sum of squares never leaves the program. Flags, slots
+        and epochs are those of `_one_shot_kernel`, on channel 1 of the receive buffer."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        offs = row * N + cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: loaded before the wait
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        e = tl.load(epochs_ptr + row) + 1
+        parity = e % 2
+        esize: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+        x = tl.load(x_ptr + offs, mask=mask)
+        if PUSH:
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    delta = tl.multiple_of(tl.load(delta_ptr + r) // esize, 128)
+                    slot = tl.multiple_of((parity * WORLD + RANK) * slot_elems, 128)
+                    tl.store(data_ptr + delta + slot + offs, x, mask=mask)
+            tl.debug_barrier()
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    peer_flag = flag_ptr + tl.load(delta_ptr + r) // 8 + row * WORLD + RANK
+                    tl.atomic_xchg(peer_flag, e, sem="release", scope="sys")
+        if REDUCE:
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    flag = flag_ptr + row * WORLD + r
+                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                    spins = 0
+                    while (seen < e) & (spins < MAX_SPIN):
+                        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                        spins += 1
+                    if seen < e:
+                        tl.atomic_xchg(error_ptr, 1)
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for r in tl.static_range(WORLD):  # fixed order: the same bits on every rank
+                if r == RANK:
+                    acc += x.to(tl.float32)
+                else:
+                    slot = tl.multiple_of((parity * WORLD + r) * slot_elems, 128)
+                    acc += tl.load(data_ptr + slot + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            a = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+            h = (a + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+            y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight
+            tl.store(out_ptr + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(epochs_ptr + row, e)
+
+
 class PeerAllReduce:
     """Sum-all-reduce of a small CUDA tensor across the ranks of `group` (one process per GPU, one host).
 
@@ -163,10 +237,16 @@ class PeerAllReduce:
         if any(d % 512 for d in deltas):
             raise ValueError("peer buffers are not 512-byte aligned")
         self.deltas = torch.tensor(deltas, dtype=torch.int64, device=device)
-        self.flags = buffer[:self.layout.flag_bytes].view(torch.int64)
-        self._data = {dt: buffer[self.layout.flag_bytes:].view(dt) for dt in DTYPES}
-        self.epochs = torch.zeros(self.layout.max_programs, dtype=torch.int64, device=device)  # never wraps
+        self.flags, self._data, self.epochs = self._channel(0)
+        self.norm_flags, self._norm_data, self.norm_epochs = self._channel(1)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def _channel(self, c: int):
+        """Channel c's flag words, its data (one view per dtype) and its programs' epochs (never wrap)."""
+        lay = self.layout
+        chunk = self.buffer[c * lay.channel_bytes:(c + 1) * lay.channel_bytes]
+        epochs = torch.zeros(lay.max_programs, dtype=torch.int64, device=self.buffer.device)
+        return chunk[:lay.flag_bytes].view(torch.int64), {dt: chunk[lay.flag_bytes:].view(dt) for dt in DTYPES}, epochs
 
     # ---- setup --------------------------------------------------------------------------------------------
     @classmethod
@@ -246,7 +326,7 @@ class PeerAllReduce:
             return
         cuda, device, own, opened = mapping
         torch.cuda.synchronize(device)
-        self.buffer = self.flags = self._data = None
+        self.buffer = self.flags = self._data = self.norm_flags = self._norm_data = None
         _release(cuda, device, own, opened)
 
     def _self_check(self) -> str | None:
@@ -286,6 +366,33 @@ class PeerAllReduce:
             self.layout.max_bytes // x.element_size(),
             RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, PUSH=push, REDUCE=reduce, MAX_SPIN=max_spin,
             num_warps=4)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     pdl: bool = False):
+        """`norm.add_rms_norm(all_reduce(x), residual, weight, eps)` in one launch, bit for bit: returns (normed,
+        residual), residual updated in place; x is left as it was (not reduced). Messages the buffer cannot
+        take go through the two-step form. pdl: programmatic dependent launch (the norm weight is loaded
+        before waiting for the previous kernel)."""
+        from lingls.kernels.norm import add_rms_norm
+
+        if not (self.fits(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
+                and residual.dtype == x.dtype and x.shape[0] <= self.layout.max_programs):
+            return add_rms_norm(self(x), residual, weight, eps, pdl=pdl)
+        return self.launch_add_norm(x, residual, weight, eps, pdl=pdl), residual
+
+    def launch_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        pdl: bool = False, push: bool = True, reduce: bool = True,
+                        max_spin: int = MAX_SPIN) -> torch.Tensor:
+        """The kernel of `add_rms_norm`, unchecked (tests run its halves apart, as `launch`'s)."""
+        t, n = x.shape
+        out = torch.empty(t, n, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+        pdl = pdl and x.is_cuda
+        _one_shot_add_norm_kernel[(t,)](
+            x, residual, weight, out, self._norm_data[x.dtype], self.norm_flags, self.deltas, self.norm_epochs,
+            self.error, n, self.layout.max_bytes // x.element_size(), float(eps), RANK=self.rank, WORLD=self.world,
+            BLOCK=triton.next_power_of_2(n), PUSH=push, REDUCE=reduce, MAX_SPIN=max_spin, USE_PDL=pdl,
+            num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        return out
 
     def failed(self) -> bool:
         """True once any call timed out waiting for a peer (host sync: call it outside the hot loop)."""

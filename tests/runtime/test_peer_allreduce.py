@@ -68,11 +68,60 @@ def test_every_rank_gets_the_same_sum_call_after_call(world):
         assert [int(f) for i, f in enumerate(r.flags[:world]) if i != r.rank] == [5] * (world - 1)
 
 
+def add_norm(ranks, xs, residuals, weight, eps=1e-6):
+    for r, x, res in zip(ranks, xs, residuals):
+        r.launch_add_norm(x, res, weight, eps, push=True, reduce=False)
+    return [r.launch_add_norm(x, res, weight, eps, push=False, reduce=True) for r, x, res in zip(ranks, xs, residuals)]
+
+
+@needs_triton
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_add_norm_is_the_all_reduce_then_the_norm_kernel_bit_for_bit(world):
+    """The fused kernel against the two launches it replaces (the plain all-reduce, then norm.add_rms_norm's
+    kernel), call after call with changing row counts, interleaved with plain all-reduces on the other channel."""
+    from lingls.kernels.norm import fused_add_rms_norm
+
+    ranks = simulated_ranks(world)
+    g = torch.Generator().manual_seed(world)
+    weight = torch.randn(2560, generator=g).bfloat16()
+    base = torch.randn(16, 2560, generator=g).bfloat16()
+    for call, t in enumerate([1, 9, 16, 1, 3]):
+        xs = [torch.randn(t, 2560, generator=g).bfloat16() for _ in range(world)]
+        kept = [x.clone() for x in xs]
+        residuals = [base[:t].clone() for _ in range(world)]
+        outs = add_norm(ranks, xs, residuals, weight)
+        summed = all_reduce(ranks, [x.clone() for x in kept])[0]  # channel 0, between two fused calls
+        want_res = base[:t].clone()
+        want, _ = fused_add_rms_norm(summed, want_res, weight, 1e-6)
+        for r in range(world):
+            assert torch.equal(outs[r], want) and torch.equal(residuals[r], want_res)
+            assert torch.equal(xs[r], kept[r])  # the input is not reduced in place
+        assert all(int(r.error) == 0 for r in ranks)
+    assert [int(r.norm_epochs[0]) for r in ranks] == [5] * world  # row 0 took part in every fused call
+    assert [int(r.epochs[0]) for r in ranks] == [5] * world
+
+
+@needs_triton
+def test_fused_add_norm_falls_back_where_the_buffer_cannot_take_it():
+    """CPU tensors (and messages too large) take the two-step path: the process group's all-reduce, the norm."""
+    ranks = simulated_ranks(2)
+    calls = []
+    ranks[0].__class__ = type("Counting", (pa.PeerAllReduce,), {"__call__": lambda self, x: calls.append(x) or x})
+    x, res, w = torch.randn(2, 2560).bfloat16(), torch.randn(2, 2560).bfloat16(), torch.ones(2560).bfloat16()
+    want_res = res.clone()
+    from lingls.kernels.norm import add_rms_norm_reference
+
+    want, _ = add_rms_norm_reference(x, want_res, w, 1e-6)
+    out, new_res = ranks[0].add_rms_norm(x, res, w, 1e-6)
+    assert len(calls) == 1 and new_res is res and torch.equal(res, want_res)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
 @needs_triton
 def test_float32_in_place_is_exact_and_parities_alternate():
     ranks = simulated_ranks(2)
     layout = ranks[0].layout
-    received = ranks[0].buffer[layout.flag_bytes:].view(torch.float32).view(2, 2, -1)  # [parity, slot, elems]
+    received = ranks[0].buffer[layout.flag_bytes:layout.channel_bytes].view(torch.float32).view(2, 2, -1)  # [parity, slot, elems]
     for call in range(4):
         xs = [torch.randn(5, 1000) for _ in range(2)]  # 5000 elements: the last program is partial
         partial1, want = xs[1].flatten().clone(), xs[0] + xs[1]
