@@ -22,6 +22,8 @@ Modes (--tp N, default 4):
   the per-rank compute of TP=N without communication (--tp 4 on one H200: 64.5 GB of weights with the MTP layer;
   --stub forces this mode).
 K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; no new phase starts after --budget-s.
+--profile adds, at a = --profile-a, the device time per kernel of each captured phase (the bare K+1-token step
+with its head, the draft graph, the verify graph), to name what a round spends beyond the bare step.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
     python3 bench/spec_flash_gpu.py --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
@@ -131,6 +133,34 @@ def rounds_at(spec: Speculator, a: int, rounds: int, context: int) -> dict:
             "forced_count_honoured": all(n == a for n in ns), "rounds": rounds}
 
 
+def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: int = 25) -> dict:
+    """Device time per kernel name (CUPTI via torch.profiler) in each captured phase of a round, replayed
+    `reps` times: the target's own K+1-token step with its head (what verify would cost bare), the draft graph
+    and the verify graph, so the verify's extra over the bare step and the draft's parts can be named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = spec.runner
+    kv = r.bucket(context)
+    graphs = {"target_step": lambda: r.run_step(k + 1, kv, True),
+              "draft": spec._graphs[("draft", kv)].replay,
+              "verify": spec._graphs[("verify", kv, True, True)].replay}
+    out = {}
+    for name, fn in graphs.items():
+        r.pos.fill_(context - (reps + 4) * (k + 1))
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        rows = [dict(kernel=e.key[:100], us=e.device_time_total / reps, launches=e.count / reps)
+                for e in prof.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda x: -x["us"])
+        out[name] = [dict(kernel="(all kernels)", us=sum(x["us"] for x in rows),
+                          launches=sum(x["launches"] for x in rows))] + rows[:top]
+    return out
+
+
 def run_rank(args, par: Parallel, device: torch.device) -> dict:
     t_start = time.perf_counter()
     rank0 = par.rank == 0
@@ -219,6 +249,13 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                 say(f"K={k} a={a}: draft {row['draft_ms']:.3f} + verify {row['verify_ms']:.3f} = round "
                     f"{row['round_ms']:.3f} ms, TPOT {row['tpot_ms']:.3f} ms (loop {row['loop_tpot_ms']:.3f})")
                 save()
+                if args.profile and a == args.profile_a and device.type == "cuda":
+                    with torch.inference_mode():
+                        res.setdefault("profile", {})[f"K={k} a={a}"] = prof = profile_round(spec, k, args.context)
+                    for phase, rows in prof.items():
+                        say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us']:.0f}us x{x['launches']:.0f}"
+                                                           for x in rows[:8]))
+                    save()
         except Exception as e:
             res["errors"][f"K={k}"] = repr(e)
             say(f"K={k} failed:", traceback.format_exc())
@@ -338,6 +375,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=30, help="timed plain decode steps")
     p.add_argument("--budget-s", type=float, default=180.0, help="start no new phase after this many seconds")
     p.add_argument("--tiny", action="store_true", help="tiny random model on CPU (checks the script)")
+    p.add_argument("--profile", action="store_true", help="kernel times of the round's graphs (GPU) at --profile-a")
+    p.add_argument("--profile-a", type=int, default=6, help="the forced acceptance the profile runs at")
     p.add_argument("--out", default="bench/results/spec_flash.json")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",")]
