@@ -4,8 +4,7 @@ One TP=4 rank's shard of Ling-3.0-flash (random bf16 weights, all-reduce stubbed
 context. For T = 1 and 9: the plain step (`LingForCausalLM.step`, torch ops) and `FusedStep` (the Triton
 kernels) from the same state, compared (relative error of the hidden state), then each captured in a CUDA
 graph and timed (median of replays) next to the step's byte floor; the fused step also without programmatic
-dependent launch (same bits required), to show what PDL saves, and with each of `ABLATIONS` switched off
-alone (the L2 prefetch of weight slices; the unrolled KDA token loop). Writes JSON, prints a table.
+dependent launch (same bits required), to show what PDL saves. Writes JSON, prints a table.
 
     python bench/fused_step_gpu.py OUT.json [LAYERS]
 """
@@ -18,13 +17,10 @@ import sys
 import torch
 
 from lingls.bench.step import build_flash, copy_bandwidth, median_ms
-from lingls.kernels import gemv, kda
 from lingls.model.ling import Router
 from lingls.runtime.fused_step import FusedStep
 
 CONTEXT = 8192
-# optimisations timed switched off, each alone, in the same run: name -> (module, its on/off switch)
-ABLATIONS = {"L2 prefetch": (gemv, "PREFETCH_L2"), "KDA token-loop unroll": (kda, "UNROLL")}
 
 
 def graphed(fn):
@@ -129,16 +125,6 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
             fused_ms = median_ms(fast, reps=30)
             no_pdl = graphed(lambda: fused_no_pdl.step(ids, work, pos))
             no_pdl_ms = median_ms(no_pdl, reps=30)
-            ablations = {}
-            for name, (module, flag) in ABLATIONS.items():  # the same step with one optimisation switched off
-                kept = getattr(module, flag)
-                setattr(module, flag, False)
-                try:
-                    same = torch.equal(got, fused.step(ids, state.clone(), pos).float())
-                    ablations[name] = dict(ms=median_ms(graphed(lambda: fused.step(ids, work, pos)), reps=30),
-                                           bit_identical=same)
-                finally:
-                    setattr(module, flag, kept)
             profile = kernel_profile(lambda: fused.step(ids, work, pos))
         floor_ms = floor_bytes(model, t, distinct) / bw * 1e3
         print(f"T={t} fused step, device time per kernel (eager):")
@@ -150,7 +136,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
         rows.append(dict(T=t, rel_err_hidden=rel, rel_kernels_vs_references=rel_kernels,
                          rel_plain_vs_references=rel_plain, rel_err_kda_state=rel_state, distinct_experts=distinct,
                          pdl_bit_identical=pdl_identical, plain_graph_ms=plain_ms, fused_graph_ms=fused_ms,
-                         fused_no_pdl_graph_ms=no_pdl_ms, ablations=ablations,
+                         fused_no_pdl_graph_ms=no_pdl_ms,
                          floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms, kernels=profile))
     result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
@@ -169,10 +155,6 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
         print(f"{r['T']:>3} {r['rel_err_hidden']:>8.1e} {r['plain_graph_ms']:>9.3f} "
               f"{r['fused_no_pdl_graph_ms']:>9.3f} {r['fused_graph_ms']:>9.3f} {r['floor_ms']:>9.3f} "
               f"{r['fused_over_floor']:>11.2f} {r['speedup']:>8.2f}")
-    for r in rows:
-        for name, a in r["ablations"].items():
-            print(f"T={r['T']} without {name}: {a['ms']:.3f} ms (with: {r['fused_graph_ms']:.3f}), "
-                  f"bit-identical {a['bit_identical']}")
     return 0 if ok else 1
 
 

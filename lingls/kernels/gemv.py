@@ -17,11 +17,6 @@ Epilogues fused here because the model needs them right after a projection:
 - `swiglu`: W holds [gate rows; up rows] (2N x K, gate first, as the checkpoint's gate_up stacking), and
   y = swiglu(x Wg^T, x Wu^T) with Ling's optional clamp; gate and up of a column live in the same program.
 
-Before it waits for the previous kernel, a program also asks the TMA engine to pull the rest of its weight
-slice into L2 (`_prefetch_l2`, one bulk prefetch per row): without it the K loop pays one HBM round trip per
-tile (Triton does not pipeline these loads), with it every tile after the first comes from L2, and the slice
-streams while the previous kernel still runs. The MoE kernels do the same once they know their expert.
-
 Triton's interpreter (CPU tests) computes bf16 `tl.dot` wrongly (Triton 3.6), so under TRITON_INTERPRET the
 operands are widened to fp32 first; on a GPU the MMA takes bf16 directly. Both give the exact bf16 products.
 """
@@ -37,8 +32,6 @@ import triton.language as tl
 from lingls.kernels import reference as ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# L2 prefetch of weight slices (PTX inline assembly: GPUs only). A switch so benchmarks can time without it.
-PREFETCH_L2 = not INTERPRET
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
 # Triton 3.6's interpreter cannot run a loop with a run-time bound under NumPy >= 2.4.
 MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
@@ -53,42 +46,6 @@ def _mma(acc, a, b, F32_DOT: tl.constexpr):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _prefetch_l2(base, row_bytes, rows, nbytes):
-    """Threads i < rows of the program each ask the TMA engine (sm_90 `cp.async.bulk.prefetch.L2`) to bring
-    bytes [base + i * row_bytes, + nbytes) into L2; nothing waits for it. base 16-byte aligned, row_bytes and
-    nbytes multiples of 16 (`prefetchable` checks the tensors). A hint only: what it fetches cannot go stale,
-    because L2 is where every write lands."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .b32 t;
-        .reg .b64 o, a;
-        mov.u32 t, %tid.x;
-        setp.lt.s32 p, t, $3;
-        mul.wide.u32 o, t, $2;
-        add.s64 a, $1, o;
-        @p cp.async.bulk.prefetch.L2.global [a], $4;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r,r,r", [base, row_bytes, rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_slice(w_ptr, row0, rows, k_lo, k_len, stride_w):
-    """L2 prefetch of W[row0 : row0 + rows, k_lo : k_lo + k_len] (rows clamped by the caller, k_len > 0)."""
-    esize: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_l2(w_ptr + row0.to(tl.int64) * stride_w + k_lo, stride_w * esize, rows, k_len * esize)
-
-
-def prefetchable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels may L2-prefetch rows of these weights: CUDA, 16-byte aligned, rows whose strides and
-    lengths are whole 16-byte units (the bulk prefetch's rule)."""
-    return PREFETCH_L2 and all(
-        t.is_cuda and t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-        and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
 @triton.jit
@@ -161,21 +118,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    # the first W tile is requested before waiting for the previous kernel (PDL): weights never depend on it;
-    # the rest of the slice is pulled into L2 meanwhile
-    if PREFETCH:
-        rows = tl.minimum(BLOCK_N, N - pid_n * BLOCK_N)
-        k_len = tl.minimum(K_PER, K - k_lo)
-        _prefetch_slice(w_ptr, pid_n * BLOCK_N, rows, k_lo, k_len, stride_w)
-        if SWIGLU:
-            _prefetch_slice(w_ptr, N + pid_n * BLOCK_N, rows, k_lo, k_len, stride_w)
+    # the first W tile is requested before waiting for the previous kernel (PDL): weights never depend on it
     wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -303,8 +253,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, PREFETCH=prefetchable(w), num_warps=num_warps,
-        num_stages=num_stages,
+        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

@@ -31,8 +31,7 @@ so the host never waits for the accepted count. It takes a leading layer dim, so
 Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias),
 then `gdc_wait`s for the previous kernel before touching anything a kernel writes (inputs, states,
 counters), then lets the next kernel launch (`gdc_launch_dependents`) so that kernel can load its own weights
-while this one runs. Before waiting it only asks for its state columns to be pulled into L2 (a hint that
-cannot read stale data: L2 is where every write lands). Since each kernel waits before it triggers, at most two neighbours overlap, and everything
+while this one runs. Since each kernel waits before it triggers, at most two neighbours overlap, and everything
 two or more launches back has completed: consecutive kda_step calls on the same state stay correct.
 """
 
@@ -46,8 +45,6 @@ from lingls.kernels import reference as ref
 try:
     import triton
     import triton.language as tl
-
-    from lingls.kernels.gemv import _prefetch_l2, prefetchable
 except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
     triton = tl = None
 
@@ -75,7 +72,7 @@ def _kda_step_kernel(
     out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr, stage_conv_ptr,
     q_scale, lower_bound, eps,
     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     h = tl.program_id(0)
     j = tl.program_id(1)
@@ -100,9 +97,6 @@ def _kda_step_kernel(
     wv3 = tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    s_off = h * D * D + dk[:, None] * D + dv[None, :]
-    if PREFETCH:  # this program's state columns (D rows of BV fp32) into L2 while the previous kernel ends
-        _prefetch_l2(state_ptr + h * D * D + j * BV, D * 4, D, BV * 4)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -117,11 +111,10 @@ def _kda_step_kernel(
     xv0 = tl.load(conv_ptr + (2 * C + cv) * 3 + 0).to(tl.float32)
     xv1 = tl.load(conv_ptr + (2 * C + cv) * 3 + 1).to(tl.float32)
     xv2 = tl.load(conv_ptr + (2 * C + cv) * 3 + 2).to(tl.float32)
+    s_off = h * D * D + dk[:, None] * D + dv[None, :]
     S = tl.load(state_ptr + s_off)  # [D, BV] fp32
 
-    # unrolled (UNROLL = T), the next tokens' loads, conv, norms and gates do not depend on S and overlap the
-    # current token's state update; rolled (1), each token's chain runs after the last one's
-    for t in tl.range(T, loop_unroll_factor=UNROLL):
+    for t in range(T):
         xq = tl.load(q_ptr + t * sq + ck).to(tl.float32)
         xk = tl.load(k_ptr + t * sk + ck).to(tl.float32)
         xv = tl.load(v_ptr + t * sv + cv).to(tl.float32)
@@ -218,8 +211,6 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 # Ling-3.0-flash TP=4 rank shapes on an H200 (bench/results/fused_step_shard42.json): at T=9 (staged verify)
 # 32 value columns per program take 22.6 us per layer against 28.2 us with 16; at T=1 the two are within 5%.
 CONFIGS = {1: (16, 4), 16: (32, 4)}
-UNROLL = True  # unroll the token loop of steps of up to UNROLL_MAX tokens (verify steps)
-UNROLL_MAX = 16
 
 
 def config_for(t: int) -> tuple[int, int]:
@@ -228,10 +219,9 @@ def config_for(t: int) -> tuple[int, int]:
 
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
                    lower_bound: float, eps: float = 1e-6, stage=None, out=None, pdl: bool = False,
-                   block_v: int | None = None, num_warps: int | None = None, unroll: bool | None = None) -> torch.Tensor:
+                   block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
-    block_v (value columns per program), num_warps and unroll (the token loop, T <= UNROLL_MAX) override
-    `CONFIGS` / `UNROLL`."""
+    block_v (value columns per program) and num_warps override `CONFIGS`."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
@@ -265,7 +255,6 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         if not (stage_state.is_contiguous() and stage_conv.is_contiguous()):
             raise ValueError("stage buffers must be contiguous")
     kwargs = {"launch_pdl": True} if pdl and q.is_cuda else {}
-    unroll = UNROLL if unroll is None else unroll
     _kda_step_kernel[(h, d // block_v)](
         q, k, v, f, b, z if z is not None else q,
         _row_stride(q, "q"), _row_stride(k, "k"), _row_stride(v, "v"), _row_stride(f, "f"), _row_stride(b, "b"),
@@ -275,7 +264,6 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         d ** -0.5, float(lower_bound), float(eps),
         T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
         STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=bool(kwargs),
-        UNROLL=t if unroll and t <= UNROLL_MAX else 1, PREFETCH=prefetchable(state) and block_v * 4 % 16 == 0,
         num_warps=num_warps, **kwargs,
     )
     return out

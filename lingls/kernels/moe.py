@@ -46,8 +46,7 @@ import triton.language as tl
 
 from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _prefetch_l2, _prefetch_slice,
-                                 _swiglu, counters, prefetchable)
+from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
 
 
 class MoEWeights(NamedTuple):
@@ -78,7 +77,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, D_PAD: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
                    WRITE_TOPK: tl.constexpr, ROUTE: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                   F32_DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                   F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token);
     with ROUTE the last program to arrive routes all T tokens and aligns the experts (otherwise
     `_route_token_kernel` does, one program per token)."""
@@ -88,9 +87,6 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER
-    if PREFETCH:  # the rest of the slice into L2 while the previous kernel ends (see gemv)
-        _prefetch_slice(w_ptr, pid_e * BLOCK_E, tl.minimum(BLOCK_E, E - pid_e * BLOCK_E), k_lo,
-                        tl.minimum(K_PER, H - k_lo), H)
     wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)  # requested before waiting: weights never change
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -243,8 +239,7 @@ def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.conste
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -265,11 +260,6 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
-            if PREFETCH:  # the expert's gate and up rows of this program into L2; the loop's loads meet them
-                rows = tl.minimum(BLOCK_I, inter - ib * BLOCK_I)
-                k_len = tl.minimum(K_PER, H - k_lo)
-                _prefetch_slice(base, ib * BLOCK_I, rows, k_lo, k_len, H)
-                _prefetch_slice(base, inter + ib * BLOCK_I, rows, k_lo, k_len, H)
             if FMA:
                 acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
                 acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
@@ -322,8 +312,7 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -335,16 +324,6 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH and D_PER > 1:  # every slot's rows into L2 first: the loop below then waits on L2, not HBM
-        esize: tl.constexpr = dn_ptr.dtype.element_ty.primitive_bitwidth // 8
-        rows = tl.minimum(BLOCK_H, H - hb * BLOCK_H)
-        for k in range(0, D_PER):
-            d = sd + k * SPLIT_D
-            e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
-            if e >= 0:
-                inter = tl.where(e == E, I_S, I)
-                base = tl.where(e == E, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
-                _prefetch_l2(base + (hb * BLOCK_H) * inter, 0, 1, rows * inter * esize)  # rows are contiguous
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     for k in range(0, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
@@ -464,7 +443,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, wt, t, e, h, k_per, d_max, float(scale),
         BLOCK_E=router_block_e, BLOCK_K=router_block_k, K_ITERS=k_per // router_block_k, SPLIT=split,
-        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET, PREFETCH=prefetchable(router_w),
+        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
@@ -479,7 +458,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         x, gate_up, sgu, experts, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
-        PREFETCH=prefetchable(gate_up, sgu),
         num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
@@ -489,7 +467,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
-        F32_DOT=INTERPRET, PREFETCH=prefetchable(down, sdn), num_warps=k["dn_warps"], num_stages=3, **launch)
+        F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -218,8 +218,7 @@ def test_kernels_compile_for_h200_without_spills():
         for t, stage, norm, pdl in ((1, False, True, True), (9, True, True, True), (16, True, True, False),
                                     (4, False, False, False)):
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
-            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl,
-                          UNROLL=t, PREFETCH=pdl)
+            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
             build(kda._kda_step_kernel, types, consts, 4, pdl)
         build(kda._commit_kernel, dict(index_ptr="*i32", live_a="*fp32", staged_a="*fp32", live_b="*bf16",
               staged_b="*bf16"), dict(BLOCK=4096, BLOCKS_A=32, USE_PDL=True), 4, True)

@@ -127,21 +127,19 @@ def test_kernels_compile_for_h200():
         for tt, warps, d_pad in ((1, 2, 16), (9, 4, 128)):
             build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16"),
                   dict(routing, BLOCK_E=8, BLOCK_K=512, K_ITERS=1, SPLIT=5, TT=tt, D_PAD=d_pad, ROUTE=True,
-                       FMA=tt == 1, F32_DOT=False, PREFETCH=True), warps, True)
+                       FMA=tt == 1, F32_DOT=False), warps, True)
         build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True), 1, True)
         for fma in (False, True):
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
-                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
-                       PREFETCH=True),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False),
                   4, True)
-        for d_per, split_d, fma in ((1, 16, True), (10, 8, False)):  # decode; a verify step (slot prefetch loop)
-            build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-                  wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-                  dict(D_PER=d_per, SPLIT_D=split_d, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True,
-                       F32_DOT=False, PREFETCH=True), 8 if fma else 4, True)
+        build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
+              wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+              dict(D_PER=1, SPLIT_D=16, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=True, USE_PDL=True, F32_DOT=False),
+              8, True)
     """)
-    assert len(lines) == 7, lines
+    assert len(lines) == 6, lines
 
 
 @pytest.mark.parametrize("route", ["fused", "per_token"])
