@@ -46,6 +46,7 @@ import triton.language as tl
 
 from lingls.kernels import by_tokens
 from lingls.kernels import reference as ref
+from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
 
 
@@ -130,30 +131,6 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
         _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
         tl.store(cnt_ptr + 1 + re, tl.zeros_like(present), mask=re < E)
         tl.atomic_xchg(cnt_ptr, 0)
-
-
-# Routing compares packed int64 keys: the fp32 value's bits made order-preserving as a signed int in the high
-# half, (N_PAD - 1 - index) in the low half. One max then yields the best value and, among equal values, the
-# lowest index, where a float max would need a second reduction for the index.
-_NO_KEY = tl.constexpr(-(2 ** 63) + 1)  # below every key, -inf's included
-
-
-@triton.jit
-def _key(value, index, N_PAD: tl.constexpr):
-    bits = value.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller int
-    return (ordered.to(tl.int64) << 32) | (N_PAD - 1 - index).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    ordered = (key >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_index(key, N_PAD: tl.constexpr):
-    return N_PAD - 1 - (key & (N_PAD - 1)).to(tl.int32)
 
 
 @triton.jit

@@ -116,9 +116,30 @@ class FusedStep:
         """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden]."""
         if next_ids.shape[0] > MAX_TOKENS:
             return self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
-        layer, model = self.model.mtp_layers[depth], self.model.model
-        residual = layer.mix(model.word_embeddings(next_ids), model.norm(h))
-        return self._run(residual, self.mtp[depth: depth + 1], self.model.n_layers + depth, state, positions, kv_len)
+        layer = self.model.mtp_layers[depth]
+        return self._run(self._mix(layer, h, next_ids), self.mtp[depth: depth + 1], self.model.n_layers + depth,
+                         state, positions, kv_len)
+
+    def _mix(self, layer, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in five launches: the norms write
+        straight into the halves of eh_proj's input, which one GEMV reads."""
+        norm, eps, width = self.ops.add_rms_norm, self.cfg.rms_norm_eps, self.cfg.hidden_size
+        both = torch.empty(h.shape[0], 2 * width, dtype=h.dtype, device=h.device)
+        norm(self.model.model.word_embeddings(next_ids), None, layer.enorm.weight, eps, out=both[:, :width])
+        h_final, _ = norm(h, None, self.model.model.norm.weight, eps)
+        norm(h_final, None, layer.hnorm.weight, eps, out=both[:, width:])
+        return self.ops.linear(both, layer.eh_proj.weight)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """`LingForCausalLM.head` (final norm + lm_head, this rank's vocab shard) with the norm in one launch."""
+        x, _ = self.ops.add_rms_norm(h, None, self.model.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.model.lm_head(x)
+
+    def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch."""
+        y, _ = self.ops.add_rms_norm(x, None, self.model.mtp_layers[depth].final_layernorm.weight,
+                                     self.cfg.rms_norm_eps)
+        return self.model.lm_head(y)
 
     def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None):
         """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream."""

@@ -117,8 +117,9 @@ class ModelRunner:
 
         A decode step (t == 1) also chains: its token becomes the next input and the position advances."""
         positions = self.pos + self.arange[:t]
-        h = (self.fused or self.model).step(self.ids[:t], self.state, positions, kv_len=kv_len)
-        logits = self.model.par.all_gather_last(self.model.head(h))
+        step = self.fused or self.model
+        h = step.step(self.ids[:t], self.state, positions, kv_len=kv_len)
+        logits = self.model.par.all_gather_last(step.head(h))
         tok = sample(logits, positions + 1, greedy, self.temperature, self.top_p, self.seed)
         self.out[:t].copy_(tok)
         if t == 1:

@@ -36,7 +36,7 @@ from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.runner import ModelRunner, _Fence
-from lingls.runtime.sampling import uniform_hash
+from lingls.runtime.sampling import argmax, uniform_hash
 
 DEFAULT_K = 4
 COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)
@@ -86,7 +86,7 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
     """Greedy verification: (n, tokens) with tokens the target's argmax at each position and n the number of
     leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding would produce)."""
-    tokens = logits.argmax(-1)
+    tokens = argmax(logits)
     return (drafts == tokens[:-1]).long().cumprod(0).sum(), tokens
 
 
@@ -182,13 +182,14 @@ class MTPDrafter(Drafter):
         super().__init__(k)
         self.model, self.state = model, state
         self.mtp_step = model.mtp_step if fused is None else fused.mtp_step  # the fused kernels on CUDA
+        self.mtp_head = model.mtp_head if fused is None else fused.mtp_head
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.h_last = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # target hidden, last prefilled
         self.last_at: int | None = None  # its position (host)
         self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
 
     def _argmax(self, x):
-        return self.model.par.all_gather_last(self.model.mtp_head(x)).argmax(-1)
+        return argmax(self.model.par.all_gather_last(self.mtp_head(x)))
 
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
@@ -450,7 +451,7 @@ class Speculator:
         r, m, state = self.runner, self.model, self.runner.state
         positions = r.pos + self.arange
         h, feats = self._target(self.ids, positions, kv_len, staged=True)
-        logits = m.par.all_gather_last(m.head(h))
+        logits = m.par.all_gather_last((self.runner.fused or m).head(h))
         if greedy:
             n, tokens = accept_greedy(logits, self.ids[1:])
         else:

@@ -76,3 +76,23 @@ def test_dispatch_on_cpu_is_the_reference():
     x, w = torch.randn(3, 32).bfloat16(), torch.randn(50, 32).bfloat16()
     got, want = S.choose(x, w), S.lm_head_choose_reference(x, w)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("t,v,block,dtype", [(1, 157184 // 8, 512, torch.bfloat16), (9, 5000, 256, torch.float32),
+                                             (3, 100, 64, torch.bfloat16)])
+def test_argmax_rows_is_torch_argmax(poisoned, t, v, block, dtype):
+    """Every row's first maximum, as torch.argmax: random rows, rows of repeated maxima (bf16 ties are
+    common), a row of -inf but one, and a maximum in the last, partial block; several calls (the counters
+    reset themselves)."""
+    gen = torch.Generator().manual_seed(t * v)
+    x = torch.randn(t, v, generator=gen).to(DEV, dtype)
+    x[0, v // 3] = x[0, v - 1] = x[0].max() + 1  # a tie: the first one wins
+    if t > 1:
+        x[1] = float("-inf")
+        x[1, v - 1] = 0.0
+    if t > 2:
+        x[2] = x[2].round()  # many equal values
+    for _ in range(2):
+        got = S.argmax_rows(x, block=block)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    assert torch.equal(S.greedy(x), x.argmax(-1))

@@ -97,4 +97,7 @@ def test_mtp_step_equals_the_models(kernels):
             want = m.mtp_step(h[rows], ids[1:10][rows], want_state, pos)
             got = fused.mtp_step(h[rows], ids[1:10][rows], got_state, pos)
             assert (got - want).abs().max().item() < 1e-5
+        # the heads with their norms in one launch: the target's and the MTP layer's
+        assert (fused.head(h) - m.head(h)).abs().max().item() < 1e-5
+        assert (fused.mtp_head(got) - m.mtp_head(want)).abs().max().item() < 1e-5
     assert (got_state.latent - want_state.latent).abs().max().item() < 1e-5
