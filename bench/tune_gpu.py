@@ -6,8 +6,8 @@ flight decides their time, and that depends on the GPU. So each candidate settin
 graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
 (splits, block rows, warps); KDA its value columns per program and warps (staged per position at T=9, as in
-verification), and the token loop's loads pipelined or not; MoE sweeps its router (routing in its last program, or per token in a second launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
-whose output or experts differ from the reference; GEMV its settings per shape (the FMA path at T=1; pipelined K loops). The
+verification); MoE sweeps its router (routing in its last program, or per token in a second launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
+whose output or experts differ from the reference; GEMV its settings per shape (the FMA path at T=1). The
 best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for this process, and
 `fused_step_gpu.measure` then checks and times the whole step with them. The JSON lists every candidate; the
 winners are what the code's CONFIGS ship. Every MoE stage starts from the shipped settings, so a sweep cut
@@ -44,21 +44,18 @@ ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps
          [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="per_token", route_warps=rw)
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
                                   (8, 128, 4, 4, 4))]
-# pipelined loads (Triton's loop pipeliner, `*_stages` > 1) on top of the best settings so far, tried first
-STAGES = (2, 3)
 # gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
-GATE_UP = [dict(gu_stages=st) for st in STAGES] + [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
+GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
                                   (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
                                   (16, 4, 4, 128, True), (8, 5, 4, 512, True), (16, 5, 4, 256, True),
                                   (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True))]
-DOWN = [dict(dn_stages=st) for st in STAGES] + [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
+DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
                            (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True))]
-# (block_v, num_warps, loop_stages); None: the shipped value
-KDA_CANDIDATES = [(None, None, st) for st in STAGES] + [(bv, w, 1) for bv in (8, 16, 32) for w in (2, 4, 8)]
-GEMV = [{}] + [dict(loop_stages=st) for st in STAGES] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
+KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
+GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),
                                         (16, 256, 4, 4, False), (16, 256, 4, 3, True), (32, 128, 4, 3, True),
@@ -161,11 +158,10 @@ def tune_kda(fused: FusedStep, t: int) -> list[dict]:
         return {**first, "conv_state": pristine[0].clone(), "state": pristine[1].clone()}
 
     want = kda.kda_step_reference(**fresh(), **kw).float()
-    shipped = kda.config_for(t)
-    for bv, warps, stages in KDA_CANDIDATES:
+    for bv, warps in KDA_CANDIDATES:
         if time.time() > DEADLINE[0]:
             break
-        knobs = dict(block_v=bv or shipped[0], num_warps=warps or shipped[1], loop_stages=stages)
+        knobs = dict(block_v=bv, num_warps=warps)
         try:
             got = kda.fused_kda_step(**fresh(), **kw, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -286,7 +282,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
-                chosen["kda"][t] = (b["block_v"], b["num_warps"], b["loop_stages"])
+                chosen["kda"][t] = (b["block_v"], b["num_warps"])
             rows = tune_moe(fused, t) if "moe" in stages else []
             tuning["moe"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
@@ -299,10 +295,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
                 if ok:
                     b = min(ok, key=lambda r: r["us"])
-                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma",
-                                                     "loop_stages") if key in b}
-                    if list(knobs) == ["loop_stages"]:  # the shipped settings, pipelined
-                        knobs = {**gemv.CONFIGS.get((*shape, 1 if t == 1 else 16), {}), **knobs}
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma")
+                             if key in b}
                     if knobs:  # the shipped settings won: nothing to change
                         chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "
@@ -329,8 +323,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     print(json.dumps({"chosen": {k: {str(t): v for t, v in c.items()} for k, c in chosen.items()}}))
     # the shipped GEMV settings are the first candidate: what pinning the winners saves
     for t in (1, 9):
-        shipped = sum(r["us"] for r in tuning["gemv"]
-                      if r["T"] == t and "us" in r and "block_n" not in r and "loop_stages" not in r)
+        shipped = sum(r["us"] for r in tuning["gemv"] if r["T"] == t and "us" in r and "block_n" not in r)
         best = sum(min(r["us"] for r in tuning["gemv"] if r["T"] == t and "us" in r and (r["n"], r["k"]) == (n, k))
                    for n, k in {(r["n"], r["k"]) for r in tuning["gemv"] if r["T"] == t})
         print(f"gemv T={t}: shipped settings {shipped:.1f} us per set of shapes, tuned {best:.1f} us")

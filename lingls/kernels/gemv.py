@@ -90,12 +90,10 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.c
 @triton.jit
 def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
               BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-              F32_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
+              F32_DOT: tl.constexpr):
     """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo, (wt, wu) being the first tile, already loaded
     (callers request it before waiting on the previous kernel where they can): [16, ROWS] fp32 sums for W's rows
-    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path). LOOP_STAGES > 1 asks
-    Triton to pipeline the loop's loads (tiles in flight while one is multiplied): Triton does so by itself
-    only for loads that feed an MMA."""
+    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path)."""
     rt = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     if FMA:  # one token: products on the FMA units, reduced over K once at the end
@@ -105,7 +103,7 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
         acc = tl.zeros((16, ROWS), tl.float32)
         acc_up = tl.zeros((16, ROWS), tl.float32)
     acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
-    for i in tl.range(1, K_ITERS, num_stages=LOOP_STAGES):
+    for i in range(1, K_ITERS):
         kk = k_lo + i * BLOCK_K + rk
         wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
         acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
@@ -120,7 +118,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -133,7 +131,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
-                            SWIGLU, FMA, F32_DOT, LOOP_STAGES)
+                            SWIGLU, FMA, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -228,15 +226,13 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, fma: bool | None = None, loop_stages: int | None = None,
-         pdl: bool = False) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
-    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path;
-    `loop_stages` > 1 pipelines the K loop's loads (see `_dot_rows`). `pdl`:
+    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
     programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
     """
     t, k = x.shape
@@ -248,7 +244,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     block_k = block_k or tuned.get("block_k", 256)
     num_warps, num_stages = num_warps or tuned.get("num_warps", 4), num_stages or tuned.get("num_stages", 3)
     fma = t == 1 and (tuned.get("fma", False) if fma is None else fma)
-    loop_stages = loop_stages or tuned.get("loop_stages", 1)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
     blocks = triton.cdiv(n, block_n)
@@ -258,8 +253,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, LOOP_STAGES=loop_stages, num_warps=num_warps,
-        num_stages=num_stages,
+        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

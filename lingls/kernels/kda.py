@@ -72,7 +72,7 @@ def _kda_step_kernel(
     out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr, stage_conv_ptr,
     q_scale, lower_bound, eps,
     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    STAGE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     h = tl.program_id(0)
     j = tl.program_id(1)
@@ -114,8 +114,7 @@ def _kda_step_kernel(
     s_off = h * D * D + dk[:, None] * D + dv[None, :]
     S = tl.load(state_ptr + s_off)  # [D, BV] fp32
 
-    # LOOP_STAGES > 1: the next tokens' input loads are issued while this token's state update runs
-    for t in tl.range(T, num_stages=LOOP_STAGES):
+    for t in range(T):
         xq = tl.load(q_ptr + t * sq + ck).to(tl.float32)
         xk = tl.load(k_ptr + t * sk + ck).to(tl.float32)
         xv = tl.load(v_ptr + t * sv + cv).to(tl.float32)
@@ -211,20 +210,18 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 # (block_v, num_warps) by the step's token count (the smallest key >= T applies), timed by bench/tune_gpu.py at
 # Ling-3.0-flash TP=4 rank shapes on an H200 (bench/results/fused_step_shard42.json): at T=9 (staged verify)
 # 32 value columns per program take 22.6 us per layer against 28.2 us with 16; at T=1 the two are within 5%.
-CONFIGS = {1: (16, 4, 1), 16: (32, 4, 1)}  # (block_v, num_warps, loop_stages)
+CONFIGS = {1: (16, 4), 16: (32, 4)}
 
 
-def config_for(t: int) -> tuple[int, int, int]:
+def config_for(t: int) -> tuple[int, int]:
     return by_tokens(CONFIGS, t)
 
 
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
                    lower_bound: float, eps: float = 1e-6, stage=None, out=None, pdl: bool = False,
-                   block_v: int | None = None, num_warps: int | None = None,
-                   loop_stages: int | None = None) -> torch.Tensor:
+                   block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
-    block_v (value columns per program), num_warps and loop_stages (> 1: the token loop's loads pipelined)
-    override `CONFIGS`."""
+    block_v (value columns per program) and num_warps override `CONFIGS`."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
@@ -240,9 +237,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:
         raise ValueError("the gated output norm needs z (the g_proj output)")
-    tuned_bv, tuned_warps, tuned_stages = config_for(t)
+    tuned_bv, tuned_warps = config_for(t)
     block_v, num_warps = block_v or min(tuned_bv, d), num_warps or tuned_warps
-    loop_stages = loop_stages or tuned_stages
     if d & (d - 1) or d % block_v or block_v & (block_v - 1):
         raise ValueError(f"D={d} and block_v={block_v} must be powers of two with block_v dividing D")
     o_acc, count = _workspace(q.device, h, d)
@@ -267,7 +263,7 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         out, _row_stride(out, "out"), o_acc, count, stage_state, stage_conv,
         d ** -0.5, float(lower_bound), float(eps),
         T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
-        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=bool(kwargs), LOOP_STAGES=loop_stages,
+        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=bool(kwargs),
         num_warps=num_warps, **kwargs,
     )
     return out

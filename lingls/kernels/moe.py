@@ -216,8 +216,7 @@ def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.conste
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                    LOOP_STAGES: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -246,7 +245,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32)
             # gemv's `_dot_rows` loop, but loading every tile inside it: the expert is known only after the
             # wait, so no first tile can be requested early, and the peeled form holds 44 registers more
-            for i in tl.range(0, K_ITERS, num_stages=LOOP_STAGES):  # > 1: loads pipelined (see gemv._dot_rows)
+            for i in range(0, K_ITERS):
                 kk = k_lo + i * BLOCK_K + rk
                 wg, wu = _load_w(base, ri, kk, inter, H, H, True)
                 acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT)
@@ -290,8 +289,7 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                 LOOP_STAGES: tl.constexpr):
+                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
@@ -305,8 +303,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
-    # unused slots (-1, or past D_MAX) are masked off: no memory traffic; LOOP_STAGES > 1: loads pipelined
-    for k in tl.range(0, D_PER, num_stages=LOOP_STAGES):
+    for k in range(0, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
         d = sd + k * SPLIT_D
         e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
         live = e >= 0
@@ -386,8 +383,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
     route ("fused" | "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
-    gu_warps, gu_fma, gu_stages, block_h, split_d, dn_warps, dn_fma, dn_stages; the FMA paths apply at T=1
-    only; *_stages > 1 pipelines a loop's loads), for the tuning benchmark.
+    gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma; the FMA paths apply at T=1 only), for the tuning
+    benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
@@ -438,7 +435,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         x, gate_up, sgu, experts, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
-        LOOP_STAGES=k.get("gu_stages", 1),
         num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
@@ -448,7 +444,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
-        F32_DOT=INTERPRET, LOOP_STAGES=k.get("dn_stages", 1), num_warps=k["dn_warps"], num_stages=3, **launch)
+        F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

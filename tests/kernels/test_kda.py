@@ -79,8 +79,8 @@ def test_step_matches_reference(t, h, d, block_v, dtype, fused):
 
 @pytest.mark.parametrize("t", [1, 9])
 def test_launch_settings_from_configs_compute_the_same_step(t, monkeypatch):
-    """What bench/tune_gpu.py pins in CONFIGS (value columns per program, warps, pipelined loads) changes nothing computed."""
-    monkeypatch.setattr(kda, "CONFIGS", {1: (8, 2, 1), 16: (4, 1, 2)})
+    """What bench/tune_gpu.py pins in CONFIGS (value columns per program, warps) changes nothing computed."""
+    monkeypatch.setattr(kda, "CONFIGS", {1: (8, 2), 16: (4, 1)})
     inp = make(t, 2, 16, torch.float32, torch.Generator().manual_seed(t), False)
     out, new = run_kernel(inp)
     ref_in = upcast(inp)
@@ -218,8 +218,7 @@ def test_kernels_compile_for_h200_without_spills():
         for t, stage, norm, pdl in ((1, False, True, True), (9, True, True, True), (16, True, True, False),
                                     (4, False, False, False)):
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
-            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl,
-                          LOOP_STAGES=2 if t == 9 else 1)
+            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
             build(kda._kda_step_kernel, types, consts, 4, pdl)
         build(kda._commit_kernel, dict(index_ptr="*i32", live_a="*fp32", staged_a="*fp32", live_b="*bf16",
               staged_b="*bf16"), dict(BLOCK=4096, BLOCKS_A=32, USE_PDL=True), 4, True)
