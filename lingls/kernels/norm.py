@@ -28,10 +28,28 @@ except ImportError:  # CPU-only torch wheels ship without Triton: the references
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
+NUM_WARPS = 8  # one row of 2560 per program; the fused all-reduce kernel uses the same, for the same sum order
+
+
+@_jit
+def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row's arithmetic: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h)).
+    Shared with the peer all-reduce's fused kernel, which must produce the same bits."""
+    h = x
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=m, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
+        tl.store(r_ptr + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight multiply
+    tl.store(out_ptr + offs, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+
 @_jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
                          BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program per row: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h))."""
+    """One program per row (`_add_rms_norm_row`)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -39,18 +57,11 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    h = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * sr + offs, mask=m, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
-        tl.store(r_ptr + row * sr + offs, h, mask=m)
-    hf = h.to(tl.float32)
-    rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight multiply
-    tl.store(out_ptr + row * so + offs, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+    x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
+    _add_rms_norm_row(x, r_ptr + row * sr, w, out_ptr + row * so, offs, m, N, eps, HAS_RESIDUAL)
 
 
-def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = 8):
+def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = NUM_WARPS):
     """The Triton form (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `add_rms_norm`."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, N] with contiguous rows, got {tuple(x.shape)}")

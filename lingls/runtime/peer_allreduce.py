@@ -58,6 +58,9 @@ import torch.utils.dlpack
 try:
     import triton
     import triton.language as tl
+
+    from lingls.kernels.norm import NUM_WARPS as NORM_WARPS
+    from lingls.kernels.norm import _add_rms_norm_row
 except ImportError:  # CPU-only installs: the fallback serves there
     triton = tl = None
 
@@ -154,10 +157,10 @@ if triton is not None:
                                   BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr,
                                   MAX_SPIN: tl.constexpr, USE_PDL: tl.constexpr):
         """Row `program_id` of x [T, N]: a = sum over ranks of x (rounded to x's dtype, as the plain all-reduce
-        leaves it), then `norm.add_rms_norm`'s arithmetic: h = a + residual (rounded to the residual's dtype,
-        written back to it), out = w * rms_norm(h). The same bits as the all-reduce followed by that kernel, in
-        one launch: a whole row per program, so the norm's sum of squares never leaves the program. Flags, slots
-        and epochs are those of `_one_shot_kernel`, on channel 1 of the receive buffer."""
+        leaves it), then `norm._add_rms_norm_row`: h = a + residual (rounded, written back to the residual),
+        out = w * rms_norm(h). The same bits as the all-reduce followed by the norm kernel (same row code, same
+        warps), in one launch: a whole row per program, so the norm's sum of squares never leaves the program.
+        Flags, slots and epochs are those of `_one_shot_kernel`, on channel 1 of the receive buffer."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -200,13 +203,8 @@ if triton is not None:
                 else:
                     slot = tl.multiple_of((parity * WORLD + r) * slot_elems, 128)
                     acc += tl.load(data_ptr + slot + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-            a = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-            h = (a + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
-            tl.store(res_ptr + offs, h, mask=mask)
-            hf = h.to(tl.float32)
-            rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-            y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight
-            tl.store(out_ptr + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+            _add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), res_ptr + row * N, w, out_ptr + row * N, cols, mask,
+                              N, eps, True)
             tl.store(epochs_ptr + row, e)
 
 
@@ -391,7 +389,7 @@ class PeerAllReduce:
             x, residual, weight, out, self._norm_data[x.dtype], self.norm_flags, self.deltas, self.norm_epochs,
             self.error, n, self.layout.max_bytes // x.element_size(), float(eps), RANK=self.rank, WORLD=self.world,
             BLOCK=triton.next_power_of_2(n), PUSH=push, REDUCE=reduce, MAX_SPIN=max_spin, USE_PDL=pdl,
-            num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            num_warps=NORM_WARPS, **({"launch_pdl": True} if pdl else {}))
         return out
 
     def failed(self) -> bool:

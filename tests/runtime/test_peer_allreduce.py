@@ -220,3 +220,20 @@ def test_gloo_fallback_sums_on_two_cpu_processes():
             if p.is_alive():
                 p.terminate()
     assert got == [(0, True, [True] * 3), (1, True, [True] * 3)]
+
+
+def test_kernels_compile_for_h200():
+    """Both kernels (the fused one with PDL, the norm's row code inlined) through the GPU compiler and ptxas for
+    sm_90 at decode shapes (no GPU needed): what the interpreter cannot check (types, inline code, PDL)."""
+    from tests.kernels.test_kda import compile_for_sm90
+
+    lines = compile_for_sm90("""
+        from lingls.runtime import peer_allreduce as pa
+        tables = dict(data_ptr="*bf16", flag_ptr="*i64", delta_ptr="*i64", epochs_ptr="*i64", error_ptr="*i32")
+        build(pa._one_shot_kernel, dict(tables, x_ptr="*bf16", out_ptr="*bf16"),
+              dict(RANK=0, WORLD=2, BLOCK=pa.BLOCK, PUSH=True, REDUCE=True, MAX_SPIN=pa.MAX_SPIN), 4)
+        build(pa._one_shot_add_norm_kernel, dict(tables, x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16",
+              out_ptr="*bf16", eps="fp32"), dict(RANK=1, WORLD=4, BLOCK=4096, PUSH=True, REDUCE=True,
+              MAX_SPIN=pa.MAX_SPIN, USE_PDL=True), pa.NORM_WARPS, True)
+    """)
+    assert len(lines) == 2, lines
