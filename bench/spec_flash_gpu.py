@@ -23,7 +23,9 @@ Modes (--tp N, default 4):
   --stub forces this mode).
 K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; no new phase starts after --budget-s.
 --profile adds, at a = --profile-a, the device time per kernel of each captured phase (the bare K+1-token step
-with its head, the draft graph, the verify graph), to name what a round spends beyond the bare step.
+with its head, the draft graph, the verify graph), and the verify's parts timed as graphs of their own (the
+target forward, staged or not; the verify without the drafter's absorption of the verified rows), to name
+what a round spends beyond the bare step.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
     python3 bench/spec_flash_gpu.py --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
@@ -158,7 +160,32 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
         rows.sort(key=lambda x: -x["us"])
         out[name] = [dict(kernel="(all kernels)", us=sum(x["us"] for x in rows),
                           launches=sum(x["launches"] for x in rows))] + rows[:top]
+    out["parts_ms"] = verify_parts(spec, k, kv, context)
     return out
+
+
+def verify_parts(spec: Speculator, k: int, kv: int, context: int, reps: int = 20) -> dict:
+    """What the verify graph adds to the bare K+1-token forward, by graphs of its parts (median ms): the
+    target forward alone, the same with KDA staged per position, and the whole verify without the drafter's
+    absorption of the verified rows (its MTP layer)."""
+    r = spec.runner
+    positions = r.pos + spec.arange
+    drafter_accept = spec.drafter.accept
+    bodies = {"forward": lambda: spec._target(spec.ids, positions, kv, staged=False),
+              "forward_staged": lambda: spec._target(spec.ids, positions, kv, staged=True),
+              "verify_without_drafter_accept": lambda: spec._verify(kv, True),
+              "verify": lambda: spec._verify(kv, True)}
+    parts = {}
+    for name, body in bodies.items():
+        r.pos.fill_(context - (reps + 8) * (k + 1))
+        if name == "verify_without_drafter_accept":
+            spec.drafter.accept = lambda *a: None
+        try:
+            graph = spec._capture(body)
+        finally:
+            spec.drafter.accept = drafter_accept
+        parts[name] = median_ms(graph.replay, reps=reps, warm=2)
+    return parts
 
 
 def run_rank(args, par: Parallel, device: torch.device) -> dict:
@@ -253,6 +280,9 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                     with torch.inference_mode():
                         res.setdefault("profile", {})[f"K={k} a={a}"] = prof = profile_round(spec, k, args.context)
                     for phase, rows in prof.items():
+                        if phase == "parts_ms":
+                            say("verify parts, ms: " + ", ".join(f"{n} {v:.3f}" for n, v in rows.items()))
+                            continue
                         say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us']:.0f}us x{x['launches']:.0f}"
                                                            for x in rows[:8]))
                     save()

@@ -16,7 +16,7 @@ replaces a cuBLAS product, a cast and three elementwise launches per layer.
 
 Before it, `mla_prologue` turns a step's projections into the cache rows and the rotated queries in one launch
 per step (one program per token): the RMSNorm of the latent, rope on the shared key and on every head's query,
-and the write of [c | k_rope] at the token's position; programs beside them (one per head and 64 latent columns)
+and the write of [c | k_rope] at the token's position (the rope angles from the position, in the kernel); programs beside them (one per head and 64 latent columns)
 absorb W_k into the queries, q_lat = q_nope @ W_k. In torch ops that is ~25 small kernels and a cuBLAS product
 per MLA layer.
 """
@@ -80,7 +80,7 @@ if triton is not None:
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
     @triton.jit
-    def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, cache_ptr, qr_ptr, wk_ptr, ql_ptr,
+    def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, freq_ptr, pos_ptr, cache_ptr, qr_ptr, wk_ptr, ql_ptr,
                              T, sq, skv, sc, swk_h, swk_n, eps,
                              H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
                              R: tl.constexpr, R_PAD: tl.constexpr, RBLK: tl.constexpr, HALF: tl.constexpr,
@@ -109,7 +109,8 @@ if triton is not None:
                      mask=(rt[:, None] < T) & (rr[None, :] < R))
         else:
             t = pid
-            row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * sc
+            pos = tl.load(pos_ptr + t)
+            row = cache_ptr + pos.to(tl.int64) * sc
             r = tl.arange(0, R_PAD)
             rm = r < R
             c = tl.load(kv_ptr + t * skv + r, mask=rm, other=0.0)
@@ -119,8 +120,9 @@ if triton is not None:
                      mask=rm)
             i = tl.arange(0, HALF_PAD)
             im = i < HALF
-            cos = tl.load(cos_ptr + t * HALF + i, mask=im, other=0.0)
-            sin = tl.load(sin_ptr + t * HALF + i, mask=im, other=0.0)
+            angle = pos.to(tl.float32) * tl.load(freq_ptr + i, mask=im, other=0.0)  # as reference.rope_cos_sin
+            cos = tl.cos(angle)
+            sin = tl.sin(angle)
             a, b = _rotate(kv_ptr + t * skv + R, i, im, HALF, INTERLEAVE, cos, sin)
             tl.store(row + R + i, a.to(cache_ptr.dtype.element_ty), mask=im)
             tl.store(row + R + HALF + i, b.to(cache_ptr.dtype.element_ty), mask=im)
@@ -303,13 +305,16 @@ def mla_attend(q_lat, q_rope, cache, positions, scale: float, w_v, gate, pdl: bo
     return mla_attend_reference(q_lat, q_rope, cache, positions, scale, w_v, gate)
 
 
-def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int,
+def mla_prologue_reference(q, kv, norm_w, eps: float, inv_freq, cache, positions, heads: int, nope: int,
                            interleave: bool, w_k):
-    """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), cos/sin [T, rope/2] fp32, w_k
-    [H, nope, rank]: writes [rms_norm(c) | rope(k_rope)] into cache[positions] and returns the absorbed
-    queries q_lat = q_nope @ W_k [T, H, rank] and the rotated ones q_rope [T, H, rope], in the cache's dtype.
-    Rope in fp32, one rounding (the model's eager form rotates in the activation dtype)."""
+    """q [T, H*(nope+rope)], kv [T, rank+rope] (this step's projections), inv_freq [rope/2] fp32 (the rope
+    frequencies, `reference.rope_inv_freq`), w_k [H, nope, rank]: writes [rms_norm(c) | rope(k_rope)] into
+    cache[positions] and returns the absorbed queries q_lat = q_nope @ W_k [T, H, rank] and the rotated ones
+    q_rope [T, H, rope], in the cache's dtype. Rope in fp32, one rounding (the model's eager form rotates in the
+    activation dtype)."""
     t, rank = kv.shape[0], norm_w.shape[0]
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos(), angles.sin()
     c = ref.rms_norm(kv[:, :rank], norm_w, eps)
     k_rope = ref.apply_rope(kv[:, rank:].float(), cos, sin, interleave)
     cache.index_copy_(0, positions, torch.cat([c.to(cache.dtype), k_rope.to(cache.dtype)], dim=-1))
@@ -318,10 +323,11 @@ def mla_prologue_reference(q, kv, norm_w, eps: float, cos, sin, cache, positions
     return q_lat, ref.apply_rope(q[..., nope:].float(), cos, sin, interleave, heads=True).to(cache.dtype)
 
 
-def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: int, nope: int, interleave: bool,
+def mla_prologue(q, kv, norm_w, eps: float, inv_freq, cache, positions, heads: int, nope: int, interleave: bool,
                  w_k, pdl: bool = False):
     """The one-launch form of `mla_prologue_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1): one
-    program per token for its cache row and rotated queries, one per (head, 64 latent columns) for q_lat.
+    program per token for its cache row and rotated queries (the rope angles computed from its position,
+    which saves the step four elementwise launches), one per (head, 64 latent columns) for q_lat.
     pdl: programmatic dependent launch."""
     t, rank = kv.shape[0], norm_w.shape[0]
     rope = kv.shape[1] - rank
@@ -332,7 +338,7 @@ def mla_prologue(q, kv, norm_w, eps: float, cos, sin, cache, positions, heads: i
     r_pad = triton.next_power_of_2(rank)
     rblk = max(16, min(MERGE_BLOCK, r_pad))  # tl.dot needs at least 16 columns
     _mla_prologue_kernel[(t + heads * triton.cdiv(r_pad, rblk),)](
-        q, kv, norm_w, cos.contiguous(), sin.contiguous(), positions, cache, q_rope, w_k, q_lat,
+        q, kv, norm_w, inv_freq, positions, cache, q_rope, w_k, q_lat,
         t, q.stride(0), kv.stride(0), cache.stride(0), w_k.stride(0), w_k.stride(1), float(eps), H=heads,
         H_PAD=triton.next_power_of_2(heads), NOPE=nope, NOPE_PAD=max(16, triton.next_power_of_2(nope)), R=rank,
         R_PAD=max(r_pad, rblk), RBLK=rblk, HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2),

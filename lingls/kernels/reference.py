@@ -146,7 +146,7 @@ def _carry_scan(s0, q_fwd, m, u_free, u_state, k_end, chunk_decay):
 
 
 @functools.lru_cache(maxsize=16)
-def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def rope_inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """Rope frequencies, computed once per (dim, theta, device): every MLA layer of every step reuses them."""
     with torch.inference_mode(False):
         return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
@@ -154,7 +154,7 @@ def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
     """cos, sin of each rotated pair's angle: [T, dim/2] fp32."""
-    angles = positions.float()[:, None] * _inv_freq(dim, theta, positions.device)[None, :]
+    angles = positions.float()[:, None] * rope_inv_freq(dim, theta, positions.device)[None, :]
     return angles.cos(), angles.sin()
 
 

@@ -112,13 +112,18 @@ class FusedStep:
 
     @torch.inference_mode()
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state, positions: torch.Tensor,
-                 kv_len: int | None = None, depth: int = 0) -> torch.Tensor:
-        """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden]."""
+                 kv_len: int | None = None, depth: int = 0, only: torch.Tensor | None = None) -> torch.Tensor:
+        """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden].
+
+        only: a device index [1]: every row's latent cache row is written, but the layer's output is computed
+        for that row alone ([1, hidden]): after a verify the drafter needs the output of the last accepted row
+        and the cache rows of all, so its attention and MoE run at one token, not K+1."""
         if next_ids.shape[0] > MAX_TOKENS:
-            return self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
+            x = self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
+            return x if only is None else x.index_select(0, only)
         layer = self.model.mtp_layers[depth]
         return self._run(self._mix(layer, h, next_ids), self.mtp[depth: depth + 1], self.model.n_layers + depth,
-                         state, positions, kv_len)
+                         state, positions, kv_len, only=only)
 
     def _mix(self, layer, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in five launches: the norms write
@@ -141,21 +146,25 @@ class FusedStep:
                                      self.cfg.rms_norm_eps)
         return self.model.lm_head(y)
 
-    def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None):
-        """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream."""
+    def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
+             only=None):
+        """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream; with
+        `only` (one MLA layer: the MTP layer's), past the cache writes only row `only` goes on."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
         x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
         kept = {}
-        # rope angles of this step's positions, shared by every MLA layer (one rope width and theta per model)
-        angles = ref.rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta) if model.mla_slot else None
+        # rope frequencies (one width and theta per model; computed once per device, outside any graph capture)
+        freq = ref.rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, positions.device)
         for j, entry in enumerate(entries):
             i, layer = first + j, entry["layer"]
             if layer.kind == KDA:
                 slot = model.kda_slot[i]
                 a = self._kda(entry, x, state, slot, None if stage is None else (stage[0][slot], stage[1][slot]))
             else:
-                a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, angles)
+                a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, freq, only)
+            if only is not None:
+                residual = residual.index_select(0, only)
             x, residual = self._reduce_add_norm(a, residual, layer.post_attention_layernorm.weight)
             m = self._mlp(entry, x, i)
             if j + 1 < len(entries):
@@ -184,17 +193,20 @@ class FusedStep:
                               stage=stage)
         return self.ops.linear(o, attn.dense.weight)
 
-    def _mla(self, entry, x, cache, positions, kv_len: int, angles) -> torch.Tensor:
-        """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it."""
+    def _mla(self, entry, x, cache, positions, kv_len: int, freq, only=None) -> torch.Tensor:
+        """The MLA layer's step: this step's latent rows into the cache, then absorbed attention over it (for
+        row `only` alone when given)."""
         attn: GatedMLA = entry["layer"].attention
+        pick = (lambda t: t) if only is None else (lambda t: t.index_select(0, only))
         if "mla_proj" not in entry:
             cache.index_copy_(0, positions, attn.latent(x, positions))
-            return attn.attend_latent(x, positions, cache, kv_len)
+            return attn.attend_latent(pick(x), pick(positions), cache, kv_len)
         h, nope, rope, rank = attn.heads, attn.nope, attn.rope, attn.rank
         q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
-        q_lat, q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *angles,
+        q_lat, q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, freq,
                                               cache, positions, h, nope, attn.interleave, entry["w_k"])
-        o = self.ops.mla_attend(q_lat, q_rope, cache[:kv_len], positions, attn.scale, entry["w_v"], g)
+        o = self.ops.mla_attend(pick(q_lat), pick(q_rope), cache[:kv_len], pick(positions), attn.scale, entry["w_v"],
+                                pick(g))
         return self.ops.linear(o, attn.dense.weight)
 
     def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:

@@ -181,6 +181,7 @@ class MTPDrafter(Drafter):
             raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): use another drafter")
         super().__init__(k)
         self.model, self.state = model, state
+        self.fused = fused
         self.mtp_step = model.mtp_step if fused is None else fused.mtp_step  # the fused kernels on CUDA
         self.mtp_head = model.mtp_head if fused is None else fused.mtp_head
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -215,8 +216,10 @@ class MTPDrafter(Drafter):
         return torch.cat(drafts), None
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
-        x = self.mtp_step(h, tokens, self.state, positions, kv_len=kv_len)
-        self.x.copy_(x.index_select(0, n))
+        if self.fused is not None:  # every row's cache row, the output of row n alone
+            self.x.copy_(self.fused.mtp_step(h, tokens, self.state, positions, kv_len=kv_len, only=n))
+        else:
+            self.x.copy_(self.model.mtp_step(h, tokens, self.state, positions, kv_len=kv_len).index_select(0, n))
         self.last_at = None
 
     def live(self):

@@ -59,7 +59,7 @@ def test_prologue_writes_the_cache_rows_and_rotates_the_queries(t, h, interleave
     """`mla_prologue` (norm + rope + cache write in one launch) against its reference; rows it must not touch
     keep their NaN poison, rows it writes must be finite."""
     from lingls.kernels.mla import mla_prologue, mla_prologue_reference
-    from lingls.kernels.reference import rope_cos_sin
+    from lingls.kernels.reference import rope_inv_freq
 
     g = torch.Generator().manual_seed(t * 10 + h)
     nope, rope, rank = 16, 8, 24  # rank not a power of two: the masked tail
@@ -67,14 +67,14 @@ def test_prologue_writes_the_cache_rows_and_rotates_the_queries(t, h, interleave
     q, kv = proj[:, : h * (nope + rope)], proj[:, h * (nope + rope): h * (nope + rope) + rank + rope]
     w = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype)
     positions = torch.arange(30 - t, 30)
-    cos, sin = rope_cos_sin(positions, rope, 10000.0)
+    freq = rope_inv_freq(rope, 10000.0, torch.device("cpu"))
     w_k = (torch.randn(h, nope + 4, rank, generator=g) * nope ** -0.5).to(dtype)[:, 2: 2 + nope]  # a strided view
     caches = [torch.full((40, rank + rope), float("nan"), dtype=dtype) for _ in range(2)]
-    want = mla_prologue_reference(q, kv, w, 1e-6, cos, sin, caches[0], positions, h, nope, interleave, w_k)
-    on = [a.to(DEV) for a in (proj, w, cos, sin, caches[1], positions)]
+    want = mla_prologue_reference(q, kv, w, 1e-6, freq, caches[0], positions, h, nope, interleave, w_k)
+    on = [a.to(DEV) for a in (proj, w, freq, caches[1], positions)]
     got = mla_prologue(on[0][:, : h * (nope + rope)], on[0][:, h * (nope + rope): h * (nope + rope) + rank + rope],
-                       on[1], 1e-6, on[2], on[3], on[4], on[5], h, nope, interleave, w_k.to(DEV))
-    caches[1] = on[4].cpu()
+                       on[1], 1e-6, on[2], on[3], on[4], h, nope, interleave, w_k.to(DEV))
+    caches[1] = on[3].cpu()
     tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)  # bf16: 2 ulps
     assert got[0].shape == (t, h, rank) and got[1].shape == (t, h, rope)
     tf32 = dict(rtol=1e-2, atol=1e-2) if DEV == "cuda" and dtype == torch.float32 else tol  # fp32 MMA runs as TF32
@@ -112,8 +112,8 @@ def test_kernels_compile_for_h200():
 
     lines = compile_for_sm90("""
         from lingls.kernels import mla
-        build(mla._mla_prologue_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32",
-              sin_ptr="*fp32", pos_ptr="*i64", cache_ptr="*bf16", qr_ptr="*bf16", wk_ptr="*bf16", ql_ptr="*bf16",
+        build(mla._mla_prologue_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", w_ptr="*bf16", freq_ptr="*fp32",
+              pos_ptr="*i64", cache_ptr="*bf16", qr_ptr="*bf16", wk_ptr="*bf16", ql_ptr="*bf16",
               eps="fp32"), dict(H=8, H_PAD=8, NOPE=128, NOPE_PAD=128, R=512, R_PAD=512, RBLK=64, HALF=32,
               HALF_PAD=32, INTERLEAVE=True, USE_PDL=True, F32_DOT=False), 4, True)
         for bt, g in ((16, 8), (16, 1)):

@@ -100,4 +100,11 @@ def test_mtp_step_equals_the_models(kernels):
         # the heads with their norms in one launch: the target's and the MTP layer's
         assert (fused.head(h) - m.head(h)).abs().max().item() < 1e-5
         assert (fused.mtp_head(got) - m.mtp_head(want)).abs().max().item() < 1e-5
+        # after a verify: every row's cache row, the output of one row (any of them) computed alone
+        pos = torch.arange(0, 9, device=DEV)
+        for n in (0, 4, 8):
+            one_state = state.clone()
+            one = fused.mtp_step(h[:9], ids[1:10], one_state, pos, only=torch.tensor([n], device=DEV))
+            assert one.shape == (1, h.shape[1]) and (one[0] - want[n]).abs().max().item() < 1e-5
+            assert (one_state.latent - want_state.latent).abs().max().item() < 1e-5
     assert (got_state.latent - want_state.latent).abs().max().item() < 1e-5
