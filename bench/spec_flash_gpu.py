@@ -160,8 +160,28 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
         rows.sort(key=lambda x: -x["us"])
         out[name] = [dict(kernel="(all kernels)", us=sum(x["us"] for x in rows),
                           launches=sum(x["launches"] for x in rows))] + rows[:top]
+        out[f"{name}_gaps"] = idle_gaps(prof, reps)
     out["parts_ms"] = verify_parts(spec, k, kv, context)
     return out
+
+
+def idle_gaps(prof, reps: int, top: int = 12) -> dict:
+    """Where the GPU sits idle inside a phase: the kernels' [start, end) intervals of the trace (overlapping
+    ones merged: with PDL a kernel starts before its predecessor ends), the idle time between them per replay
+    (gaps over 50 us, the time between replays, are left out), and the largest gaps with the kernels around
+    them."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    inside = [g for g in gaps if g[0] < 50]
+    inside.sort(key=lambda g: -g[0])
+    return {"idle_us_per_replay": sum(g[0] for g in inside) / reps, "gaps_per_replay": len(inside) / reps,
+            "largest": [dict(us=round(g, 2), after=a[:60], before=b[:60]) for g, a, b in inside[:top]]}
 
 
 def verify_parts(spec: Speculator, k: int, kv: int, context: int, reps: int = 20) -> dict:
@@ -282,6 +302,10 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                     for phase, rows in prof.items():
                         if phase == "parts_ms":
                             say("verify parts, ms: " + ", ".join(f"{n} {v:.3f}" for n, v in rows.items()))
+                            continue
+                        if phase.endswith("_gaps"):
+                            say(f"{phase}: idle {rows['idle_us_per_replay']:.0f} us in {rows['gaps_per_replay']:.0f} gaps; "
+                                + "; ".join(f"{g['us']:.1f} {g['after'][:25]} > {g['before'][:25]}" for g in rows['largest'][:5]))
                             continue
                         say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us']:.0f}us x{x['launches']:.0f}"
                                                            for x in rows[:8]))

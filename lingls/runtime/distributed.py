@@ -56,6 +56,8 @@ def make_parallel(rank: int, size: int) -> Parallel:
         if x.is_cuda:
             out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
             dist.all_gather_into_tensor(out, x)
+            if x.shape[0] == 1:  # one row: the ranks' shards already lie end to end (no concatenating copy)
+                return out.view(1, -1)
             parts = out.unbind(0)
         else:
             parts = [torch.empty_like(x) for _ in range(size)]
