@@ -279,6 +279,10 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
             continue
         try:
             runner.pos.fill_(args.context - 2 * (k + 1))
+            # random tokens, as the drafts are at random weights: K+1 copies of one token would route every
+            # row of the early layers to the same experts and make the bare step look cheaper than a verify's
+            ids = torch.randint(0, model.config.vocab_size, (k + 1,), generator=torch.Generator().manual_seed(k))
+            runner.ids[:k + 1].copy_(ids)
             with torch.inference_mode():  # the target's own K+1-token step (+ head, argmax), no drafter or commit
                 runner.run_step(k + 1, kv, True)
                 res["target_step_ms"][k] = timer.median_ms(lambda: runner.run_step(k + 1, kv, True), args.reps)
