@@ -12,6 +12,9 @@ is the same for every i, so it drops out), which is why it fuses: no softmax, no
 token `runtime.sampling.sample` draws with top_p = 1, up to near-ties in fp32. Nucleus (top-p < 1) sampling
 needs the whole distribution: pass `logits_out` to get the logits from the same pass and sample them there.
 
+`argmax_rows` is the greedy choice alone, for logits already in memory: one launch over [T, V] (the runtime's
+`sampling.argmax` on CUDA), with the same packed keys as the MoE routing (`kernels.keys`).
+
 Tensor parallelism: with `vocab_offset` = this rank's first token id, a rank returns its local best (score,
 global id); all-gather the [T] pairs and take `combine_ranks`: every rank agrees on the same token, and the
 hash keyed by global id makes the sampled token independent of the number of ranks.
@@ -189,8 +192,3 @@ def argmax_rows(logits: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor
     _argmax_kernel[(t, nb)](logits, part, counters(logits.device, t), out, v, logits.stride(0), NB=nb,
                             NB_PAD=triton.next_power_of_2(nb), BLOCK=block, num_warps=4)
     return out
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Dispatcher: `argmax_rows` on CUDA, torch's argmax otherwise."""
-    return argmax_rows(logits) if logits.is_cuda else logits.argmax(-1)

@@ -16,6 +16,8 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
   q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
+The MTP drafter's layer runs the same way after its input mix (three norm launches writing straight into the
+halves of eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head.
 
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
 """
