@@ -368,9 +368,9 @@ class PeerAllReduce:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      pdl: bool = False):
         """`norm.add_rms_norm(all_reduce(x), residual, weight, eps)` in one launch, bit for bit: returns (normed,
-        residual), residual updated in place; x is left as it was (not reduced). Messages the buffer cannot
-        take go through the two-step form. pdl: programmatic dependent launch (the norm weight is loaded
-        before waiting for the previous kernel)."""
+        residual), residual updated in place. The kernel leaves x as it was; messages the buffer cannot take go
+        through the two-step form, which reduces x in place. pdl: programmatic dependent launch (the norm
+        weight is loaded before waiting for the previous kernel)."""
         from lingls.kernels.norm import add_rms_norm
 
         if not (self.fits(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
