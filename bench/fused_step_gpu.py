@@ -48,6 +48,11 @@ def kernel_profile(fn, reps: int = 10, top: int = 14) -> list[dict]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return kernel_rows(prof, reps, top)
+
+
+def kernel_rows(prof, reps: int, top: int) -> list[dict]:
+    """A profile of `reps` calls -> per call: the total, then the `top` kernel names by device time."""
     rows = [dict(kernel=e.key[:90], us_per_step=e.device_time_total / reps, launches_per_step=e.count / reps)
             for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r["us_per_step"])

@@ -139,6 +139,7 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
     """Device time per kernel name (CUPTI via torch.profiler) in each captured phase of a round, replayed
     `reps` times: the target's own K+1-token step with its head (what verify would cost bare), the draft graph
     and the verify graph, so the verify's extra over the bare step and the draft's parts can be named."""
+    from fused_step_gpu import kernel_rows  # bench/ (on the path when this file runs as a script)
     from torch.profiler import ProfilerActivity, profile
 
     r = spec.runner
@@ -155,11 +156,7 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
             for _ in range(reps):
                 fn()
             torch.cuda.synchronize()
-        rows = [dict(kernel=e.key[:100], us=e.device_time_total / reps, launches=e.count / reps)
-                for e in prof.key_averages() if e.device_time_total > 0]
-        rows.sort(key=lambda x: -x["us"])
-        out[name] = [dict(kernel="(all kernels)", us=sum(x["us"] for x in rows),
-                          launches=sum(x["launches"] for x in rows))] + rows[:top]
+        out[name] = kernel_rows(prof, reps, top)
         out[f"{name}_gaps"] = idle_gaps(prof, reps)
     out["parts_ms"] = verify_parts(spec, k, kv, context)
     return out
@@ -311,7 +308,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                             say(f"{phase}: idle {rows['idle_us_per_replay']:.0f} us in {rows['gaps_per_replay']:.0f} gaps; "
                                 + "; ".join(f"{g['us']:.1f} {g['after'][:25]} > {g['before'][:25]}" for g in rows['largest'][:5]))
                             continue
-                        say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us']:.0f}us x{x['launches']:.0f}"
+                        say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us_per_step']:.0f}us x{x['launches_per_step']:.0f}"
                                                            for x in rows[:8]))
                     save()
         except Exception as e:

@@ -15,10 +15,10 @@ form it also applies W_v and the gate (the last of a row's programs sums the col
 replaces a cuBLAS product, a cast and three elementwise launches per layer.
 
 Before it, `mla_prologue` turns a step's projections into the cache rows and the rotated queries in one launch
-per step (one program per token): the RMSNorm of the latent, rope on the shared key and on every head's query,
-and the write of [c | k_rope] at the token's position (the rope angles from the position, in the kernel); programs beside them (one per head and 64 latent columns)
-absorb W_k into the queries, q_lat = q_nope @ W_k. In torch ops that is ~25 small kernels and a cuBLAS product
-per MLA layer.
+per step (one program per token): the RMSNorm of the latent, rope on the shared key and on every head's query
+(the angles from the token's position, in the kernel), and the write of [c | k_rope] at that position; programs
+beside them (one per head and 64 latent columns) absorb W_k into the queries, q_lat = q_nope @ W_k. In torch
+ops that is ~25 small kernels and a cuBLAS product per MLA layer.
 """
 
 from __future__ import annotations

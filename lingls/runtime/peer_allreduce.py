@@ -101,6 +101,48 @@ class _Layout:
 if triton is not None:
 
     @triton.jit
+    def _push(x, offs, mask, pid, e, parity, data_ptr, flag_ptr, delta_ptr, slot_elems,
+              RANK: tl.constexpr, WORLD: tl.constexpr):
+        """Store x into this rank's slot of every peer's buffer (parity e % 2), then raise flag (pid, RANK)
+        there to epoch e, with release semantics once every thread's stores are issued."""
+        esize: tl.constexpr = x.dtype.primitive_bitwidth // 8
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                delta = tl.multiple_of(tl.load(delta_ptr + r) // esize, 128)
+                slot = tl.multiple_of((parity * WORLD + RANK) * slot_elems, 128)
+                tl.store(data_ptr + delta + slot + offs, x, mask=mask)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer_flag = flag_ptr + tl.load(delta_ptr + r) // 8 + pid * WORLD + RANK
+                tl.atomic_xchg(peer_flag, e, sem="release", scope="sys")
+
+    @triton.jit
+    def _wait_and_sum(x, offs, mask, pid, e, parity, data_ptr, flag_ptr, error_ptr, slot_elems,
+                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, MAX_SPIN: tl.constexpr):
+        """Wait (bounded) for every peer's flag (pid, r) to reach epoch e, then the fp32 sum of all ranks'
+        slices in rank order 0..WORLD-1 (x for this rank's own): the same bits on every rank."""
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                flag = flag_ptr + pid * WORLD + r
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                spins = 0
+                while (seen < e) & (spins < MAX_SPIN):
+                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                    spins += 1
+                if seen < e:
+                    tl.atomic_xchg(error_ptr, 1)
+        tl.debug_barrier()  # no thread reads a slot before the flags said it is complete
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += x.to(tl.float32)
+            else:
+                slot = tl.multiple_of((parity * WORLD + r) * slot_elems, 128)
+                acc += tl.load(data_ptr + slot + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _one_shot_kernel(x_ptr, out_ptr, data_ptr, flag_ptr, delta_ptr, epochs_ptr, error_ptr, n, slot_elems,
                          RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                          PUSH: tl.constexpr, REDUCE: tl.constexpr, MAX_SPIN: tl.constexpr):
@@ -115,41 +157,14 @@ if triton is not None:
         mask = offs < n
         e = tl.load(epochs_ptr + pid) + 1  # this call's epoch, for this program
         parity = e % 2
-        esize: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
         x = tl.load(x_ptr + offs, mask=mask)
         if PUSH:
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    delta = tl.multiple_of(tl.load(delta_ptr + r) // esize, 128)
-                    slot = tl.multiple_of((parity * WORLD + RANK) * slot_elems, 128)
-                    tl.store(data_ptr + delta + slot + offs, x, mask=mask)
-            tl.debug_barrier()  # every thread's stores are issued before the release below
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    peer_flag = flag_ptr + tl.load(delta_ptr + r) // 8 + pid * WORLD + RANK
-                    tl.atomic_xchg(peer_flag, e, sem="release", scope="sys")
+            _push(x, offs, mask, pid, e, parity, data_ptr, flag_ptr, delta_ptr, slot_elems, RANK, WORLD)
         if REDUCE:
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    flag = flag_ptr + pid * WORLD + r
-                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                    spins = 0
-                    while (seen < e) & (spins < MAX_SPIN):
-                        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                        spins += 1
-                    if seen < e:
-                        tl.atomic_xchg(error_ptr, 1)
-            tl.debug_barrier()  # no thread reads a slot before the flags said it is complete
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for r in tl.static_range(WORLD):  # fixed order: the same bits on every rank
-                if r == RANK:
-                    acc += x.to(tl.float32)
-                else:
-                    slot = tl.multiple_of((parity * WORLD + r) * slot_elems, 128)
-                    acc += tl.load(data_ptr + slot + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            acc = _wait_and_sum(x, offs, mask, pid, e, parity, data_ptr, flag_ptr, error_ptr, slot_elems, RANK,
+                                WORLD, BLOCK, MAX_SPIN)
             tl.store(out_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
             tl.store(epochs_ptr + pid, e)
-
 
     @triton.jit
     def _one_shot_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, data_ptr, flag_ptr, delta_ptr, epochs_ptr,
@@ -171,38 +186,12 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         e = tl.load(epochs_ptr + row) + 1
         parity = e % 2
-        esize: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
         x = tl.load(x_ptr + offs, mask=mask)
         if PUSH:
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    delta = tl.multiple_of(tl.load(delta_ptr + r) // esize, 128)
-                    slot = tl.multiple_of((parity * WORLD + RANK) * slot_elems, 128)
-                    tl.store(data_ptr + delta + slot + offs, x, mask=mask)
-            tl.debug_barrier()
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    peer_flag = flag_ptr + tl.load(delta_ptr + r) // 8 + row * WORLD + RANK
-                    tl.atomic_xchg(peer_flag, e, sem="release", scope="sys")
+            _push(x, offs, mask, row, e, parity, data_ptr, flag_ptr, delta_ptr, slot_elems, RANK, WORLD)
         if REDUCE:
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    flag = flag_ptr + row * WORLD + r
-                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                    spins = 0
-                    while (seen < e) & (spins < MAX_SPIN):
-                        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                        spins += 1
-                    if seen < e:
-                        tl.atomic_xchg(error_ptr, 1)
-            tl.debug_barrier()
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for r in tl.static_range(WORLD):  # fixed order: the same bits on every rank
-                if r == RANK:
-                    acc += x.to(tl.float32)
-                else:
-                    slot = tl.multiple_of((parity * WORLD + r) * slot_elems, 128)
-                    acc += tl.load(data_ptr + slot + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            acc = _wait_and_sum(x, offs, mask, row, e, parity, data_ptr, flag_ptr, error_ptr, slot_elems, RANK,
+                                WORLD, BLOCK, MAX_SPIN)
             _add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), res_ptr + row * N, w, out_ptr + row * N, cols, mask,
                               N, eps, True)
             tl.store(epochs_ptr + row, e)
