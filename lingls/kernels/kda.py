@@ -23,10 +23,15 @@ therefore lives inside this kernel (not in norm.py): a separate launch per layer
 per step, more than the norm's work; pass `norm_weight=None` to get the raw fp32 o instead (e.g. to fold the
 norm into the next GEMV's prologue).
 
-Speculative verification: with `stage=(stage_state [>=T, H, D, D] fp32, stage_conv [>=T, 3, C, K-1])` the
-live state and conv state are only read; the state and conv state after every position t are written to
-stage_*[t]. `commit(index, ...)` then copies stage_*[index] into the live tensors, reading `index` on device,
-so the host never waits for the accepted count. It takes a leading layer dim, so one launch commits all layers.
+Speculative verification: with `stage=(stage_state [>=T, H, 4, D] fp32, stage_conv [>=T, 3, C, K-1])` the
+live state and conv state are only read; what the recurrence consumed at every position t (STAGE_ROWS: the
+normalised key, the log decay, the value, beta) goes to stage_state[t] and the conv windows after it to
+stage_conv[t]. `commit(index, ...)` then replays the recurrence over positions 0..index from the live state and
+copies stage_conv[index], reading `index` on device, so the host never waits for the accepted count; it takes a
+leading layer dim, so one launch commits all layers. Why inputs and a replay rather than the state after every
+position: that state is H*D*D fp32 per position (9 MB per layer at TP=2 for a 9-token verify) against 4*H*D
+here, and writing it cost ~0.19 ms of a 5 ms verify step on one H200 (TP=4 shard); the replay reads the
+state once, as the copy did, and adds T dependent updates.
 
 Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias),
 then `gdc_wait`s for the previous kernel before touching anything a kernel writes (inputs, states,
@@ -63,6 +68,30 @@ def _conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
     """One causal-conv output (taps w0..w3 over inputs x0, x1, x2, x oldest first) then SiLU, fp32."""
     y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x
     return y * tl.sigmoid(y)
+
+
+STAGE_ROWS = 4  # per position and head: normalised key, log decay, value, beta (broadcast over D)
+_ROWS = tl.constexpr(STAGE_ROWS) if tl is not None else STAGE_ROWS  # the same, as the kernels read it
+
+
+@_jit
+def _stage_inputs(st, dk, dv, kt, gate, vt, beta, j, D: tl.constexpr):
+    """One position's recurrence inputs for head h at st ([STAGE_ROWS, D]): the head's first program writes the
+    key, the log decay and beta, every program its value columns."""
+    first = (dk < D) & (j == 0)
+    tl.store(st + dk, kt, mask=first)
+    tl.store(st + D + dk, gate, mask=first)
+    tl.store(st + 2 * D + dv, vt)
+    tl.store(st + 3 * D + dk, tl.zeros_like(kt) + beta, mask=first)
+
+
+@_jit
+def _delta_rule(S, kt, decay, vt, beta):
+    """One position's state update, the step kernel's and the commit's replay: S' = P + k (beta (v - P^T k))^T
+    with P = diag(decay) S. Returns (P, the error beta (v - P^T k), S')."""
+    P = S * decay[:, None]
+    err = beta * (vt - tl.sum(P * kt[:, None], 0))
+    return P, err, P + kt[:, None] * err[None, :]
 
 
 @_jit
@@ -127,22 +156,19 @@ def _kda_step_kernel(
         qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale
         kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + 1e-6)
         f = tl.load(f_ptr + t * sf + ck).to(tl.float32)
-        decay = tl.exp(lower_bound * tl.sigmoid(rate * (f + dt_bias)))
+        gate = lower_bound * tl.sigmoid(rate * (f + dt_bias))  # log decay
+        decay = tl.exp(gate)
         beta = tl.sigmoid(tl.load(b_ptr + t * sb + h).to(tl.float32))
-        # S' = diag(decay) S + k (beta (v - (diag(decay) S)^T k))^T and o = S'^T q: both reductions read the
-        # decayed state P, so they are independent (o = P^T q + (k.q) err) and their latencies overlap.
-        P = S * decay[:, None]
-        kS = tl.sum(P * kt[:, None], 0)
-        qS = tl.sum(P * qt[:, None], 0)
-        err = beta * (vt - kS)
-        S = P + kt[:, None] * err[None, :]
-        o = qS + tl.sum(qt * kt, 0) * err
+        # o = S'^T q = P^T q + (k.q) err: its reduction reads the decayed state P, as the update's does, so the
+        # two are independent and their latencies overlap
+        P, err, S = _delta_rule(S, kt, decay, vt, beta)
+        o = tl.sum(P * qt[:, None], 0) + tl.sum(qt * kt, 0) * err
         if NORM:
             tl.store(o_acc_ptr + t * C + cv, o)
         else:
             tl.store(out_ptr + t * s_out + cv, o.to(out_ptr.dtype.element_ty))
         if STAGE:
-            tl.store(stage_state_ptr + t * H * D * D + s_off, S)
+            _stage_inputs(stage_state_ptr + (t * H + h) * _ROWS * D, dk, dv, kt, gate, vt, beta, j, D)
             sc = stage_conv_ptr + t * 3 * C * 3
             sty = stage_conv_ptr.dtype.element_ty
             tl.store(sc + (2 * C + cv) * 3 + 0, xv0.to(sty))
@@ -248,8 +274,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         stage_state = stage_conv = state  # never touched: STAGE is off
     else:
         stage_state, stage_conv = stage
-        if stage_state.shape[0] < t or stage_state.shape[1:] != state.shape or stage_state.dtype != torch.float32:
-            raise ValueError(f"stage state must be fp32 [>=T, H, D, D], got {tuple(stage_state.shape)}")
+        if stage_state.shape[0] < t or stage_state.shape[1:] != (h, STAGE_ROWS, d) or stage_state.dtype != torch.float32:
+            raise ValueError(f"stage state must be fp32 [>=T, H, {STAGE_ROWS}, D], got {tuple(stage_state.shape)}")
         if stage_conv.shape[0] < t or stage_conv.shape[1:] != conv_state.shape:
             raise ValueError(f"stage conv must be [>=T, 3, C, 3], got {tuple(stage_conv.shape)}")
         if not (stage_state.is_contiguous() and stage_conv.is_contiguous()):
@@ -284,22 +310,21 @@ def kda_step_reference(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias
     kn = ref.l2_normalize(ys[1].float())
     g = ref.kda_gate(f.view(t, h, d), a_log, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())
-    s, os_, states = state.float()[None], [], []
+    s, os_ = state.float()[None], []
     for i in range(t):
         o, s = ref.kda_recurrent(qn[None, i:i + 1], kn[None, i:i + 1], ys[2][None, i:i + 1], g[None, i:i + 1],
                                  beta[None, i:i + 1], s)
         os_.append(o[0, 0])
-        states.append(s[0])
     o = torch.stack(os_)  # [T, H, D] fp32
     if norm_weight is not None:
         o = ref.gated_rms_norm(o, norm_weight, z.view(t, h, d), eps).to(q.dtype)
     o = o.reshape(t, c)
     conv_after = torch.stack(convs, dim=1)  # [T, 3, C, 3]
     if stage is None:
-        state.copy_(states[-1])
+        state.copy_(s[0])
         conv_state.copy_(conv_after[-1])
     else:
-        stage[0][:t].copy_(torch.stack(states))
+        stage[0][:t].copy_(torch.stack([kn, g, ys[2].float(), beta[..., None].expand(t, h, d)], dim=2))
         stage[1][:t].copy_(conv_after)
     if out is None:
         return o
@@ -318,8 +343,9 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
     a_log: [H] fp32; dt_bias: [C] fp32; norm_weight: [D] (o_norm, shared by heads), or None for raw o.
     state: [H, D, D] fp32 (key rows, value columns), updated in place unless staged.
     lower_bound: the safe gate's bound (kda_lower_bound, -5.0); eps: o_norm's eps (rms_norm_eps).
-    stage: None, or (stage_state [>=T, H, D, D] fp32, stage_conv [>=T, 3, C, 3]) to receive the state after
-    every token instead of updating the live ones (speculative verify; then `commit`).
+    stage: None, or (stage_state [>=T, H, STAGE_ROWS, D] fp32, stage_conv [>=T, 3, C, 3]) to receive the
+    recurrence's inputs and the conv windows of every token instead of updating the live states (speculative
+    verify; then `commit`).
     Returns out [T, C]: RMSNorm_D(o) * norm_weight * sigmoid(z) per head in q's dtype, or o in fp32 when
     norm_weight is None. T = 1..MAX_TOKENS. pdl: launch with programmatic dependent launch (CUDA graphs too).
     """
@@ -335,61 +361,96 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
 
 
 @_jit
-def _commit_kernel(index_ptr, live_a, staged_a, live_b, staged_b, NA, NB, T_STAGE,
-                   BLOCK: tl.constexpr, BLOCKS_A: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (layer, block): copies staged[layer, index, block] -> live[layer, block] for two tensor pairs
-    (the first BLOCKS_A blocks copy pair a, the rest pair b), so one launch commits state and conv state."""
-    layer = tl.program_id(0)
-    blk = tl.program_id(1)
+def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, H: tl.constexpr, D: tl.constexpr,
+                   BV: tl.constexpr, T_STAGE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (layer, p): for p < H * D/BV, replays positions 0..index of head p // (D/BV) on its BV value
+    columns of the live state (the step kernel's `_delta_rule` on the staged inputs); the other programs copy
+    blocks of staged_conv[layer, index] to the live conv state."""
+    layer = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    NV: tl.constexpr = D // BV
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    idx = tl.load(index_ptr).to(tl.int64)
-    layer = layer.to(tl.int64)
-    if blk < BLOCKS_A:
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
-        m = offs < NA
-        tl.store(live_a + layer * NA + offs, tl.load(staged_a + (layer * T_STAGE + idx) * NA + offs, mask=m), mask=m)
+    idx = tl.load(index_ptr)
+    if pid < H * NV:
+        h = pid // NV
+        dk = tl.arange(0, D)
+        dv = (pid % NV) * BV + tl.arange(0, BV)
+        s_ptr = state_ptr + (layer * H + h) * D * D + dk[:, None] * D + dv[None, :]
+        S = tl.load(s_ptr)
+        for t in tl.static_range(T_STAGE):  # positions past index were rejected: computed, then dropped
+            st = stage_ptr + ((layer * T_STAGE + t) * H + h) * _ROWS * D
+            kt = tl.load(st + dk)
+            decay = tl.exp(tl.load(st + D + dk))
+            vt = tl.load(st + 2 * D + dv)
+            beta = tl.load(st + 3 * D)
+            _, _, S_next = _delta_rule(S, kt, decay, vt, beta)
+            S = tl.where(t <= idx, S_next, S)
+        tl.store(s_ptr, S)
     else:
-        offs = (blk - BLOCKS_A) * BLOCK + tl.arange(0, BLOCK)
+        offs = (pid - H * NV) * BLOCK + tl.arange(0, BLOCK)
         m = offs < NB
-        tl.store(live_b + layer * NB + offs, tl.load(staged_b + (layer * T_STAGE + idx) * NB + offs, mask=m), mask=m)
+        row = (layer * T_STAGE + idx.to(tl.int64)) * NB
+        tl.store(live_conv + layer * NB + offs, tl.load(staged_conv + row + offs, mask=m), mask=m)
 
 
-def _check_staged(live, staged, what):
-    if staged.dim() != live.dim() + 1 or staged.shape[0] != live.shape[0] or staged.shape[2:] != live.shape[1:]:
-        raise ValueError(f"{what}: staged {tuple(staged.shape)} must be [L, T, ...] over live [L, ...] {tuple(live.shape)}")
-    if staged.dtype != live.dtype or not (live.is_contiguous() and staged.is_contiguous()):
-        raise ValueError(f"{what}: staged and live must be contiguous and of one dtype")
+def _check_staged(state, stage_state, conv_state, stage_conv):
+    layers, heads, d = state.shape[0], state.shape[1], state.shape[-1]
+    if state.shape != (layers, heads, d, d) or state.dtype != torch.float32:
+        raise ValueError(f"state must be fp32 [L, H, D, D], got {tuple(state.shape)} {state.dtype}")
+    if stage_state.dim() != 5 or stage_state.shape[0] != layers or stage_state.shape[2:] != (heads, STAGE_ROWS, d) \
+            or stage_state.dtype != torch.float32:
+        raise ValueError(f"stage_state must be fp32 [L, T, H, {STAGE_ROWS}, D] over the state {tuple(state.shape)}, "
+                         f"got {tuple(stage_state.shape)}")
+    if stage_conv.dim() != conv_state.dim() + 1 or layers != conv_state.shape[0] or layers != stage_conv.shape[0] \
+            or stage_conv.shape[2:] != conv_state.shape[1:] or stage_conv.shape[1] != stage_state.shape[1] \
+            or stage_conv.dtype != conv_state.dtype:
+        raise ValueError(f"stage_conv must be [L, T, ...] over the conv state {tuple(conv_state.shape)} with the "
+                         f"stage's T, got {tuple(stage_conv.shape)}")
+    if not all(x.is_contiguous() for x in (state, stage_state, conv_state, stage_conv)):
+        raise ValueError("the states and the stage buffers must be contiguous")
 
 
-def fused_commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool = False) -> None:
-    """The Triton commit (one launch for the recurrent and conv states of every layer). Arguments as `commit`."""
-    _check_staged(state, stage_state, "state")
-    _check_staged(conv_state, stage_conv, "conv")
-    if state.shape[0] != conv_state.shape[0] or stage_state.shape[1] != stage_conv.shape[1]:
-        raise ValueError("state and conv must have the same layers and staged positions")
-    na, nb = state[0].numel(), conv_state[0].numel()
+def fused_commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool = False, block_v: int = 16) -> None:
+    """The Triton commit: one launch replays every layer's accepted prefix and copies its conv windows.
+    Arguments as `commit`; block_v value columns per replaying program."""
+    _check_staged(state, stage_state, conv_state, stage_conv)
+    layers, heads, d = state.shape[0], state.shape[1], state.shape[-1]
+    block_v = min(block_v, d)
+    nb = conv_state[0].numel()
     block = 4096
-    blocks_a = triton.cdiv(na, block)
     kwargs = {"launch_pdl": True} if pdl and state.is_cuda else {}
-    _commit_kernel[(state.shape[0], blocks_a + triton.cdiv(nb, block))](
-        index, state, stage_state, conv_state, stage_conv, na, nb, stage_state.shape[1],
-        BLOCK=block, BLOCKS_A=blocks_a, USE_PDL=bool(kwargs), num_warps=4, **kwargs)
+    _commit_kernel[(layers, heads * (d // block_v) + triton.cdiv(nb, block))](
+        index, state, stage_state, conv_state, stage_conv, nb, H=heads, D=d, BV=block_v, T_STAGE=stage_state.shape[1],
+        BLOCK=block, USE_PDL=bool(kwargs), num_warps=4, **kwargs)
 
 
 def commit_reference(index, state, stage_state, conv_state, stage_conv) -> None:
-    """The same copy in torch (index stays a tensor, so this does not sync either)."""
-    for live, staged in ((state, stage_state), (conv_state, stage_conv)):
-        live.copy_(staged.index_select(1, index.reshape(1).long()).squeeze(1))
+    """The same in torch, with the step reference's own recurrence (`reference.kda_recurrent`, position by
+    position, layer by layer, as the staged step ran it), so a commit gives exactly the state the accepted
+    prefix would have left; index stays a tensor, so this does not sync either."""
+    _check_staged(state, stage_state, conv_state, stage_conv)
+    pick = index.reshape(1).long()
+    for layer in range(state.shape[0]):
+        k, g, v, beta = stage_state[layer].unbind(2)  # [T, H, D] each
+        s, after = state[layer].float()[None], []
+        for t in range(stage_state.shape[1]):
+            _, s = ref.kda_recurrent(k[None, t:t + 1], k[None, t:t + 1], v[None, t:t + 1], g[None, t:t + 1],
+                                     beta[None, t:t + 1, :, 0], s)
+            after.append(s[0])
+        state[layer].copy_(torch.stack(after).index_select(0, pick).squeeze(0))
+    conv_state.copy_(stage_conv.index_select(1, pick).squeeze(1))
 
 
 def commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool = False) -> None:
-    """Make the staged position `index` live: state <- stage_state[index], conv_state <- stage_conv[index].
+    """Make the staged position `index` live: the state becomes the live state advanced through positions
+    0..index with the staged inputs (the state the step would have left after them), conv_state <- stage_conv[index].
 
     index: int tensor with one element on the states' device, the accepted position in [0, T) (accepted tokens
-    minus one); never read on the host. state: [L, H, D, D] fp32 with stage_state [L, T, H, D, D]; conv_state:
-    [L, 3, C, 3] with stage_conv [L, T, 3, C, 3]; L is the number of layers (index one layer with [None]).
+    minus one); never read on the host. state: [L, H, D, D] fp32 with stage_state [L, T, H, STAGE_ROWS, D];
+    conv_state: [L, 3, C, 3] with stage_conv [L, T, 3, C, 3]; L is the number of layers (index one layer with
+    [None]).
     """
     if state.is_cuda:
         return fused_commit(index, state, stage_state, conv_state, stage_conv, pdl=pdl)

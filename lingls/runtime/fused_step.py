@@ -104,8 +104,9 @@ class FusedStep:
              stage: tuple[torch.Tensor, torch.Tensor] | None = None, keep: tuple[int, ...] | None = None):
         """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm).
 
-        Speculative verify: `stage` = (stage_kda [n_kda, >=T, H, D, D], stage_conv [n_kda, >=T, 3, C, K-1])
-        receives every layer's KDA state after each position instead of the live state (see `kda.commit`), and
+        Speculative verify: `stage` = (stage_kda [n_kda, >=T, H, kda.STAGE_ROWS, D], stage_conv [n_kda, >=T, 3,
+        C, K-1]) receives every layer's KDA recurrence inputs and conv windows at each position instead of the live
+        states being updated (see `kda.commit`), and
         `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
         if input_ids.shape[0] > MAX_TOKENS:
             raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")

@@ -119,39 +119,68 @@ def test_staged_verify_then_commit_equals_accepted_prefix():
     gen = torch.Generator().manual_seed(21)
     inp = make(t, h, d, torch.bfloat16, gen)
     c = h * d
-    stage = (torch.full((t, h, d, d), float("nan"), device=DEV),
+    stage = (torch.full((t, h, kda.STAGE_ROWS, d), float("nan"), device=DEV),
              torch.full((t, 3, c, 3), float("nan"), device=DEV, dtype=torch.bfloat16))
     out, live = run_kernel(inp, block_v=16, stage=stage)
     assert torch.equal(live["state"], inp["state"]) and torch.equal(live["conv_state"], inp["conv_state"])
     ref_in = upcast(inp)
-    ref_stage = (torch.empty(t, h, d, d, device=DEV), torch.empty(t, 3, c, 3, device=DEV))
+    ref_stage = (torch.empty(t, h, kda.STAGE_ROWS, d, device=DEV), torch.empty(t, 3, c, 3, device=DEV))
     ref_out = kda.kda_step_reference(**ref_in, lower_bound=LB, stage=ref_stage)
     assert rel(out, ref_out) < 1e-2
+    assert torch.isfinite(stage[0]).all()  # every input row written, beta's row too
     assert rel(stage[0], ref_stage[0]) < 1e-5
     assert torch.equal(stage[1].float(), ref_stage[1])
 
-    accepted = int(torch.randint(0, t, (1,), generator=gen))
-    index = torch.tensor([accepted], device=DEV, dtype=torch.int32)
-    kda.fused_commit(index, live["state"][None], stage[0][None], live["conv_state"][None], stage[1][None])
-    prefix = {n: (x[: accepted + 1] if n in ("q", "k", "v", "f", "b", "z") else x) for n, x in upcast(inp).items()}
-    kda.kda_step_reference(**prefix, lower_bound=LB)  # only the accepted tokens, on the old live state
-    assert rel(live["state"], prefix["state"]) < 1e-5
-    assert torch.equal(live["conv_state"].float(), prefix["conv_state"])
+    for accepted in (0, int(torch.randint(1, t - 1, (1,), generator=gen)), t - 1):  # none, some, all accepted
+        index = torch.tensor([accepted], device=DEV, dtype=torch.int32)
+        state, conv = live["state"].clone()[None], live["conv_state"].clone()[None]
+        kda.fused_commit(index, state, stage[0][None], conv, stage[1][None])
+        prefix = {n: (x[: accepted + 1] if n in ("q", "k", "v", "f", "b", "z") else x) for n, x in upcast(inp).items()}
+        kda.kda_step_reference(**prefix, lower_bound=LB)  # only the accepted tokens, on the old live state
+        assert rel(state[0], prefix["state"]) < 1e-5
+        assert torch.equal(conv[0].float(), prefix["conv_state"])
 
 
-def test_commit_all_layers_in_one_launch():
-    layers, t, h, d = 3, 5, 2, 8
+def staged_inputs(gen, layers, t, h, d):
+    """Recurrence inputs as a staged step leaves them: unit keys, log decay in (-5, 0), values, beta in (0, 1)."""
+    k = torch.nn.functional.normalize(torch.randn(layers, t, h, d, generator=gen), dim=-1)
+    g = -5 * torch.rand(layers, t, h, d, generator=gen)
+    v = torch.randn(layers, t, h, d, generator=gen)
+    beta = torch.rand(layers, t, h, 1, generator=gen).expand(layers, t, h, d)
+    return torch.stack([k, g, v, beta], dim=3).contiguous()
+
+
+def test_commit_replays_every_layer_in_one_launch():
+    """The commit's replay (kernel and reference) is the recurrence over the accepted prefix, for every layer
+    at once; the conv windows are the accepted position's."""
+    layers, t, h, d = 3, 5, 2, 32
     gen = torch.Generator().manual_seed(31)
-    staged = torch.randn(layers, t, h, d, d, generator=gen).to(DEV)
+    staged = staged_inputs(gen, layers, t, h, d).to(DEV)
     staged_conv = torch.randn(layers, t, 3, h * d, 3, generator=gen).to(DEV, torch.bfloat16)
+    start = (torch.randn(layers, h, d, d, generator=gen) * 0.3).to(DEV)
     index = torch.tensor(3, device=DEV)
-    live = torch.full((layers, h, d, d), float("nan"), device=DEV)
-    live_conv = torch.full((layers, 3, h * d, 3), float("nan"), device=DEV, dtype=torch.bfloat16)
-    kda.fused_commit(index, live, staged, live_conv, staged_conv)
-    assert torch.equal(live, staged[:, 3]) and torch.equal(live_conv, staged_conv[:, 3])
-    ref_live, ref_conv = torch.zeros_like(live), torch.zeros_like(live_conv)
+    live, live_conv = start.clone(), torch.full((layers, 3, h * d, 3), float("nan"), device=DEV, dtype=torch.bfloat16)
+    kda.fused_commit(index, live, staged, live_conv, staged_conv, block_v=16)
+    assert torch.equal(live_conv, staged_conv[:, 3])
+    ref_live, ref_conv = start.clone(), torch.zeros_like(live_conv)
     kda.commit_reference(index, ref_live, staged, ref_conv, staged_conv)
-    assert torch.equal(ref_live, live) and torch.equal(ref_conv, live_conv)
+    assert rel(live, ref_live) < 1e-5 and torch.equal(ref_conv, live_conv)
+    want = start.clone()  # the definition, position by position
+    for i in range(4):
+        k, g, v, beta = staged[:, i].unbind(2)
+        want = want * g.exp()[..., None]
+        err = (v - torch.einsum("lhkv,lhk->lhv", want, k)) * beta
+        want = want + k[..., None] * err[:, :, None, :]
+    assert rel(ref_live, want) < 1e-5
+
+
+def test_commit_refuses_a_stage_of_the_wrong_layout():
+    state, conv = torch.zeros(2, 2, 8, 8), torch.zeros(2, 3, 16, 3)
+    with pytest.raises(ValueError, match="stage_state"):
+        kda.commit_reference(torch.tensor(0), state, torch.zeros(2, 3, 2, 8, 8), conv, torch.zeros(2, 3, 3, 16, 3))
+    with pytest.raises(ValueError, match="stage_conv"):
+        kda.commit_reference(torch.tensor(0), state, torch.zeros(2, 3, 2, kda.STAGE_ROWS, 8), conv,
+                             torch.zeros(2, 4, 3, 16, 3))
 
 
 def test_dispatch_uses_reference_off_gpu():
@@ -220,8 +249,8 @@ def test_kernels_compile_for_h200_without_spills():
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
             consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
             build(kda._kda_step_kernel, types, consts, 4, pdl)
-        build(kda._commit_kernel, dict(index_ptr="*i32", live_a="*fp32", staged_a="*fp32", live_b="*bf16",
-              staged_b="*bf16"), dict(BLOCK=4096, BLOCKS_A=32, USE_PDL=True), 4, True)
+        build(kda._commit_kernel, dict(index_ptr="*i64", state_ptr="*fp32", stage_ptr="*fp32", live_conv="*bf16",
+              staged_conv="*bf16"), dict(H=8, D=128, BV=16, T_STAGE=9, BLOCK=4096, USE_PDL=True), 4, True)
     """)
     assert len(lines) == 5
     for line in lines:

@@ -6,6 +6,7 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from lingls.kernels import kda
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.fused_step import FusedStep
 from tests.model.conftest import randomize, small_config
@@ -56,24 +57,28 @@ def test_prefill_sized_inputs_are_refused(model):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
 def test_staged_verify_and_kept_layers(model, kernels):
-    """With `stage`, the live KDA state is left alone and stage[t] holds the state after position t; `keep`
-    returns the named layers' outputs (what a block drafter reads)."""
+    """With `stage`, the live KDA state is left alone and committing position t gives the state after it;
+    `keep` returns the named layers' outputs (what a block drafter reads)."""
     ids = torch.randint(0, 96, (25,), generator=torch.Generator().manual_seed(2)).to(DEV)
     pos = torch.arange(25, device=DEV)
     with torch.inference_mode():
         state = model.new_state(64)
         model.step(ids[:20], state, pos[:20])
         n_kda = state.kda.shape[0]
-        stage = (torch.zeros(n_kda, 5, *state.kda.shape[1:], device=DEV),
+        heads, d = state.kda.shape[1], state.kda.shape[-1]
+        stage = (torch.zeros(n_kda, 5, heads, kda.STAGE_ROWS, d, device=DEV),
                  torch.zeros(n_kda, 5, *state.conv.shape[1:], device=DEV))
         live = state.clone()
         fused = FusedStep(model, kernels=kernels)
         h, kept = fused.step(ids[20:25], live, pos[20:25], stage=stage, keep=(1, 2))
         assert torch.equal(live.kda, state.kda)  # untouched: only staged
-        for t in (0, 2, 4):  # the state after position 20 + t is the state of running t + 1 tokens
-            want = state.clone()
+        for t in (0, 2, 4):  # committing position 20 + t gives the state of running t + 1 tokens
+            want, got = state.clone(), state.clone()
             model.step(ids[20:21 + t], want, pos[20:21 + t])
-            assert (stage[0][:, t] - want.kda).abs().max().item() < 1e-5
+            commit = kda.fused_commit if kernels else kda.commit_reference
+            commit(torch.tensor([t], device=DEV), got.kda, stage[0], got.conv, stage[1])
+            assert (got.kda - want.kda).abs().max().item() < 1e-5
+            assert (got.conv - want.conv).abs().max().item() < 1e-5
         assert (h - model.step(ids[20:25], state.clone(), pos[20:25])).abs().max().item() < 1e-5
         assert set(kept) == {1, 2} and kept[1].shape == h.shape
 
