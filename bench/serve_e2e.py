@@ -48,6 +48,8 @@ def start_server(args, port: int, log: Path) -> subprocess.Popen:
         cmd += ["--draft-k", str(args.draft_k)]
     if args.simulate_accept is not None:
         cmd += ["--simulate-accept", str(args.simulate_accept)]
+    if args.draft_vocab:
+        cmd += ["--draft-vocab", args.draft_vocab]
     if args.device:
         cmd += ["--device", args.device]
     with open(log, "w") as err:
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simulate-accept", type=int, default=None,
                    help="passed to lingls serve: forced accepted drafts per round (random weights; SIMULATED)")
     p.add_argument("--device", default=None, help="passed to lingls serve (default: its own choice)")
+    p.add_argument("--draft-vocab", default=None, metavar="FILE", help="passed to lingls serve")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--runs", type=int, default=3)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     proc = start_server(args, port, out.with_suffix(".log"))
     result = {"bench": "serve_e2e", "model": args.model, "tp": args.tp, "draft": args.draft, "draft_k": args.draft_k,
-              "simulated_accept": args.simulate_accept,
+              "draft_vocab": args.draft_vocab, "simulated_accept": args.simulate_accept,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "load_s": time.perf_counter() - t0,
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
     try:

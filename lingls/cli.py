@@ -1,4 +1,4 @@
-"""The `lingls` command: the language server (default), `serve`, `complete`, `bench`.
+"""The `lingls` command: the language server (default), `serve`, `complete`, `draft-vocab`, `bench`.
 
 Each subcommand's work lives in its room; this module only parses arguments and imports the room lazily, so
 `lingls --help` and the language server start without importing torch.
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", default="none",
                        help="speculative drafter: none, mtp, lookup, a block-drafter directory, or lookup+DRAFTER")
     serve.add_argument("--draft-k", type=int, default=None, help="drafted tokens per round (default 2 on CPU, 4 on GPU)")
+    serve.add_argument("--draft-vocab", metavar="FILE", default=None,
+                       help="the MTP drafter's head scores only these token ids (a JSON list, most frequent first; "
+                            "make one with `lingls draft-vocab`): less to read per drafted token")
     serve.add_argument("--simulate-accept", type=int, default=None, metavar="N",
                        help="benchmarks only: every speculative round accepts N drafts whatever they are (the text "
                             "is NOT the model's); times real acceptance lengths on random-weight checkpoints")
@@ -53,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(complete)
     complete.add_argument("--endpoint", metavar="URL", help="ask a remote /v1/completions server")
     complete.add_argument("--max-tokens", type=int, default=64)
+
+    vocab = sub.add_parser("draft-vocab", help="write a --draft-vocab file: the most frequent token ids of source "
+                           "files, by the model's tokenizer")
+    vocab.add_argument("sources", nargs="+", help="files or directories of code like the code you complete")
+    vocab.add_argument("--model", metavar="DIR", help="model directory (default: the embedded ling-nano)")
+    vocab.add_argument("--size", type=int, default=32768, help="ids to keep (default 32768)")
+    vocab.add_argument("--out", required=True, metavar="FILE", help="the JSON file to write")
 
     bench = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bench.add_argument("what", choices=["step", "prefix", "lsp", "spec", "remote"])
@@ -70,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from lingls.lsp.oneshot import main as complete_main
 
         return complete_main(args) or 0
+    if args.command == "draft-vocab":
+        from lingls.runtime.draft_vocab import main as draft_vocab_main
+
+        return draft_vocab_main(args)
     if args.command == "bench":
         import importlib
 

@@ -470,8 +470,10 @@ class LingForCausalLM(nn.Module):
         kv_len = state.capacity if kv_len is None else kv_len
         return self._layer_step(self.n_layers + depth, layer, x, state, positions, kv_len)
 
-    def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
-        return self.lm_head(self.mtp_layers[depth].final_layernorm(x))
+    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The MTP layer's logits: its final norm, then the lm_head (or `weight`: a drafter's reduced vocabulary)."""
+        y = self.mtp_layers[depth].final_layernorm(x)
+        return self.lm_head(y) if weight is None else F.linear(y, weight)
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameters, MTP layers excluded.

@@ -85,8 +85,8 @@ def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dty
                draft: tuple):
     """Join the process group, load this rank's shard, build and warm its runner (all ranks do this together).
 
-    draft = (--draft, --draft-k, --simulate-accept): every rank drafts the same tokens from the same (all-reduced)
-    hidden states and accepts the same count, so rank 0's speculative rounds and the followers' stay in step."""
+    draft = (--draft, --draft-k, --simulate-accept, --draft-vocab): every rank drafts the same tokens from the
+    same (all-reduced) hidden states and accepts the same count, so rank 0's speculative rounds and the followers' stay in step."""
     from lingls.model import load_model
     from lingls.runtime.local import attach_drafter
     from lingls.runtime.runner import ModelRunner
@@ -176,14 +176,14 @@ class TensorParallelEngine(LocalEngine):
 
     def __init__(self, model_dir: str | None, tp: int, device: str | None = None, dtype: str | None = None,
                  capacity: int | None = None, draft: str | None = None, draft_k: int | None = None,
-                 simulate_accept: int | None = None):
+                 simulate_accept: int | None = None, draft_vocab: str | None = None):
         if tp < 1:
             raise EngineError(f"--tp must be >= 1, got {tp}")
         self.kind = "cpu" if device == "cpu" else "cuda"
         if self.kind == "cuda":
             check_gpus(tp)
         super().__init__(model_dir, device=self.kind, dtype=dtype, capacity=capacity, draft=draft, draft_k=draft_k,
-                         simulate_accept=simulate_accept)
+                         simulate_accept=simulate_accept, draft_vocab=draft_vocab)
         self.tp = tp
         self.name = self.model_dir.name
         self._procs: list = []
@@ -196,7 +196,7 @@ class TensorParallelEngine(LocalEngine):
             set_safe_env()
             ctx = mp.get_context("spawn")
             port = _free_port()
-            draft = (self.draft, self.draft_k, self.simulate_accept)
+            draft = (self.draft, self.draft_k, self.simulate_accept, self.draft_vocab)
             taken, done, ready = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False), ctx.Queue()
             self._queues = [ctx.Queue() for _ in range(1, self.tp)]
             self.load_progress = f"starting {self.tp} ranks"

@@ -143,11 +143,11 @@ class FusedStep:
         x, _ = self.ops.add_rms_norm(h, None, self.model.model.norm.weight, self.cfg.rms_norm_eps)
         return self.model.lm_head(x)
 
-    def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch."""
         y, _ = self.ops.add_rms_norm(x, None, self.model.mtp_layers[depth].final_layernorm.weight,
                                      self.cfg.rms_norm_eps)
-        return self.model.lm_head(y)
+        return self.model.lm_head(y) if weight is None else torch.nn.functional.linear(y, weight)
 
     def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
              only=None):

@@ -131,8 +131,10 @@ class _Job:
             self.cancel.set()
 
 
-def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_accept: int | None = None) -> None:
-    """Speculative decoding on `runner` with the drafter(s) of a --draft string (nothing for none).
+def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_accept: int | None = None,
+                   draft_vocab: str | None = None) -> None:
+    """Speculative decoding on `runner` with the drafter(s) of a --draft string (nothing for none); draft_vocab:
+    a --draft-vocab file (the MTP head's reduced vocabulary, `draft_vocab`).
 
     simulate_accept (benchmarks only): every round accepts that many drafts whatever they are, so a checkpoint
     with random weights, whose drafts are never accepted, shows the time of real acceptance lengths. The text
@@ -140,6 +142,8 @@ def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_acce
     if not draft or draft == "none":
         if simulate_accept is not None:
             raise EngineError("--simulate-accept needs a drafter (--draft)")
+        if draft_vocab is not None:
+            raise EngineError("--draft-vocab needs a drafter (--draft mtp)")
         return
     import torch
 
@@ -151,7 +155,7 @@ def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_acce
     if simulate_accept is not None and not 0 <= simulate_accept <= k:
         raise EngineError(f"--simulate-accept {simulate_accept}: must be 0..{k} (the drafted tokens per round)")
     try:
-        spec = attach(runner, draft, k)
+        spec = attach(runner, draft, k, draft_vocab)
     except ValueError as e:
         raise EngineError(str(e)) from None
     if simulate_accept is not None:
@@ -165,7 +169,7 @@ class LocalEngine:
 
     def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,
                  capacity: int | None = None, use_graphs: bool | None = None, draft: str | None = None,
-                 draft_k: int | None = None, simulate_accept: int | None = None):
+                 draft_k: int | None = None, simulate_accept: int | None = None, draft_vocab: str | None = None):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         check_model_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -178,6 +182,7 @@ class LocalEngine:
         self.device, self.dtype, self.capacity, self.use_graphs = device, dtype, capacity, use_graphs
         # speculative decoding: a --draft string (speculative.py), and for benchmarks a forced accept count
         self.draft, self.draft_k, self.simulate_accept = draft, draft_k, simulate_accept
+        self.draft_vocab = draft_vocab
         self.runner = None
         self.load_progress = "not loaded"
         self._load_lock = threading.Lock()
@@ -222,7 +227,7 @@ class LocalEngine:
             self.load_progress = "capturing decode graphs"
             runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
             runner.warmup(greedy_only=True)
-            attach_drafter(runner, self.draft, self.draft_k, self.simulate_accept)
+            attach_drafter(runner, self.draft, self.draft_k, self.simulate_accept, self.draft_vocab)
             self.runner = runner
             self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
 

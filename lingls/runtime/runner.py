@@ -24,7 +24,7 @@ import torch
 
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
-from lingls.runtime.sampling import sample
+from lingls.runtime.sampling import argmax_shards, sample
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,12 @@ class ModelRunner:
         positions = self.pos + self.arange[:t]
         step = self.fused or self.model
         h = step.step(self.ids[:t], self.state, positions, kv_len=kv_len)
-        logits = self.model.par.all_gather_last(step.head(h))
-        tok = sample(logits, positions + 1, greedy, self.temperature, self.top_p, self.seed)
+        local = step.head(h)  # this rank's vocab shard
+        if greedy:
+            tok = argmax_shards(local, self.model.par)
+        else:
+            tok = sample(self.model.par.all_gather_last(local), positions + 1, False, self.temperature, self.top_p,
+                         self.seed)
         self.out[:t].copy_(tok)
         if t == 1:
             self.ids[:1].copy_(tok)

@@ -4,7 +4,7 @@ The random numbers are a hash of (seed, position, token id), not a stateful gene
 advance (CUDA-graph replays stay reproducible), the same seed gives the same completion on CPU and GPU and
 after a prefix-cache restore, and every tensor-parallel rank draws the same token from the same (gathered)
 logits without a broadcast. Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks
-i with probability p_i.
+i with probability p_i. The greedy choice needs no gathered logits at all (`argmax_shards`).
 """
 
 from __future__ import annotations
@@ -40,3 +40,33 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
         return argmax_rows(logits)
     return logits.argmax(-1)
+
+
+MAX_EXCHANGED_ID = 1 << 24  # token ids travel as fp32 in `argmax_shards`' exchange: exact below 2^24
+
+
+def argmax_shards(local: torch.Tensor, par, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy choice over a vocabulary split across tensor-parallel ranks, without gathering the logits.
+
+    local [T, V_local]: this rank's shard of the logits; rank r's row j is token r * V_local + j, unless `ids`
+    [V_local] (int64, on the device) names each row's token (a drafter's reduced vocabulary). par: the model's
+    `Parallel`. Returns token ids [T] int64, the same on every rank. Each rank takes its own best (score,
+    token) and the ranks swap the pairs in one all-reduce of a [2, ranks, T] fp32 message that is zero outside
+    the rank's own slots: a sum that gathers, exact for ids below 2^24. The best score wins, the lowest rank
+    on ties, so without `ids` this is `all_gather_last(local).argmax(-1)` token for token.
+
+    Why: gathering a row of Ling-3.0-flash's logits is one NCCL all-gather, ~30 us on two H200s inside a CUDA
+    graph (bench/results/spec_flash_tp2.json), paid by every decode step, verify and draft step; the pairs
+    take one peer all-reduce of a few bytes (~4 us, `peer_allreduce`)."""
+    i = argmax(local)
+    token = ids.index_select(0, i) if ids is not None else i + par.rank * local.shape[-1]
+    if par.size == 1:
+        return token
+    if ids is None and local.shape[-1] * par.size > MAX_EXCHANGED_ID:
+        raise ValueError(f"a vocabulary of {local.shape[-1] * par.size} ids does not fit the fp32 exchange")
+    msg = torch.zeros(2, par.size, local.shape[0], dtype=torch.float32, device=local.device)
+    msg[0, par.rank] = local.gather(-1, i[:, None]).squeeze(-1).float()
+    msg[1, par.rank] = token.float()
+    msg = par.all_reduce(msg)
+    best = msg[0].argmax(0, keepdim=True)  # [1, T]: the first (lowest) rank among equal scores
+    return msg[1].gather(0, best).squeeze(0).long()

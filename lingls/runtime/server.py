@@ -302,7 +302,8 @@ async def serve(server: Server, host: str, port: int) -> None:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="lingls serve: %(message)s", stream=sys.stderr)
     speculation = dict(draft=getattr(args, "draft", None) or "none", draft_k=getattr(args, "draft_k", None),
-                       simulate_accept=getattr(args, "simulate_accept", None))
+                       simulate_accept=getattr(args, "simulate_accept", None),
+                       draft_vocab=getattr(args, "draft_vocab", None))
     try:
         if getattr(args, "tp", 1) > 1:
             from lingls.runtime.distributed import TensorParallelEngine

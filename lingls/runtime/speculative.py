@@ -34,9 +34,10 @@ import torch
 from lingls.kernels import kda
 from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
+from lingls.runtime.draft_vocab import DraftVocab
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.runner import ModelRunner, _Fence
-from lingls.runtime.sampling import argmax, uniform_hash
+from lingls.runtime.sampling import argmax_shards, uniform_hash
 
 DEFAULT_K = 4
 COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)
@@ -83,10 +84,10 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
     return n, tokens
 
 
-def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
-    """Greedy verification: (n, tokens) with tokens the target's argmax at each position and n the number of
-    leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding would produce)."""
-    tokens = argmax(logits)
+def accept_greedy(tokens: torch.Tensor, drafts: torch.Tensor):
+    """Greedy verification: tokens [K+1] are the target's argmax at each verified position; returns (n, tokens)
+    with n the number of leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding
+    would produce)."""
     return (drafts == tokens[:-1]).long().cumprod(0).sum(), tokens
 
 
@@ -176,12 +177,13 @@ class MTPDrafter(Drafter):
 
     name = "mtp"
 
-    def __init__(self, model: LingForCausalLM, state, k: int, fused=None):
+    def __init__(self, model: LingForCausalLM, state, k: int, fused=None, vocab: DraftVocab | None = None):
         if not model.mtp_layers:
             raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): use another drafter")
         super().__init__(k)
         self.model, self.state = model, state
         self.fused = fused
+        self.vocab = vocab  # the head's reduced vocabulary (`draft_vocab`), or None for the whole lm_head
         self.mtp_step = model.mtp_step if fused is None else fused.mtp_step  # the fused kernels on CUDA
         self.mtp_head = model.mtp_head if fused is None else fused.mtp_head
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -190,7 +192,9 @@ class MTPDrafter(Drafter):
         self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
 
     def _argmax(self, x):
-        return argmax(self.model.par.all_gather_last(self.mtp_head(x)))
+        if self.vocab is None:
+            return argmax_shards(self.mtp_head(x), self.model.par)
+        return argmax_shards(self.mtp_head(x, weight=self.vocab.weight), self.model.par, self.vocab.ids)
 
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
@@ -300,12 +304,17 @@ class Fallback(Drafter):
         return self.lookup.live() + self.other.live()
 
 
-def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K) -> Drafter | None:
-    """Build the drafter named by a `--draft` string (None for "none")."""
+def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K, vocab: str | None = None) -> Drafter | None:
+    """Build the drafter named by a `--draft` string (None for "none"); vocab: a draft-vocabulary file for the
+    MTP drafter's head (`draft_vocab`)."""
     parts = [p for p in spec.split("+") if p]
     if not parts or parts == ["none"]:
+        if vocab is not None:
+            raise ValueError("--draft-vocab needs a drafter (--draft mtp)")
         return None
-    made = [_one_drafter(p, runner, k) for p in parts]
+    if vocab is not None and "mtp" not in parts:
+        raise ValueError("--draft-vocab applies to the MTP drafter's head (--draft mtp or lookup+mtp)")
+    made = [_one_drafter(p, runner, k, vocab) for p in parts]
     if len(made) == 1:
         return made[0]
     if len(made) != 2 or not isinstance(made[0], LookupDrafter) or isinstance(made[1], LookupDrafter):
@@ -313,11 +322,12 @@ def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K) -> Drafter 
     return Fallback(made[0], made[1])
 
 
-def _one_drafter(name: str, runner: ModelRunner, k: int) -> Drafter:
+def _one_drafter(name: str, runner: ModelRunner, k: int, vocab: str | None = None) -> Drafter:
     if name == "lookup":
         return LookupDrafter(k, runner.capacity, runner.device)
     if name == "mtp":
-        return MTPDrafter(runner.model, runner.state, k, runner.fused)
+        return MTPDrafter(runner.model, runner.state, k, runner.fused,
+                          DraftVocab.load(vocab, runner.model) if vocab is not None else None)
     from lingls.model.draft import DraftConfigError, is_drafter_dir, load_drafter
 
     if not is_drafter_dir(name):
@@ -455,11 +465,12 @@ class Speculator:
         r, m, state = self.runner, self.model, self.runner.state
         positions = r.pos + self.arange
         h, feats = self._target(self.ids, positions, kv_len, staged=True)
-        logits = m.par.all_gather_last((self.runner.fused or m).head(h))
+        local = (self.runner.fused or m).head(h)  # this rank's vocab shard
         if greedy:
-            n, tokens = accept_greedy(logits, self.ids[1:])
+            n, tokens = accept_greedy(argmax_shards(local, m.par), self.ids[1:])
         else:
-            n, tokens = rejection_sample(logits, self.ids[1:], self.q, positions + 1, r.temperature, r.top_p, r.seed)
+            n, tokens = rejection_sample(m.par.all_gather_last(local), self.ids[1:], self.q, positions + 1,
+                                         r.temperature, r.top_p, r.seed)
         n = n.view(1)
         if self.force_accept is not None:  # the round claims the first n drafts, then the target's own token
             n = self.force_accept.view(1).clamp(0, self.k)
@@ -572,7 +583,8 @@ class Speculator:
             self.runner.cache.tokens.extend(tokens[:n] + (tokens[n:] if unread else []))
 
 
-def attach(runner: ModelRunner, spec: str, k: int = DEFAULT_K) -> Speculator | None:
-    """Make `runner` decode speculatively with the drafter(s) named by `spec` (None for "none")."""
-    drafter = make_drafter(spec, runner, k)
+def attach(runner: ModelRunner, spec: str, k: int = DEFAULT_K, vocab: str | None = None) -> Speculator | None:
+    """Make `runner` decode speculatively with the drafter(s) named by `spec` (None for "none"); vocab: a
+    draft-vocabulary file for the MTP head."""
+    drafter = make_drafter(spec, runner, k, vocab)
     return Speculator(runner, drafter) if drafter is not None else None

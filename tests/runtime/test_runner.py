@@ -56,8 +56,8 @@ def test_decode_loop_reads_nothing_from_the_device(runner, sampling):
 
 
 def test_the_guard_catches_a_host_read(runner, monkeypatch):
-    real = runner_mod.sample
-    monkeypatch.setattr(runner_mod, "sample", lambda logits, *a: real(logits, *a) + int(logits[0, 0] > 0) * 0)
+    real = runner_mod.argmax_shards  # the greedy choice of every decode step
+    monkeypatch.setattr(runner_mod, "argmax_shards", lambda logits, *a: real(logits, *a) + int(logits[0, 0] > 0) * 0)
     runner.prefill(PROMPT, Sampling())
     with no_host_reads(), pytest.raises(HostRead):
         list(runner.decode(4, True))

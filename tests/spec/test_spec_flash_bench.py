@@ -19,11 +19,15 @@ def test_tiny_run_measures_every_forced_acceptance(tmp_path):
     threads = torch.get_num_threads()
     out = tmp_path / "spec.json"
     try:
-        rc = bench.main(["--tiny", "--ks", "3,1", "--rounds", "3", "--reps", "2", "--out", str(out)])
+        rc = bench.main(["--tiny", "--ks", "3,1", "--rounds", "3", "--reps", "2", "--draft-vocab", "1024",
+                         "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     res = json.loads(out.read_text())
     assert rc == 0 and not res["errors"] and not res["skipped"]
-    assert [(r["k"], r["a"]) for r in res["rows"]] == [(3, 0), (3, 1), (3, 2), (3, 3), (1, 0), (1, 1)]
+    # each K with the whole lm_head as the draft head, then with a 1,024-id one (--draft-vocab)
+    assert [(r["k"], r["draft_vocab"], r["a"]) for r in res["rows"]] == [
+        (3, None, 0), (3, None, 1), (3, None, 2), (3, None, 3), (3, 1024, 0), (3, 1024, 1), (3, 1024, 2),
+        (3, 1024, 3), (1, None, 0), (1, None, 1), (1, 1024, 0), (1, 1024, 1)]
     assert all(r["forced_count_honoured"] and r["tpot_ms"] > 0 for r in res["rows"])
     assert "SIMULATED" in res["label"] and res["plain_decode_ms"] > 0
