@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, counters
-from lingls.kernels.keys import _NO_KEY, _key, _key_index
+from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.reference import uniform_hash
 
 ARGMAX_BLOCK = 4096  # logits per program of `argmax_rows` (39 programs per row for Ling's 157,184 tokens)
@@ -160,10 +160,13 @@ def choose(x, w, sample: bool = False, positions=None, temperature=None, seed=No
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, V, stride, NB: tl.constexpr, NB_PAD: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, ids_ptr, msg_ptr, V, stride, offset, T, rank,
+                   NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr,
+                   RANKS: tl.constexpr):
     """Program (row, block): the block's best packed key into part; the row's last program to arrive (its
-    arrival counter) reduces the row's NB keys and writes the index."""
+    arrival counter) reduces the row's NB keys to its token: ids[index] with IDS, else index + offset. With
+    RANKS == 1 it writes the token to out; otherwise it writes the row's column of the exchange message
+    msg [2, RANKS, T] fp32 (`exchange`): its score and token in its rank's slots, zeros in the others."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -176,19 +179,59 @@ def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, V, stride, NB: tl.constexp
     if arrived == NB - 1:
         r = tl.arange(0, NB_PAD)
         keys = tl.load(part_ptr + row * NB + r, mask=r < NB, other=_NO_KEY, cache_modifier=".cg")
-        tl.store(out_ptr + row, _key_index(tl.max(keys, axis=0), 2 ** 31).to(tl.int64))
+        key = tl.max(keys, axis=0)
+        index = _key_index(key, 2 ** 31)
+        token = tl.load(ids_ptr + index).to(tl.int64) if IDS else index.to(tl.int64) + offset
+        if RANKS == 1:
+            tl.store(out_ptr + row, token)
+        else:
+            slot = tl.arange(0, RANKS)
+            mine = slot == rank
+            tl.store(msg_ptr + slot * T + row, tl.where(mine, _key_value(key), 0.0))
+            tl.store(msg_ptr + (RANKS + slot) * T + row, tl.where(mine, token.to(tl.float32), 0.0))
         tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-def argmax_rows(logits: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
+@triton.jit
+def _pick_kernel(msg_ptr, out_ptr, T, RANKS: tl.constexpr):
+    """Program row: the token of the best score among the ranks' slots of a summed exchange message (the first
+    rank among equal scores)."""
+    row = tl.program_id(0)
+    slot = tl.arange(0, RANKS)
+    scores = tl.load(msg_ptr + slot * T + row)
+    best = _key_index(tl.max(_key(scores, slot, RANKS), axis=0), RANKS)
+    token = tl.sum(tl.where(slot == best, tl.load(msg_ptr + (RANKS + slot) * T + row), 0.0), axis=0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def argmax_rows(logits: torch.Tensor, block: int = ARGMAX_BLOCK, ids: torch.Tensor | None = None,
+                offset: int = 0, exchange: tuple[int, int] | None = None) -> torch.Tensor:
     """logits [T, V] (last dim contiguous, any float dtype) -> the first index of each row's maximum [T]
     int64, as `logits.argmax(-1)`: one launch of T x cdiv(V, block) programs (torch's reduction of one long
-    row runs ~13 us on an H200 for Ling's vocabulary, most of it in too few threads)."""
+    row runs ~13 us on an H200 for Ling's vocabulary, most of it in too few threads).
+
+    ids [V] int64: return ids[index] instead (a reduced vocabulary's tokens); offset: return index + offset
+    (this rank's first token of a vocab shard). exchange = (rank, ranks): return instead the message
+    [2, ranks, T] fp32 that `runtime.sampling.argmax_shards` all-reduces (each row's best score and token in
+    the rank's slots, zeros elsewhere: the sum over ranks gathers them; `pick_rows` then chooses)."""
     t, v = logits.shape
     assert logits.stride(1) == 1 and v < 2 ** 31
     nb = triton.cdiv(v, block)
-    out = torch.empty(t, dtype=torch.int64, device=logits.device)
+    rank, ranks = exchange or (0, 1)
+    assert ranks & (ranks - 1) == 0, "the exchange needs a power-of-two number of ranks"
+    out = torch.empty((2, ranks, t) if ranks > 1 else (t,), dtype=torch.float32 if ranks > 1 else torch.int64,
+                      device=logits.device)
     part = torch.empty(t * nb, dtype=torch.int64, device=logits.device)
-    _argmax_kernel[(t, nb)](logits, part, counters(logits.device, t), out, v, logits.stride(0), NB=nb,
-                            NB_PAD=triton.next_power_of_2(nb), BLOCK=block, num_warps=4)
+    _argmax_kernel[(t, nb)](logits, part, counters(logits.device, t), out, ids if ids is not None else out, out, v,
+                            logits.stride(0), offset, t, rank, NB=nb, NB_PAD=triton.next_power_of_2(nb), BLOCK=block,
+                            IDS=ids is not None, RANKS=ranks, num_warps=4)
+    return out
+
+
+def pick_rows(msg: torch.Tensor) -> torch.Tensor:
+    """A summed exchange message [2, ranks, T] -> the tokens [T] int64: per row the token of the best score, the
+    first rank on ties (`argmax_rows(..., exchange=...)`)."""
+    _, ranks, t = msg.shape
+    out = torch.empty(t, dtype=torch.int64, device=msg.device)
+    _pick_kernel[(t,)](msg, out, t, RANKS=ranks, num_warps=1)
     return out

@@ -56,15 +56,24 @@ def argmax_shards(local: torch.Tensor, par, ids: torch.Tensor | None = None) -> 
     on ties, so without `ids` this is `all_gather_last(local).argmax(-1)` token for token.
 
     Why: gathering a row of Ling-3.0-flash's logits is one NCCL all-gather, ~30 us on two H200s inside a CUDA
-    graph (bench/results/spec_flash_tp2.json), paid by every decode step, verify and draft step; the pairs
-    take one peer all-reduce of a few bytes (~4 us, `peer_allreduce`)."""
-    i = argmax(local)
-    token = ids.index_select(0, i) if ids is not None else i + par.rank * local.shape[-1]
+    graph, paid by every decode step, verify and draft step; the pairs take one peer all-reduce of a few
+    bytes. On CUDA it is three launches: the argmax that writes the message (`kernels.sampling.argmax_rows`),
+    the all-reduce, the pick (`pick_rows`)."""
+    t, v = local.shape
+    offset = par.rank * v
+    if ids is None and v * par.size > MAX_EXCHANGED_ID:
+        raise ValueError(f"a vocabulary of {v * par.size} ids does not fit the fp32 exchange")
+    if local.is_cuda and local.stride(-1) == 1 and par.size & (par.size - 1) == 0:
+        from lingls.kernels.sampling import argmax_rows, pick_rows
+
+        if par.size == 1:
+            return argmax_rows(local, ids=ids)
+        return pick_rows(par.all_reduce(argmax_rows(local, ids=ids, offset=offset, exchange=(par.rank, par.size))))
+    i = local.argmax(-1)
+    token = ids.index_select(0, i) if ids is not None else i + offset
     if par.size == 1:
         return token
-    if ids is None and local.shape[-1] * par.size > MAX_EXCHANGED_ID:
-        raise ValueError(f"a vocabulary of {local.shape[-1] * par.size} ids does not fit the fp32 exchange")
-    msg = torch.zeros(2, par.size, local.shape[0], dtype=torch.float32, device=local.device)
+    msg = torch.zeros(2, par.size, t, dtype=torch.float32, device=local.device)
     msg[0, par.rank] = local.gather(-1, i[:, None]).squeeze(-1).float()
     msg[1, par.rank] = token.float()
     msg = par.all_reduce(msg)

@@ -96,3 +96,28 @@ def test_argmax_rows_is_torch_argmax(poisoned, t, v, block, dtype):
         got = S.argmax_rows(x, block=block)
         assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
     assert torch.equal(runtime_sampling.argmax(x), x.argmax(-1))  # the runtime's dispatch
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_argmax_exchange_over_shards_is_the_whole_argmax(poisoned, ranks):
+    """Each rank's message (its best score and token in its slots, zeros in the others), summed over the ranks
+    as the all-reduce does, then picked: the whole vocabulary's first maximum, ties across shards included."""
+    t, v = 5, 4096
+    gen = torch.Generator().manual_seed(ranks)
+    x = torch.randn(t, v, generator=gen).to(DEV, torch.bfloat16)
+    x[0, v - 7] = x[0, 5] = x[0].max() + 1  # tied in the first and the last shard: the first wins
+    x[1] = -3.0  # every score negative and equal: token 0 (the zeros of the other slots never win)
+    x[1, v // 2 + 1] = -2.5
+    shard = v // ranks
+    msgs = [S.argmax_rows(x[:, r * shard:(r + 1) * shard], block=256, offset=r * shard, exchange=(r, ranks))
+            for r in range(ranks)]
+    for r, m in enumerate(msgs):
+        assert m.shape == (2, ranks, t) and not m[:, [s for s in range(ranks) if s != r]].any()
+    assert torch.equal(S.pick_rows(sum(msgs)), x.argmax(-1))
+
+
+def test_argmax_rows_maps_rows_to_token_ids(poisoned):
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(1)).to(DEV)
+    ids = torch.randperm(10 ** 5, generator=torch.Generator().manual_seed(2))[:700].to(DEV)
+    assert torch.equal(S.argmax_rows(x, block=128, ids=ids), ids[x.argmax(-1)])
+    assert torch.equal(S.argmax_rows(x, block=128, offset=1000), x.argmax(-1) + 1000)
