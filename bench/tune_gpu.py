@@ -3,7 +3,7 @@ fused step.
 
 At batch 1 these kernels are latency-bound: how many programs stream at once and how many loads each has in
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
-graph over all the layers of one TP=4 rank of Ling-3.0-flash (random bf16 weights, 8k context: every call
+graph over all the layers of one rank (TP=4 unless --tp) of Ling-3.0-flash (random bf16 weights, 8k context: every call
 reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
 (splits, block rows, warps); KDA its value columns per program and warps (staged per position at T=9, as in
 verification); MoE sweeps its router (routing in its last program, or per token in a second launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
@@ -13,8 +13,9 @@ best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for 
 winners are what the code's CONFIGS ship. Every MoE stage starts from the shipped settings, so a sweep cut
 short by the budget never replaces them with an untimed choice.
 
-    python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]]
-    (T: 1 and/or 9, default both; STAGE: mla, kda, moe, gemv, default all)
+    python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
+    (T: 1 and/or 9, default both; STAGE: mla, kda, moe, gemv, default all; --tp: the rank shapes of TP=N, default
+    4; the settings are kept per width, heads or expert rows per rank, so each TP degree has its own)
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
     entries = [e["moe"] for e in fused.layers if "moe" in e]
     x = torch.randn(t, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     cfg = fused.moe_cfg
-    best = dict(moe.config_for(t))
+    best = dict(moe.config_for(t, entries[0].down.shape[2]))
     rows = []
     for stage in (ROUTER, GATE_UP, DOWN):
         results = []
@@ -222,7 +223,7 @@ def router_probe(fused: FusedStep) -> dict:
     """µs per layer of the T=1 router launch with the routing in its last program and without (the matvec
     alone, ROUTE=False): what the routing itself costs, at the shipped settings."""
     entries = [e["moe"] for e in fused.layers if "moe" in e]
-    cfg, knobs = fused.moe_cfg, moe.config_for(1)
+    cfg, knobs = fused.moe_cfg, moe.config_for(1, entries[0].down.shape[2])
     x = torch.randn(1, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     e, h = entries[0].router_w.shape
     k_per, split = moe._h_ranges(h, knobs["router_split"], knobs["router_block_k"])
@@ -254,13 +255,22 @@ def step_ms(model, fused: FusedStep, t: int) -> float:
     return median_ms(graphed(lambda: fused.step(ids, state, pos)), reps=30)
 
 
+def pin(table: dict, width: int, chosen: dict) -> None:
+    """Put the settings chosen at T=1 and T=9 into a kernel's CONFIGS under this width (heads or expert rows per
+    rank), over the nearest width's settings."""
+    entry = dict(table.get(width) or table[min(table, key=lambda w: abs(w - width))])
+    entry.update({k: chosen[t] for k, t in ((1, 1), (16, 9)) if t in chosen})
+    table[width] = entry
+
+
 def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9),
-         stages: tuple[str, ...] = ("mla", "kda", "moe", "gemv")) -> int:
+         stages: tuple[str, ...] = ("mla", "kda", "moe", "gemv"), tp: int = 4) -> int:
     t0 = time.time()
     DEADLINE[0] = t0 + budget_s
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    model = build_flash(layers, tp=4, rank=0)
+    model = build_flash(layers, tp=tp, rank=0)
+    heads, rows = model.config.num_attention_heads // tp, model.config.moe_intermediate_size // tp
     fused = FusedStep(model, kernels=True)
     tuning, chosen = {"mla": [], "moe": [], "gemv": [], "kda": []}, {"mla": {}, "moe": {}, "gemv": {}, "kda": {}}
     with torch.inference_mode():
@@ -303,12 +313,12 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "
                   f"gemv {[(s, c) for s, c in chosen['gemv'].items() if s[3] == (1 if t == 1 else 16)]}", flush=True)
     # T=1 settings serve decode steps, the T=9 ones every verify size up to 16 (the CONFIGS keys)
-    mla.CONFIGS.update({k: chosen["mla"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["mla"]})
-    moe.CONFIGS.update({k: chosen["moe"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["moe"]})
-    kda.CONFIGS.update({k: chosen["kda"][t] for k, t in ((1, 1), (16, 9)) if t in chosen["kda"]})
+    pin(mla.CONFIGS, heads, chosen["mla"])
+    pin(moe.CONFIGS, rows, chosen["moe"])
+    pin(kda.CONFIGS, heads, chosen["kda"])
     gemv.CONFIGS.update(chosen["gemv"])
-    defaults = {"mla": {1: mla.config_for(1), 9: mla.config_for(9)}, "moe": {1: moe.config_for(1), 9: moe.config_for(9)},
-                "kda": {1: kda.config_for(1), 9: kda.config_for(9)},
+    defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)}, "moe": {t: moe.config_for(t, rows) for t in (1, 9)},
+                "kda": {t: kda.config_for(t, heads) for t in (1, 9)},
                 "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
     for kind in ("mla", "moe", "kda"):
         for t in (1, 9):
@@ -316,7 +326,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if base:
                 print(f"{kind} T={t}: first candidate {base[0]['us']:.1f} us, best "
                       f"{min(r['us'] for r in tuning[kind] if r['T'] == t and 'us' in r):.1f} us")
-    rc = measure(model, out, bw, extra=dict(fused_ms_shipped_settings=before, router_probe_us=probe, tuning=tuning,
+    rc = measure(model, out, bw, extra=dict(tp=tp, heads_per_rank=heads, expert_rows_per_rank=rows,
+                                            fused_ms_shipped_settings=before, router_probe_us=probe, tuning=tuning,
                                             chosen={k: {str(t): v for t, v in c.items()} for k, c in chosen.items()},
                                             configs_used={k: {str(t): v for t, v in c.items()}
                                                           for k, c in defaults.items()}))
@@ -332,7 +343,15 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tune.json", int(sys.argv[2]) if len(sys.argv) > 2 else 42,
-                  float(sys.argv[3]) if len(sys.argv) > 3 else float("inf"),
-                  tuple(int(t) for t in sys.argv[4].split(",")) if len(sys.argv) > 4 else (1, 9),
-                  tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else ("mla", "kda", "moe", "gemv")))
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", default="tune.json")
+    p.add_argument("layers", nargs="?", type=int, default=42)
+    p.add_argument("budget_s", nargs="?", type=float, default=float("inf"), help="tuning budget, seconds")
+    p.add_argument("tokens", nargs="?", default="1,9", help="T values, e.g. 1,9")
+    p.add_argument("stages", nargs="?", default="mla,kda,moe,gemv")
+    p.add_argument("--tp", type=int, default=4, help="tune rank 0's shard of a TP=N deployment (default 4)")
+    a = p.parse_args()
+    sys.exit(main(a.out, a.layers, a.budget_s, tuple(int(t) for t in a.tokens.split(",")), tuple(a.stages.split(",")),
+                  a.tp))

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_tokens
+from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 
 try:
@@ -233,14 +233,15 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
     return x.stride(0)
 
 
-# (block_v, num_warps) by the step's token count (the smallest key >= T applies), timed by bench/tune_gpu.py at
-# Ling-3.0-flash TP=4 rank shapes on an H200 (bench/results/fused_step_shard42.json): at T=9 (staged verify)
-# 32 value columns per program take 22.6 us per layer against 28.2 us with 16; at T=1 the two are within 5%.
-CONFIGS = {1: (16, 4), 16: (32, 4)}
+# (block_v, num_warps) by heads per rank, then by the step's token count (the smallest key >= T applies), timed
+# by bench/tune_gpu.py at Ling-3.0-flash rank shapes on an H200 (8 heads: TP=4, bench/results/
+# fused_step_shard42.json: at T=9, staged, 32 value columns per program take 22.6 us per layer against 28.2 us
+# with 16; at T=1 the two are within 5%).
+CONFIGS = {8: {1: (16, 4), 16: (32, 4)}}
 
 
-def config_for(t: int) -> tuple[int, int]:
-    return by_tokens(CONFIGS, t)
+def config_for(t: int, heads: int = 8) -> tuple[int, int]:
+    return by_width_and_tokens(CONFIGS, heads, t)
 
 
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
@@ -263,7 +264,7 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:
         raise ValueError("the gated output norm needs z (the g_proj output)")
-    tuned_bv, tuned_warps = config_for(t)
+    tuned_bv, tuned_warps = config_for(t, h)
     block_v, num_warps = block_v or min(tuned_bv, d), num_warps or tuned_warps
     if d & (d - 1) or d % block_v or block_v & (block_v - 1):
         raise ValueError(f"D={d} and block_v={block_v} must be powers of two with block_v dividing D")

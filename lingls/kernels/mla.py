@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_tokens
+from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 
 try:
@@ -46,13 +46,13 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
     return torch.einsum("thj,jr->thr", probs, keys[:, :r])
 
 
-# (num_splits, block_n, num_warps) by the step's query count: the smallest key >= T applies. Chosen by
-# bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time).
-CONFIGS = {1: (128, 32, 8), 16: (32, 32, 4)}
+# (num_splits, block_n, num_warps) by heads per rank (8: TP=4), then by the step's query count (the smallest key
+# >= T applies). Chosen by bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time).
+CONFIGS = {8: {1: (128, 32, 8), 16: (32, 32, 4)}}
 
 
-def config_for(t: int) -> tuple[int, int, int]:
-    return by_tokens(CONFIGS, t)
+def config_for(t: int, heads: int = 8) -> tuple[int, int, int]:
+    return by_width_and_tokens(CONFIGS, heads, t)
 
 
 def heads_per_program(t: int, h: int) -> int:
@@ -237,7 +237,7 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     `CONFIGS`."""
     t, h, r = q_lat.shape
     p = q_rope.shape[-1]
-    splits, bn, warps = config_for(t)
+    splits, bn, warps = config_for(t, h)
     num_splits, block_n, num_warps = num_splits or splits, block_n or bn, num_warps or warps
     assert num_splits & (num_splits - 1) == 0, f"num_splits must be a power of two, got {num_splits}"
     g = heads_per_program(t, h)

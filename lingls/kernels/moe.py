@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingls.kernels import by_tokens
+from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
@@ -347,23 +347,23 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
     tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch knobs by the step's token count (the smallest key >= T applies): router programs over experts and
-# over H (each streaming router_block_k columns at a time), its warps (which also route), the routing's launch
-# and warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path, down rows per program, slot
-# shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash TP=4 rank shapes (its JSON
-# lists every candidate's time).
-CONFIGS = {
+# Launch knobs by each expert's rows per rank (192: TP=4), then by the step's token count (the smallest key >= T
+# applies): router programs over experts and over H (each streaming router_block_k columns at a time), its warps
+# (which also route), the routing's launch and warps, gate-up rows per program, H tile, H ranges (split-K) and
+# FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at
+# Ling-3.0-flash rank shapes (its JSON lists every candidate's time).
+CONFIGS = {192: {
     1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,
             block_i=16, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=True, block_h=16, split_d=16, dn_warps=4,
             dn_fma=True),
     16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
              block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
              dn_fma=False),
-}
+}}
 
 
-def config_for(t: int) -> dict:
-    return by_tokens(CONFIGS, t)
+def config_for(t: int, rows: int = 192) -> dict:
+    return by_width_and_tokens(CONFIGS, rows, t)
 
 
 def _h_ranges(h: int, split: int, block_k: int) -> tuple[int, int]:
@@ -389,7 +389,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     first weight tile is requested before it waits).
     """
     t, h = x.shape
-    k = {**config_for(t), **knobs}
+    k = {**config_for(t, down.shape[2]), **knobs}
     e = router_w.shape[0]
     i = down.shape[2]
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0

@@ -17,7 +17,7 @@ pytest.importorskip("triton")  # GPU-only dependency: these tests run its interp
 
 from tests.kernels.conftest import rel  # noqa: E402
 
-from lingls.kernels import kda
+from lingls.kernels import by_width_and_tokens, kda
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LB = -5.0
@@ -79,8 +79,9 @@ def test_step_matches_reference(t, h, d, block_v, dtype, fused):
 
 @pytest.mark.parametrize("t", [1, 9])
 def test_launch_settings_from_configs_compute_the_same_step(t, monkeypatch):
-    """What bench/tune_gpu.py pins in CONFIGS (value columns per program, warps) changes nothing computed."""
-    monkeypatch.setattr(kda, "CONFIGS", {1: (8, 2), 16: (4, 1)})
+    """What bench/tune_gpu.py pins in CONFIGS (value columns per program, warps; per heads per rank) changes nothing
+    computed."""
+    monkeypatch.setattr(kda, "CONFIGS", {2: {1: (8, 2), 16: (4, 1)}, 8: {1: (16, 4), 16: (16, 4)}})  # 2 heads
     inp = make(t, 2, 16, torch.float32, torch.Generator().manual_seed(t), False)
     out, new = run_kernel(inp)
     ref_in = upcast(inp)
@@ -255,3 +256,11 @@ def test_kernels_compile_for_h200_without_spills():
     assert len(lines) == 5
     for line in lines:
         assert "STACK:0 " in line and "LOCAL:0 " in line, line  # the default block_v=16, 4 warps must not spill
+
+
+def test_launch_settings_are_kept_per_width():
+    """Tuned settings per heads (or expert rows) per rank, then per token count; an untuned width takes the
+    nearest tuned one (TP=2 and TP=4 shards of one model launch differently)."""
+    table = {8: {1: "tp4 decode", 16: "tp4 verify"}, 16: {1: "tp2 decode", 16: "tp2 verify"}}
+    assert by_width_and_tokens(table, 8, 1) == "tp4 decode" and by_width_and_tokens(table, 16, 9) == "tp2 verify"
+    assert by_width_and_tokens(table, 11, 1) == "tp4 decode" and by_width_and_tokens(table, 32, 40) == "tp2 verify"
