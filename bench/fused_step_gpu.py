@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from lingls.bench.step import build_flash, copy_bandwidth, median_ms
-from lingls.model.ling import Router
-from lingls.runtime.fused_step import FusedStep
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
+from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
+from lingls.model.ling import Router  # noqa: E402
+from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
 CONTEXT = 8192
 

@@ -230,6 +230,12 @@ def say_profile(say, prof: dict) -> None:
 
 def run_rank(args, par: Parallel, device: torch.device) -> dict:
     t_start = time.perf_counter()
+    tuned = None
+    if args.configs:  # a tuning run's choices (bench/tune_gpu.py), pinned in this rank's process
+        sys.path.insert(0, str(Path(__file__).parent))
+        from tune_gpu import load_tuned
+
+        tuned = load_tuned(args.configs)
     rank0 = par.rank == 0
     say = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
     stopped = torch.zeros(1, device=device)
@@ -250,7 +256,8 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
            "tp": args.tp, "ranks": par.size, "layers": args.layers, "context": args.context,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "target": TARGET,
-           "rows": [], "target_step_ms": {}, "errors": {}, "skipped": []}
+           "rows": [], "target_step_ms": {}, "errors": {}, "skipped": [],
+           "launch_settings": {"from": args.configs, "chosen": tuned} if tuned else "the code's CONFIGS"}
     try:
         import triton
 
@@ -459,6 +466,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny random model on CPU (checks the script)")
     p.add_argument("--profile", action="store_true", help="kernel times of the round's graphs (GPU) at --profile-a")
     p.add_argument("--profile-a", type=int, default=6, help="the forced acceptance the profile runs at")
+    p.add_argument("--configs", metavar="TUNE.json", help="kernel launch settings chosen by bench/tune_gpu.py")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="also run each K with an N-id draft head (--draft-vocab; 0: the whole lm_head only)")
     p.add_argument("--out", default="bench/results/spec_flash.json")

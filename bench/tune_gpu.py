@@ -20,6 +20,7 @@ short by the budget never replaces them with an untimed choice.
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
 sys.path.insert(0, str(Path(__file__).parent))
 from fused_step_gpu import CONTEXT, graphed, measure  # noqa: E402
 
@@ -261,6 +263,18 @@ def pin(table: dict, width: int, chosen: dict) -> None:
     entry = dict(table.get(width) or table[min(table, key=lambda w: abs(w - width))])
     entry.update({k: chosen[t] for k, t in ((1, 1), (16, 9)) if t in chosen})
     table[width] = entry
+
+
+def load_tuned(path: str) -> dict:
+    """Pin the settings a tuning run chose (its JSON) into the kernels' CONFIGS for this process: another
+    benchmark can run with them before they are copied into the code."""
+    res = json.loads(Path(path).read_text())
+    chosen, heads, rows = res["chosen"], res["heads_per_rank"], res["expert_rows_per_rank"]
+    pin(mla.CONFIGS, heads, {int(t): tuple(v) for t, v in chosen["mla"].items()})
+    pin(kda.CONFIGS, heads, {int(t): tuple(v) for t, v in chosen["kda"].items()})
+    pin(moe.CONFIGS, rows, {int(t): v for t, v in chosen["moe"].items()})
+    gemv.CONFIGS.update({ast.literal_eval(key): v for key, v in chosen["gemv"].items()})
+    return chosen
 
 
 def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9),
