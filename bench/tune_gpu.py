@@ -284,7 +284,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     torch.manual_seed(0)
     bw = copy_bandwidth()
     model = build_flash(layers, tp=tp, rank=0)
-    heads, rows = model.config.num_attention_heads // tp, model.config.moe_intermediate_size // tp
+    heads, expert_rows = model.config.num_attention_heads // tp, model.config.moe_intermediate_size // tp
     fused = FusedStep(model, kernels=True)
     tuning, chosen = {"mla": [], "moe": [], "gemv": [], "kda": []}, {"mla": {}, "moe": {}, "gemv": {}, "kda": {}}
     with torch.inference_mode():
@@ -328,10 +328,10 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
                   f"gemv {[(s, c) for s, c in chosen['gemv'].items() if s[3] == (1 if t == 1 else 16)]}", flush=True)
     # T=1 settings serve decode steps, the T=9 ones every verify size up to 16 (the CONFIGS keys)
     pin(mla.CONFIGS, heads, chosen["mla"])
-    pin(moe.CONFIGS, rows, chosen["moe"])
+    pin(moe.CONFIGS, expert_rows, chosen["moe"])
     pin(kda.CONFIGS, heads, chosen["kda"])
     gemv.CONFIGS.update(chosen["gemv"])
-    defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)}, "moe": {t: moe.config_for(t, rows) for t in (1, 9)},
+    defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)}, "moe": {t: moe.config_for(t, expert_rows) for t in (1, 9)},
                 "kda": {t: kda.config_for(t, heads) for t in (1, 9)},
                 "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
     for kind in ("mla", "moe", "kda"):
@@ -340,7 +340,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if base:
                 print(f"{kind} T={t}: first candidate {base[0]['us']:.1f} us, best "
                       f"{min(r['us'] for r in tuning[kind] if r['T'] == t and 'us' in r):.1f} us")
-    rc = measure(model, out, bw, extra=dict(tp=tp, heads_per_rank=heads, expert_rows_per_rank=rows,
+    rc = measure(model, out, bw, extra=dict(tp=tp, heads_per_rank=heads, expert_rows_per_rank=expert_rows,
                                             fused_ms_shipped_settings=before, router_probe_us=probe, tuning=tuning,
                                             chosen={k: {str(t): v for t, v in c.items()} for k, c in chosen.items()},
                                             configs_used={k: {str(t): v for t, v in c.items()}

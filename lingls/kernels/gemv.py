@@ -208,7 +208,8 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
 # steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
 # Pinned from bench/results/tune_shard42.json (one H200, Ling-3.0-flash TP=4 rank shapes): at T=1 every shape
-# is best on the FMA path with 8 rows x 512 columns per program (the dense MLP's gate-up with split-K).
+# is best on the FMA path with 8 rows x 512 columns per program (the dense MLP's gate-up with split-K); the
+# TP=2 rank shapes from `bench/tune_gpu.py --tp 2` (bench/results/tune_tp2.log, 12 layers).
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (5128, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
@@ -220,6 +221,17 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (1536, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
     (2120, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
     (5128, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
+    # TP=2
+    (10256, 2560, False, 1): dict(block_n=32, block_k=256, num_warps=8, num_stages=3, fma=True),
+    (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (2560, 3072, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (3664, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (10256, 2560, False, 16): dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
+    (2560, 2048, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    (2560, 3072, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    (3072, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    (3664, 2560, False, 16): dict(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=3),
 }
 
 

@@ -46,9 +46,10 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
     return torch.einsum("thj,jr->thr", probs, keys[:, :r])
 
 
-# (num_splits, block_n, num_warps) by heads per rank (8: TP=4), then by the step's query count (the smallest key
-# >= T applies). Chosen by bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time).
-CONFIGS = {8: {1: (128, 32, 8), 16: (32, 32, 4)}}
+# (num_splits, block_n, num_warps) by heads per rank (8: TP=4, 16: TP=2), then by the step's query count (the
+# smallest key >= T applies). Chosen by bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every
+# candidate's time; TP=2: bench/results/tune_tp2.log).
+CONFIGS = {8: {1: (128, 32, 8), 16: (32, 32, 4)}, 16: {1: (128, 64, 8), 16: (16, 32, 4)}}
 
 
 def config_for(t: int, heads: int = 8) -> tuple[int, int, int]:

@@ -347,7 +347,7 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
     tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch knobs by each expert's rows per rank (192: TP=4), then by the step's token count (the smallest key >= T
+# Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the smallest key >= T
 # applies): router programs over experts and over H (each streaming router_block_k columns at a time), its warps
 # (which also route), the routing's launch and warps, gate-up rows per program, H tile, H ranges (split-K) and
 # FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at
@@ -358,6 +358,13 @@ CONFIGS = {192: {
             dn_fma=True),
     16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
              block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
+             dn_fma=False),
+}, 384: {
+    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,
+            block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16, dn_warps=4,
+            dn_fma=True),
+    16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
+             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=4,
              dn_fma=False),
 }}
 
