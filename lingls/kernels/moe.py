@@ -89,6 +89,8 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER
     wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)  # requested before waiting: weights never change
+    if ROUTE:  # the routing's expert bias too (whichever program routes has it in registers by then)
+        gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -100,7 +102,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
         if arrived == tl.num_programs(0) * SPLIT - 1:
             present = tl.zeros((E_PAD,), tl.int32)
             for t in tl.static_range(TT):  # TT == T: one routing per token, one after another
-                chosen = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K,
+                chosen = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K,
                                       K_PAD, G, G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK)
                 present = present | chosen.to(tl.int32)
             _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
@@ -117,10 +119,11 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
     leaves the counter and the table at zero again."""
     t = tl.program_id(0)
+    gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    mine = _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
+    mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
                         G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
     re = tl.arange(0, E_PAD)
     tl.atomic_or(cnt_ptr + 1 + re, mine, mask=mine > 0, sem="relaxed")
@@ -143,7 +146,19 @@ def _logits(part_ptr, t, e, mask, E, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
+def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr,
+               E_PAD: tl.constexpr):
+    """The expert bias in the two layouts `_route_token` reads it: [group, expert in group] and flat [E]."""
+    rg = tl.arange(0, G_PAD)
+    rc = tl.arange(0, EPG_PAD)
+    gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
+    re = tl.arange(0, E_PAD)
+    return (tl.load(bias_ptr + rg[:, None] * EPG + rc[None, :], mask=gvalid, other=0.0),
+            tl.load(bias_ptr + re, mask=re < E, other=0.0))
+
+
+@triton.jit
+def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
                  SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr):
@@ -162,7 +177,7 @@ def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale
     rc = tl.arange(0, EPG_PAD)
     gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
     gid = rg[:, None] * EPG + rc[None, :]
-    gchoice = tl.sigmoid(_logits(part_ptr, t, gid, gvalid, E, SPLIT)) + tl.load(bias_ptr + gid, mask=gvalid, other=0.0)
+    gchoice = tl.sigmoid(_logits(part_ptr, t, gid, gvalid, E, SPLIT)) + gbias
     gkey = tl.where(gvalid, _key(gchoice, rc[None, :], EPG_PAD), _NO_KEY)
     best1 = tl.max(gkey, axis=1)
     best2 = tl.max(tl.where(gkey == best1[:, None], _NO_KEY, gkey), axis=1)  # the best again if it occurs twice
@@ -175,7 +190,7 @@ def _route_token(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale
     valid = re < E
     kept_e = tl.max(((re[:, None] // EPG == rg[None, :]) & kept[None, :]).to(tl.int32), axis=1) > 0
     score = tl.sigmoid(_logits(part_ptr, t, re, valid, E, SPLIT))
-    choice = score + tl.load(bias_ptr + re, mask=valid, other=0.0)
+    choice = score + bias
     left = tl.where(valid & kept_e, _key(choice, re, E_PAD), _NO_KEY)
     kc = tl.arange(0, K_PAD)
     ids = tl.zeros((K_PAD,), tl.int32)
