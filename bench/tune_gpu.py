@@ -52,11 +52,14 @@ GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
                                   (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
                                   (16, 4, 4, 128, True), (8, 5, 4, 512, True), (16, 5, 4, 256, True),
-                                  (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True))]
+                                  (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True),
+                                  (64, 1, 4, 256, False), (64, 1, 8, 256, False), (32, 1, 8, 256, False),
+                                  (32, 1, 4, 512, False))]
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
-                           (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True))]
+                           (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True), (64, 32, 4, False),
+                           (128, 16, 8, False), (32, 32, 4, False), (64, 16, 8, False), (128, 32, 8, False))]
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
