@@ -334,7 +334,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     pin(moe.CONFIGS, expert_rows, chosen["moe"])
     pin(kda.CONFIGS, heads, chosen["kda"])
     gemv.CONFIGS.update(chosen["gemv"])
-    defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)}, "moe": {t: moe.config_for(t, expert_rows) for t in (1, 9)},
+    defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)},
+                "moe": {t: moe.config_for(t, expert_rows) for t in (1, 9)},
                 "kda": {t: kda.config_for(t, heads) for t in (1, 9)},
                 "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
     for kind in ("mla", "moe", "kda"):

@@ -275,7 +275,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         stage_state = stage_conv = state  # never touched: STAGE is off
     else:
         stage_state, stage_conv = stage
-        if stage_state.shape[0] < t or stage_state.shape[1:] != (h, STAGE_ROWS, d) or stage_state.dtype != torch.float32:
+        if (stage_state.shape[0] < t or stage_state.shape[1:] != (h, STAGE_ROWS, d)
+                or stage_state.dtype != torch.float32):
             raise ValueError(f"stage state must be fp32 [>=T, H, {STAGE_ROWS}, D], got {tuple(stage_state.shape)}")
         if stage_conv.shape[0] < t or stage_conv.shape[1:] != conv_state.shape:
             raise ValueError(f"stage conv must be [>=T, 3, C, 3], got {tuple(stage_conv.shape)}")

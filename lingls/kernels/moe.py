@@ -362,10 +362,10 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
     tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the smallest key >= T
-# applies): router programs over experts and over H (each streaming router_block_k columns at a time), its warps
-# (which also route), the routing's launch and warps, gate-up rows per program, H tile, H ranges (split-K) and
-# FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at
+# Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
+# smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
+# a time), its warps (which also route), the routing's launch and warps, gate-up rows per program, H tile, H
+# ranges (split-K) and FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at
 # Ling-3.0-flash rank shapes (its JSON lists every candidate's time).
 CONFIGS = {192: {
     1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,

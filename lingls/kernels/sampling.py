@@ -13,7 +13,9 @@ token `runtime.sampling.sample` draws with top_p = 1, up to near-ties in fp32. N
 needs the whole distribution: pass `logits_out` to get the logits from the same pass and sample them there.
 
 `argmax_rows` is the greedy choice alone, for logits already in memory: one launch over [T, V] (the runtime's
-`sampling.argmax` on CUDA), with the same packed keys as the MoE routing (`kernels.keys`).
+`sampling.argmax` on CUDA), with the same packed keys as the MoE routing (`kernels.keys`). Across vocab shards
+it writes each rank's (score, token) into a message that one all-reduce gathers and `pick_rows` decides
+(`runtime.sampling.argmax_shards`).
 
 Tensor parallelism: with `vocab_offset` = this rank's first token id, a rank returns its local best (score,
 global id); all-gather the [T] pairs and take `combine_ranks`: every rank agrees on the same token, and the

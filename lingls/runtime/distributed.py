@@ -86,7 +86,8 @@ def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dty
     """Join the process group, load this rank's shard, build and warm its runner (all ranks do this together).
 
     draft = (--draft, --draft-k, --simulate-accept, --draft-vocab): every rank drafts the same tokens from the
-    same (all-reduced) hidden states and accepts the same count, so rank 0's speculative rounds and the followers' stay in step."""
+    same (all-reduced) hidden states and accepts the same count, so rank 0's speculative rounds and the
+    followers' stay in step."""
     from lingls.model import load_model
     from lingls.runtime.local import attach_drafter
     from lingls.runtime.runner import ModelRunner

@@ -38,7 +38,8 @@ def _ranks(size: int) -> list[Parallel]:
 
 def _on_ranks(size: int, fn) -> list:
     out = [None] * size
-    threads = [threading.Thread(target=lambda r=r, p=p: out.__setitem__(r, fn(r, p))) for r, p in enumerate(_ranks(size))]
+    threads = [threading.Thread(target=lambda r=r, p=p: out.__setitem__(r, fn(r, p)))
+               for r, p in enumerate(_ranks(size))]
     for t in threads:
         t.start()
     for t in threads:
