@@ -1,12 +1,16 @@
 """Tensor parallelism with two CPU ranks (gloo): the ranks agree on every token and equal the whole model."""
 
+import json
 import os
 
 import pytest
 import torch
 
+from lingls.model import load_model
 from lingls.runtime.distributed import SAFE_ENV, TensorParallelEngine
 from lingls.runtime.engine import EngineError, GenerateRequest
+from lingls.runtime.local import EMBEDDED
+from lingls.runtime.tokenizer import Tokenizer
 
 from .conftest import reference_greedy
 
@@ -39,6 +43,25 @@ async def test_two_ranks_draft_and_verify_in_step(tiny_dir, tiny_model):
         cut = next((i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids), len(want))
         assert "".join(c.text for c in chunks) == engine.tokenizer.decode(want[:cut])
         assert engine.runner.spec is not None and engine.runner.spec.stats.rounds > 0
+    finally:
+        await engine.close()
+
+
+async def test_two_ranks_draft_with_a_reduced_head(tmp_path):
+    """--draft mtp --draft-vocab under --tp 2 (ling-nano, which has an MTP layer): each rank copies its shard's
+    rows of the list (rank 1's shard holds none of these ids: it answers with a padding row), the choice crosses
+    the ranks through the all-reduce, and greedy output is still the whole model's."""
+    prompt = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps(sorted({i for i in Tokenizer(EMBEDDED).encode(prompt * 2) if i < 4096})))
+    engine = TensorParallelEngine(str(EMBEDDED), tp=2, device="cpu", draft="mtp", draft_k=3, draft_vocab=str(vocab))
+    try:
+        ids = engine.tokenizer.encode(prompt)
+        chunks = [c async for c in engine.stream(GenerateRequest(prompt, max_tokens=12, heal=False))]
+        want = reference_greedy(load_model(EMBEDDED, dtype=torch.float32), ids, 12)
+        cut = next((i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids), len(want))
+        assert "".join(c.text for c in chunks) == engine.tokenizer.decode(want[:cut])
+        assert engine.runner.spec.stats.rounds > 0 and engine.runner.spec.drafter.vocab is not None
     finally:
         await engine.close()
 
