@@ -365,22 +365,22 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
 # smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
 # a time), its warps (which also route), the routing's launch and warps, gate-up rows per program, H tile, H
-# ranges (split-K) and FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on an H200 at
-# Ling-3.0-flash rank shapes (its JSON lists every candidate's time).
+# ranges (split-K) and FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on
+# an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). The router's settings won at
+# every width: decode routes in the router's last program, verify in a launch of its own.
+_DECODE_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused",
+                      route_warps=1)
+_VERIFY_ROUTER = dict(_DECODE_ROUTER, route="per_token", route_warps=4)
 CONFIGS = {192: {
-    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,
-            block_i=16, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=True, block_h=16, split_d=16, dn_warps=4,
-            dn_fma=True),
-    16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
-             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8, dn_warps=4,
-             dn_fma=False),
+    1: dict(_DECODE_ROUTER, block_i=16, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=True, block_h=16, split_d=16,
+            dn_warps=4, dn_fma=True),
+    16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
+             dn_warps=4, dn_fma=False),
 }, 384: {
-    1: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused", route_warps=1,
-            block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16, dn_warps=4,
-            dn_fma=True),
-    16: dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="per_token", route_warps=4,
-             block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=16, dn_warps=4,
-             dn_fma=False),
+    1: dict(_DECODE_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16,
+            dn_warps=4, dn_fma=True),
+    16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
+             split_d=16, dn_warps=4, dn_fma=False),
 }}
 
 

@@ -5,14 +5,16 @@ A round, all on the device (the host only launches it, and reads its result one 
 2. verify: the target consumes [cur, d_1..d_K] at P..P+K in one forward and chooses a token after each. The KDA
    layers run `kernels.kda.kda_step` in staged mode: the live recurrent and conv states are only read, and what
    the recurrence consumed at every position (key, decay, value, beta) and the conv windows go to a stage
-   buffer. MLA layers write their latent rows at P..P+K as usual: rows past the accepted ones hold rejected tokens, but a query at position x only sees rows <= x and
-   every row a later query sees is rewritten (by the next round's forward) before it is read.
+   buffer. MLA layers write their latent rows at P..P+K as usual: rows past the accepted ones hold rejected
+   tokens, but a query at position x only sees rows <= x and every row a later query sees is rewritten (by the
+   next round's forward) before it is read.
 3. accept: n = the accepted drafts (greedy: the leading drafts equal to the target's argmax; sampling: the
    standard rejection rule, `rejection_sample`), the round's tokens are d_1..d_n plus one token of the target's
    own (the correction, or the bonus when all K pass), so every round yields n + 1 >= 1 tokens.
 4. commit: `kda.commit(n, ...)` replays the recurrence over positions P..P+n from the live state (and copies
    the conv windows after P+n), reading n on the device; the drafter absorbs what the target computed (MTP
-   rows, block-drafter context KV, lookup history), the last token becomes `cur` and the position advances by n + 1, all indexed by n on the device.
+   rows, block-drafter context KV, lookup history), the last token becomes `cur` and the position advances by
+   n + 1, all indexed by n on the device.
 The host posts [n, tokens] to a pinned buffer and reads round r while round r+1 runs (on CPU, synchronously).
 On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a CUDA graph.
 
@@ -192,9 +194,8 @@ class MTPDrafter(Drafter):
         self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
 
     def _argmax(self, x):
-        if self.vocab is None:
-            return argmax_shards(self.mtp_head(x), self.model.par)
-        return argmax_shards(self.mtp_head(x, weight=self.vocab.weight), self.model.par, self.vocab.ids)
+        weight, ids = (None, None) if self.vocab is None else (self.vocab.weight, self.vocab.ids)
+        return argmax_shards(self.mtp_head(x, weight=weight), self.model.par, ids)
 
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
