@@ -208,12 +208,13 @@ def tune_moe(fused: FusedStep, t: int) -> list[dict]:
                 continue
             knobs = {**best, **cand}
             try:
-                got, tw, ti = moe.fused_moe(x, *entries[0], **cfg, **knobs, return_routing=True)
+                got, tw, ti = moe.fused_moe(x, *entries[0], **cfg, **knobs, return_routing=True, pdl=True)
                 want = moe.fused_moe_reference(x, *entries[0], **cfg, routing=(tw, ti)).float()
                 err = ((got.float() - want).norm() / want.norm()).item()
                 if not routing_ok(x, entries[0], cfg, ti):
                     err = float("inf")  # chose experts the reference router would not (beyond near-ties)
-                us = graph_us([lambda w=w: moe.fused_moe(x, *w, **cfg, **knobs) for w in entries], len(entries))
+                us = graph_us([lambda w=w: moe.fused_moe(x, *w, **cfg, **knobs, pdl=True) for w in entries],
+                              len(entries))
                 if err < 2e-2:  # a candidate that computes something else never wins
                     results.append((us, knobs))
                 rows.append(dict(T=t, **knobs, us=us, rel_err=err))

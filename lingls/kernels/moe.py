@@ -177,6 +177,9 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     rc = tl.arange(0, EPG_PAD)
     gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
     gid = rg[:, None] * EPG + rc[None, :]
+    re = tl.arange(0, E_PAD)
+    valid = re < E
+    score = tl.sigmoid(_logits(part_ptr, t, re, valid, E, SPLIT))  # both layouts requested at once
     gchoice = tl.sigmoid(_logits(part_ptr, t, gid, gvalid, E, SPLIT)) + gbias
     gkey = tl.where(gvalid, _key(gchoice, rc[None, :], EPG_PAD), _NO_KEY)
     best1 = tl.max(gkey, axis=1)
@@ -186,10 +189,8 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     gcol = tl.max(tl.where(rg[:, None] == rg[None, :], gscore[:, None], float("-inf")), axis=0)  # along columns
     beaten = (gcol[None, :] > gscore[:, None]) | ((gcol[None, :] == gscore[:, None]) & (rg[None, :] < rg[:, None]))
     kept = tl.sum(beaten.to(tl.int32), axis=1) < TOPK_GROUP
-    re = tl.arange(0, E_PAD)
-    valid = re < E
-    kept_e = tl.max(((re[:, None] // EPG == rg[None, :]) & kept[None, :]).to(tl.int32), axis=1) > 0
-    score = tl.sigmoid(_logits(part_ptr, t, re, valid, E, SPLIT))
+    kept_bits = tl.sum(tl.where(kept, 1 << rg, 0), axis=0)  # the kept groups as bits: a G-wide reduction, not E x G
+    kept_e = ((kept_bits >> (re // EPG)) & 1) != 0
     choice = score + bias
     left = tl.where(valid & kept_e, _key(choice, re, E_PAD), _NO_KEY)
     kc = tl.arange(0, K_PAD)
@@ -231,18 +232,31 @@ def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.conste
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                    EARLY_SHARED: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
-    programs to keep every SM streaming otherwise."""
+    programs to keep every SM streaming otherwise.
+
+    EARLY_SHARED (under PDL, with a shared expert in slot 0): slot 0's programs need no routing, and x was
+    written two launches back (complete once the router passed its own wait), so they run while the router
+    routes and wait only at the end (the down kernel must still start after the router has finished)."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e = tl.load(experts_ptr + d)  # -1: a slot no token needs
+        if EARLY_SHARED:
+            if d != 0:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+    if EARLY_SHARED:
+        e = tl.load(experts_ptr + d, mask=d != 0, other=E)
+    else:
+        e = tl.load(experts_ptr + d)  # -1: a slot no token needs
     if e >= 0:
         shared = e == E
         inter = tl.where(shared, I_S, I)
@@ -288,6 +302,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
                     _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
             else:
                 _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
+    if USE_PDL and EARLY_SHARED:
+        if d == 0:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -307,36 +325,32 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
                  HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
-    split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another."""
+    split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
+
+    The first slot's expert, routing weights and down rows are read before the wait: the router that wrote
+    the slots ran two launches back, and under PDL this kernel starts only after every gate-up program passed
+    its own wait for the router, so they are complete here (read past L1, which may hold an earlier layer's);
+    only the activations come from the kernel just before. At one token that is all of a program's weights.
+    The later slots load inside the loop, which Triton pipelines (requesting the next expert's rows by hand,
+    two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, I_PAD)
     rt = tl.arange(0, 16)
+    e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
+    wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
-    for k in range(0, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
+    acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
+    for k in range(1, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
         d = sd + k * SPLIT_D
         e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
-        live = e >= 0
-        shared = e == E
-        inter = tl.where(shared, I_S, I)
-        base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
-        wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter), other=0.0)
-        if FMA:
-            w0 = tl.where(shared, 1.0, tl.load(wt_ptr + e, mask=live & (e < E), other=0.0))
-            a = tl.load(act_ptr + d * (16 * I_PAD) + ri, mask=live & (ri < inter), other=0.0).to(tl.float32)
-            acc2 += wt * (a * w0)[None, :]
-        else:
-            a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
-                        mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
-            c = _mma(tl.zeros((16, BLOCK_H), tl.float32), a, tl.trans(wt), F32_DOT)
-            w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0)
-            w = tl.where(live & shared & (rt < T), 1.0, w)
-            acc += c * w[:, None]
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
+        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
@@ -353,6 +367,35 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
             _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
     else:
         _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
+
+
+@triton.jit
+def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
+    """Expert e's (-1: none) down rows rh [BLOCK_H, I_PAD] and the tokens' weights for it [16] (the shared
+    expert weighs 1), and its width."""
+    live = e >= 0
+    shared = e == E
+    inter = tl.where(shared, I_S, I)
+    base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
+    wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter),
+                 other=0.0)
+    w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0, cache_modifier=".cg")
+    return wt, tl.where(live & shared & (rt < T), 1.0, w), inter
+
+
+@triton.jit
+def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: tl.constexpr, FMA: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """Slot d's share of the weighted sum: its tokens' activations through the rows wt, times their weights w."""
+    live = e >= 0
+    if FMA:
+        a = tl.load(act_ptr + d * (16 * I_PAD) + ri, mask=live & (ri < inter), other=0.0).to(tl.float32)
+        acc2 += wt * (a * tl.sum(w, axis=0))[None, :]  # one token: w's only nonzero entry
+    else:
+        a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
+                    mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
+        acc += _mma(tl.zeros(acc.shape, tl.float32), a, tl.trans(wt), F32_DOT) * w[:, None]
+    return acc, acc2
 
 
 @triton.jit
@@ -414,7 +457,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     k = {**config_for(t, down.shape[2]), **knobs}
     e = router_w.shape[0]
     i = down.shape[2]
-    assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0
+    assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0 and n_group <= 16  # groups as bits
     has_shared = shared_gate_up is not None
     i_s = shared_down.shape[1] if has_shared else 0
     d_max = min(t * top_k, e) + int(has_shared)
@@ -453,11 +496,12 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     gu_k_per, gu_split = _h_ranges(h, k["gu_split"], gu_block_k)
     i_blocks = triton.cdiv(max(i, i_s), k["block_i"])
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
+    gu_cnt = counters(dev, 1 + e + d_max * i_blocks)[1 + e:]  # past the router's: slot 0 may run beside it
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, wt, act, gu_part, counters(dev, d_max * i_blocks), t, h, e, i, i_s, gu_k_per,
+        x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
-        num_warps=k["gu_warps"], num_stages=3, **launch)
+        EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
     h_blocks = triton.cdiv(h, block_h)

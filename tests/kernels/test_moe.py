@@ -132,14 +132,16 @@ def test_kernels_compile_for_h200():
         for fma in (False, True):
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
-                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
+                       EARLY_SHARED=True),
                   4, True)
-        build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-              wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-              dict(D_PER=1, SPLIT_D=16, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=True, USE_PDL=True, F32_DOT=False),
-              8, True)
+        for d_per, fma in ((1, True), (10, False)):
+            build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
+                  wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+                  dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True,
+                       F32_DOT=False), 8 if fma else 4, True)
     """)
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
 
 
 @pytest.mark.parametrize("route", ["fused", "per_token"])
