@@ -14,8 +14,9 @@ winners are what the code's CONFIGS ship. Every MoE stage starts from the shippe
 short by the budget never replaces them with an untimed choice.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
-    (T: 1 and/or 9, default both; STAGE: mla, kda, moe, gemv, default all; --tp: the rank shapes of TP=N, default
-    4; the settings are kept per width, heads or expert rows per rank, so each TP degree has its own)
+    (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv, default all;
+    --tp: the rank shapes of TP=N, default 4; the settings are kept per width, heads or expert rows per rank,
+    so each TP degree has its own)
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
                            (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True), (64, 32, 4, False),
-                           (128, 16, 8, False), (32, 32, 4, False), (64, 16, 8, False), (128, 32, 8, False))]
+                           (128, 16, 8, False), (32, 32, 4, False), (64, 16, 8, False), (128, 32, 8, False))] + \
+       [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=False, dn_block_i=bi)  # I in chunks (192 = 3 x 64, 384 = 3 x 128)
+        for h, d, w, bi in ((64, 8, 4, 64), (64, 16, 4, 64), (64, 16, 4, 128), (128, 16, 4, 64), (128, 8, 8, 128),
+                            (64, 8, 4, 128), (32, 16, 4, 128), (128, 16, 8, 128), (64, 32, 4, 64))]
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
@@ -194,13 +198,13 @@ def routing_ok(x, w: moe.MoEWeights, cfg: dict, ti: torch.Tensor) -> bool:
     return True
 
 
-def tune_moe(fused: FusedStep, t: int) -> list[dict]:
+def tune_moe(fused: FusedStep, t: int, stages=(ROUTER, GATE_UP, DOWN)) -> list[dict]:
     entries = [e["moe"] for e in fused.layers if "moe" in e]
     x = torch.randn(t, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     cfg = fused.moe_cfg
     best = dict(moe.config_for(t, entries[0].down.shape[2]))
     rows = []
-    for stage in (ROUTER, GATE_UP, DOWN):
+    for stage in stages:
         results = []
         for cand in [{}] + stage:  # {}: the best so far (at first, the shipped settings)
             if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma") or cand.get("route") == "fused")) or \
@@ -312,7 +316,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["kda"][t] = (b["block_v"], b["num_warps"])
-            rows = tune_moe(fused, t) if "moe" in stages else []
+            moe_stages = (ROUTER, GATE_UP, DOWN) if "moe" in stages else (DOWN,) if "moe-down" in stages else ()
+            rows = tune_moe(fused, t, moe_stages) if moe_stages else []
             tuning["moe"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:

@@ -321,8 +321,9 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
-                 D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+                 I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr,
+                 USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -332,11 +333,13 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     its own wait for the router, so they are complete here (read past L1, which may hold an earlier layer's);
     only the activations come from the kernel just before. At one token that is all of a program's weights.
     The later slots load inside the loop, which Triton pipelines (requesting the next expert's rows by hand,
-    two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json)."""
+    two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json).
+    An expert's I columns are read in I_CHUNKS chunks of BLOCK_I: one loop over (slot, chunk), so the tile in
+    flight stays small and no padding past I is held (TP=2's I = 384 pads to 512 in one chunk)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    ri = tl.arange(0, I_PAD)
+    ri = tl.arange(0, BLOCK_I)
     rt = tl.arange(0, 16)
     e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
     wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
@@ -344,13 +347,14 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((16, BLOCK_H), tl.float32)
-    acc2 = tl.zeros((BLOCK_H, I_PAD), tl.float32)  # FMA path (one token): weighted products, reduced at the end
+    acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
-    for k in range(1, D_PER):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
-        d = sd + k * SPLIT_D
+    for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
+        d = sd + (it // I_CHUNKS) * SPLIT_D
+        rc = (it % I_CHUNKS) * BLOCK_I + ri
         e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
-        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
-        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
+        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
@@ -371,8 +375,8 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
 
 @triton.jit
 def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
-    """Expert e's (-1: none) down rows rh [BLOCK_H, I_PAD] and the tokens' weights for it [16] (the shared
-    expert weighs 1), and its width."""
+    """Expert e's (-1: none) down rows rh at columns ri [BLOCK_H, BLOCK_I] and the tokens' weights for it [16]
+    (the shared expert weighs 1), and its width."""
     live = e >= 0
     shared = e == E
     inter = tl.where(shared, I_S, I)
@@ -408,9 +412,11 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
 # smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
 # a time), its warps (which also route), the routing's launch and warps, gate-up rows per program, H tile, H
-# ranges (split-K) and FMA path, down rows per program, slot shares and FMA path. Chosen by bench/tune_gpu.py on
-# an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). The router's settings won at
-# every width: decode routes in the router's last program, verify in a launch of its own.
+# ranges (split-K) and FMA path, down rows per program, slot shares, FMA path and I columns per chunk (default
+# all). Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's
+# time). The router's settings won at every width: decode routes in the router's last program, verify in a
+# launch of its own. TP=2's verify reads down in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9
+# (bench/results/tune_t9_down_tp2.json; at TP=4 chunks were not faster: tune_t9_down_tp4.json).
 _DECODE_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused",
                       route_warps=1)
 _VERIFY_ROUTER = dict(_DECODE_ROUTER, route="per_token", route_warps=4)
@@ -423,7 +429,7 @@ CONFIGS = {192: {
     1: dict(_DECODE_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16,
             dn_warps=4, dn_fma=True),
     16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
-             split_d=16, dn_warps=4, dn_fma=False),
+             split_d=8, dn_warps=4, dn_fma=False, dn_block_i=128),
 }}
 
 
@@ -448,8 +454,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
     route ("fused" | "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
-    gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma; the FMA paths apply at T=1 only), for the tuning
-    benchmark.
+    gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all);
+    the FMA paths apply at T=1 only), for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
@@ -504,13 +510,15 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
+    dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
-        BLOCK_H=block_h, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl,
-        F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
+        BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
+        num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -76,6 +76,7 @@ def test_fused_moe_matches_reference(poisoned, t, conf, route):
                                      (1, dict(route="per_token", route_warps=1, router_warps=8)),
                                      (9, dict(gu_split=2, gu_block_k=32, block_i=16)),
                                      (1, dict(dn_fma=True, gu_split=1, split_d=1)),
+                                     (9, dict(dn_block_i=16, split_d=3)), (1, dict(dn_block_i=16, dn_fma=True)),
                                      (1, dict(gu_split=3, gu_block_k=32, dn_fma=True, split_d=4)),
                                      (1, dict(router_block_k=32, router_split=2, router_block_e=4, gu_fma=True,
                                               block_i=16, gu_block_k=32, gu_split=2)),
@@ -138,8 +139,8 @@ def test_kernels_compile_for_h200():
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-                  dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True,
-                       F32_DOT=False), 8 if fma else 4, True)
+                  dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
+                       I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True)
     """)
     assert len(lines) == 7, lines
 
