@@ -63,7 +63,9 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
                            (128, 16, 8, False), (32, 32, 4, False), (64, 16, 8, False), (128, 32, 8, False))] + \
        [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=False, dn_block_i=bi)  # I in chunks (192 = 3 x 64, 384 = 3 x 128)
         for h, d, w, bi in ((64, 8, 4, 64), (64, 16, 4, 64), (64, 16, 4, 128), (128, 16, 4, 64), (128, 8, 8, 128),
-                            (64, 8, 4, 128), (32, 16, 4, 128), (128, 16, 8, 128), (64, 32, 4, 64))]
+                            (64, 8, 4, 128), (32, 16, 4, 128), (128, 16, 8, 128), (64, 32, 4, 64))] + \
+       [dict(block_h=h, split_d=16, dn_warps=w, dn_fma=True, dn_block_i=bi)  # one token: FMA over chunks of I
+        for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))]
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),

@@ -415,8 +415,9 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # ranges (split-K) and FMA path, down rows per program, slot shares, FMA path and I columns per chunk (default
 # all). Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's
 # time). The router's settings won at every width: decode routes in the router's last program, verify in a
-# launch of its own. TP=2's verify reads down in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9
-# (bench/results/tune_t9_down_tp2.json; at TP=4 chunks were not faster: tune_t9_down_tp4.json).
+# launch of its own. TP=2 reads down in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9
+# (bench/results/tune_t9_down_tp2.json; at TP=4 chunks were not faster: tune_t9_down_tp4.json), and at T=1
+# 30.5 -> 28.5 us on the FMA path with 2 warps (tune_t1_down_tp2.json, near the run-to-run spread).
 _DECODE_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused",
                       route_warps=1)
 _VERIFY_ROUTER = dict(_DECODE_ROUTER, route="per_token", route_warps=4)
@@ -427,7 +428,7 @@ CONFIGS = {192: {
              dn_warps=4, dn_fma=False),
 }, 384: {
     1: dict(_DECODE_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16,
-            dn_warps=4, dn_fma=True),
+            dn_warps=2, dn_fma=True, dn_block_i=128),
     16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
              split_d=8, dn_warps=4, dn_fma=False, dn_block_i=128),
 }}
