@@ -4,9 +4,9 @@
 #   here:   bash bench/ab_session.sh --prepare [REV]   (snapshot of REV, default HEAD, in .cache/before)
 #   device: run(command="OUT=$OUT bash bench/ab_session.sh TESTS -- BENCH ARGS...", carry=[".cache/before"])
 # "after" is the working tree, or .cache/after when that exists (a tree with only some of the changes).
-# TESTS: pytest paths, or "none"; BENCH ARGS: a bench script and its arguments, run as
-# `python3 BENCH ... --out $OUT/{before,after}.json` when the last argument is --out, else with the JSON
-# path appended (bench/fused_step_gpu.py takes it first: use bench/fused_step_gpu.py @OUT 42).
+# TESTS: pytest paths run in the "after" tree (a snapshot has no lingls/assets: tests that load ling-nano fail
+# there), or "none"; BENCH ARGS: a bench script and its arguments, where @OUT stands for $OUT/before.json or
+# $OUT/after.json (e.g. bench/fused_step_gpu.py @OUT 42, or bench/spec_flash_gpu.py --stub --out @OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --prepare ]; then
@@ -24,7 +24,8 @@ shift
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 after=$PWD; [ -d .cache/after ] && after=$PWD/.cache/after
 if [ "${tests[0]:-none}" != none ]; then
-    (cd "$after" && PYTHONPATH=$after timeout 240 python3 -m pytest -q -p no:cacheprovider -x "${tests[@]}" 2>&1 | tail -8)
+    (cd "$after" && PYTHONPATH=$after timeout 240 python3 -m pytest -q -p no:cacheprovider -x "${tests[@]}" 2>&1 \
+        | tail -8)
 fi
 for side in before after; do
     dir=$PWD; [ -d .cache/$side ] && dir=$PWD/.cache/$side

@@ -246,11 +246,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
     ib = tl.program_id(1)
     ks = tl.program_id(2)
     if USE_PDL:
-        if EARLY_SHARED:
-            if d != 0:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-        else:
+        if not EARLY_SHARED or d != 0:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
     if EARLY_SHARED:
