@@ -95,6 +95,15 @@ def _delta_rule(S, kt, decay, vt, beta):
 
 
 @_jit
+def _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, t, ck, cv, h, live):
+    """Token t's rows of q, k, f (the head's D channels), v (the program's columns) and its beta logit, as
+    stored (nothing is read when not live)."""
+    return (tl.load(q_ptr + t * sq + ck, mask=live, other=0.0), tl.load(k_ptr + t * sk + ck, mask=live, other=0.0),
+            tl.load(v_ptr + t * sv + cv, mask=live, other=0.0), tl.load(f_ptr + t * sf + ck, mask=live, other=0.0),
+            tl.load(b_ptr + t * sb + h, mask=live, other=0.0))
+
+
+@_jit
 def _kda_step_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, z_ptr, sq, sk, sv, sf, sb, sz,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr,
@@ -143,10 +152,13 @@ def _kda_step_kernel(
     s_off = h * D * D + dk[:, None] * D + dv[None, :]
     S = tl.load(state_ptr + s_off)  # [D, BV] fp32
 
+    # each token's input rows are requested one token ahead, so their latency overlaps the previous token's
+    # reductions instead of starting every token's dependency chain
+    nq, nk, nv, nf, nb = _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, 0, ck, cv, h, True)
     for t in range(T):
-        xq = tl.load(q_ptr + t * sq + ck).to(tl.float32)
-        xk = tl.load(k_ptr + t * sk + ck).to(tl.float32)
-        xv = tl.load(v_ptr + t * sv + cv).to(tl.float32)
+        xq, xk, xv, f, b = nq.to(tl.float32), nk.to(tl.float32), nv.to(tl.float32), nf.to(tl.float32), nb
+        nq, nk, nv, nf, nb = _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, t + 1, ck, cv, h,
+                                         t + 1 < T)
         qt = _conv_silu(wq0, wq1, wq2, wq3, xq0, xq1, xq2, xq)
         kt = _conv_silu(wk0, wk1, wk2, wk3, xk0, xk1, xk2, xk)
         vt = _conv_silu(wv0, wv1, wv2, wv3, xv0, xv1, xv2, xv)
@@ -155,10 +167,9 @@ def _kda_step_kernel(
         xv0, xv1, xv2 = xv1, xv2, xv
         qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale
         kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + 1e-6)
-        f = tl.load(f_ptr + t * sf + ck).to(tl.float32)
         gate = lower_bound * tl.sigmoid(rate * (f + dt_bias))  # log decay
         decay = tl.exp(gate)
-        beta = tl.sigmoid(tl.load(b_ptr + t * sb + h).to(tl.float32))
+        beta = tl.sigmoid(b.to(tl.float32))
         # o = S'^T q = P^T q + (k.q) err: its reduction reads the decayed state P, as the update's does, so the
         # two are independent and their latencies overlap
         P, err, S = _delta_rule(S, kt, decay, vt, beta)
