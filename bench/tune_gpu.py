@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,10 +75,7 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                                         (8, 512, 4, 3, True))] + \
        [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
         for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
-                              (16, 128, 8, False),
-                              # one tile per program (K / block_k ranges): its whole slice requested before the wait
-                              (8, 512, 8, True), (16, 512, 8, True), (32, 512, 8, True), (16, 256, 16, True),
-                              (32, 256, 16, True), (8, 1024, 4, True))]  # {}: the shipped settings
+                              (16, 128, 8, False))]  # {}: the shipped settings (CONFIGS, else the automatic plan)
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -139,9 +135,8 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
             try:
                 want = gemv.gemv_reference(x, ws[0], swiglu=swiglu).float()
                 err = ((gemv.gemv(x, ws[0], swiglu=swiglu, **cand).float() - want).norm() / want.norm()).item()
-                # under PDL, as the step launches them: the first tile is requested before the previous call ends
-                us = graph_us([lambda w=w, o=o: gemv.gemv(x, w, swiglu=swiglu, out=o, pdl=True, **cand)
-                               for w, o in zip(ws, outs)], len(ws))
+                us = graph_us([lambda w=w, o=o: gemv.gemv(x, w, swiglu=swiglu, out=o, **cand) for w, o in zip(ws, outs)],
+                              len(ws))
                 rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, us=us, rel_err=err))
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, error=repr(e)[:200]))
@@ -253,21 +248,15 @@ def router_probe(fused: FusedStep) -> dict:
                    EPG=e // cfg["n_group"], EPG_PAD=e // cfg["n_group"], E_PAD=e, D_PAD=16, TOPK_GROUP=cfg["topk_group"],
                    NORMALIZE=cfg["normalize"], HAS_SHARED=True, WRITE_TOPK=False)
 
-    delta, new_residual = torch.randn_like(x), torch.empty_like(x)
-    norm_w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
-
-    def launch(w, route: bool, pre: int):
+    def launch(w, route: bool):
         moe._router_kernel[(e // knobs["router_block_e"], split)](
-            x, w.router_w, w.expert_bias, part, cnt, tw, ti, slots, wt, x, delta, norm_w, new_residual, 1, e, h, k_per,
-            cfg["top_k"] + 1, float(cfg["scale"]), 1e-6, BLOCK_E=knobs["router_block_e"],
-            BLOCK_K=knobs["router_block_k"], K_ITERS=k_per // knobs["router_block_k"], SPLIT=split, TT=1, ROUTE=route,
-            FMA=True, USE_PDL=True, F32_DOT=False, PRE=pre, PRE_BLOCK=triton.next_power_of_2(h),
-            num_warps=knobs["router_warps"], launch_pdl=True, **routing)
+            x, w.router_w, w.expert_bias, part, cnt, tw, ti, slots, wt, 1, e, h, k_per, cfg["top_k"] + 1,
+            float(cfg["scale"]), BLOCK_E=knobs["router_block_e"], BLOCK_K=knobs["router_block_k"],
+            K_ITERS=k_per // knobs["router_block_k"], SPLIT=split, TT=1, ROUTE=route, FMA=True, USE_PDL=True,
+            F32_DOT=False, num_warps=knobs["router_warps"], launch_pdl=True, **routing)
 
-    # pre 2: the add + norm of the input done by every program (a deferred norm, as the one-token step runs it)
-    return {f"route_{route}" + ("_prenorm" if pre else ""): graph_us([lambda w=w, r=route, p=pre: launch(w, r, p)
-                                                                       for w in entries], len(entries))
-            for route, pre in ((False, 0), (True, 0), (True, 2))}
+    return {f"route_{route}": graph_us([lambda w=w, r=route: launch(w, r) for w in entries], len(entries))
+            for route in (False, True)}
 
 
 def step_ms(model, fused: FusedStep, t: int) -> float:

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from lingls.kernels import reference as ref
-from lingls.kernels.norm import PreNorm, _pre_cols, _pre_rstd, materialize
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
@@ -71,24 +70,17 @@ def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, pre, rstd, SWIGLU: tl.constexpr,
-                FMA: tl.constexpr, F32_DOT: tl.constexpr, PRE: tl.constexpr):
-    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows].
-    PRE > 0: the one token's x is normed here from pre = (residual, delta, weight) with 1/rms rstd (norm.PreNorm)."""
-    if PRE > 0:
-        xv = _pre_cols(pre, rstd, kk, kk < K, PRE)
+def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, FMA: tl.constexpr,
+                F32_DOT: tl.constexpr):
+    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows]."""
     if FMA:
-        if PRE == 0:
-            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc += wt * xv[None, :]
         if SWIGLU:
             acc_up += wu * xv[None, :]
     else:
-        if PRE > 0:
-            xt = tl.where(rt[:, None] < T, xv[None, :], 0.0).to(wt.dtype)
-        else:
-            xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
-                         other=0.0)
+        xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
+                     other=0.0)
         acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
         if SWIGLU:
             acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
@@ -96,13 +88,12 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, pre, rstd, S
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, pre, rstd, ROWS: tl.constexpr,
+def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
               BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-              F32_DOT: tl.constexpr, PRE: tl.constexpr):
+              F32_DOT: tl.constexpr):
     """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo, (wt, wu) being the first tile, already loaded
     (callers request it before waiting on the previous kernel where they can): [16, ROWS] fp32 sums for W's rows
-    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path). x normed here with PRE
-    (`_accumulate`)."""
+    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path)."""
     rt = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     if FMA:  # one token: products on the FMA units, reduced over K once at the end
@@ -111,13 +102,11 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, pre, 
     else:
         acc = tl.zeros((16, ROWS), tl.float32)
         acc_up = tl.zeros((16, ROWS), tl.float32)
-    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, pre, rstd, SWIGLU, FMA,
-                              F32_DOT, PRE)
+    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
     for i in range(1, K_ITERS):
         kk = k_lo + i * BLOCK_K + rk
         wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
-        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, pre, rstd, SWIGLU, FMA,
-                                  F32_DOT, PRE)
+        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :]
         acc_up = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
@@ -125,13 +114,11 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, pre, 
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, pr_ptr, pd_ptr, pw_ptr, pnew_ptr,
-                 T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit, eps,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                 T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, PRE: tl.constexpr, PRE_BLOCK: tl.constexpr):
-    """PRE > 0: x is a norm.PreNorm (pr/pd/pw: residual, delta, norm weight): every program norms the row
-    itself, program (0, 0) writes the new residual to pnew."""
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -143,12 +130,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, pr_ptr, pd_p
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pre = (pr_ptr, pd_ptr, pw_ptr)
-    rstd = 0.0
-    if PRE > 0:
-        rstd = _pre_rstd(pre, pnew_ptr, (pid_n == 0) & (pid_k == 0), K, eps, PRE_BLOCK, PRE)
-    acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, pre, rstd, BLOCK_N, BLOCK_K,
-                            K_ITERS, SWIGLU, FMA, F32_DOT, PRE)
+    acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
+                            SWIGLU, FMA, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -258,18 +241,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
          num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
-    x: [T, K] bf16 (T <= 16, last dim contiguous), or a `norm.PreNorm` (one token, normed by the kernel's own
-    programs, its new residual written); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
+    x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
     from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
     programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
     """
-    pre = x if isinstance(x, PreNorm) else None
-    x = x.residual if pre is not None else x
-    pr, pd, pw, pnew, eps, pre_kind, pre_block = pre.kernel_args() if pre is not None else (x, x, x, x, 0.0, 0, 1)
     t, k = x.shape
-    assert 1 <= t <= MAX_T and (pre is None or t == 1), f"gemv handles 1..{MAX_T} rows (a PreNorm one), got {t}"
+    assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     tuned = CONFIGS.get((n, k, swiglu, 1 if t == 1 else 16), {})
@@ -283,11 +262,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     part = torch.empty(split * (2 if swiglu else 1) * 16 * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out
     _gemv_kernel[(blocks, split)](
-        x, w, out, res, part, counters(x.device, blocks), pr, pd, pw, pnew, t, n, k, k_per,
-        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit), eps,
+        x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
+        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, PRE=pre_kind, PRE_BLOCK=pre_block, num_warps=num_warps,
-        num_stages=num_stages,
+        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 
@@ -295,7 +273,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
                    limit: float = 0.0) -> torch.Tensor:
     """The definition: fp32 products of the bf16 inputs, epilogue in fp32, one rounding to x's dtype."""
-    x = materialize(x)
     y = x.float() @ w.float().t()
     if swiglu:
         n = w.shape[0] // 2

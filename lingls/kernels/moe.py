@@ -48,7 +48,6 @@ from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
-from lingls.kernels.norm import PreNorm, _pre_rstd, materialize
 
 
 class MoEWeights(NamedTuple):
@@ -73,17 +72,16 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr,
-                   pr_ptr, pd_ptr, pw_ptr, pnew_ptr, T, E, H, K_PER, D_MAX, scale, eps,
+                   T, E, H, K_PER, D_MAX, scale,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
                    TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, D_PAD: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
                    WRITE_TOPK: tl.constexpr, ROUTE: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                   F32_DOT: tl.constexpr, PRE: tl.constexpr, PRE_BLOCK: tl.constexpr):
+                   F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token);
     with ROUTE the last program to arrive routes all T tokens and aligns the experts (otherwise
-    `_route_token_kernel` does, one program per token). PRE: x is a norm.PreNorm, normed by every program,
-    the new residual written by program (0, 0)."""
+    `_route_token_kernel` does, one program per token)."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -96,12 +94,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pre = (pr_ptr, pd_ptr, pw_ptr)
-    rstd = 0.0
-    if PRE > 0:
-        rstd = _pre_rstd(pre, pnew_ptr, (pid_e == 0) & (pid_k == 0), H, eps, PRE_BLOCK, PRE)
-    acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, pre, rstd, BLOCK_E, BLOCK_K, K_ITERS, False,
-                       FMA, F32_DOT, PRE)
+    acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
     if ROUTE:
         tl.debug_barrier()
@@ -236,11 +229,11 @@ def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.conste
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr, pr_ptr, pd_ptr, pw_ptr,
-                    T, H, E, I, I_S, K_PER, limit, shared_limit, eps,
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+                    T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
                     SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                    EARLY_SHARED: tl.constexpr, PRE: tl.constexpr, PRE_BLOCK: tl.constexpr):
+                    EARLY_SHARED: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -248,17 +241,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
 
     EARLY_SHARED (under PDL, with a shared expert in slot 0): slot 0's programs need no routing, and x was
     written two launches back (complete once the router passed its own wait), so they run while the router
-    routes and wait only at the end (the down kernel must still start after the router has finished).
-
-    PRE (x a norm.PreNorm): every program norms the row itself before it waits: the residual and the delta were
-    written two launches back, as x is for EARLY_SHARED."""
+    routes and wait only at the end (the down kernel must still start after the router has finished)."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
-    pre = (pr_ptr, pd_ptr, pw_ptr)
-    rstd = 0.0
-    if PRE > 0:
-        rstd = _pre_rstd(pre, pr_ptr, False, H, eps, PRE_BLOCK, PRE)
     if USE_PDL:
         if not EARLY_SHARED or d != 0:
             tl.extra.cuda.gdc_wait()
@@ -287,8 +273,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             for i in range(0, K_ITERS):
                 kk = k_lo + i * BLOCK_K + rk
                 wg, wu = _load_w(base, ri, kk, inter, H, H, True)
-                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, pre, rstd, True, FMA, F32_DOT,
-                                           PRE)
+                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT)
             if FMA:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_g, axis=1)[None, :]
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_u, axis=1)[None, :]
@@ -471,15 +456,11 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
-    pre = x if isinstance(x, PreNorm) else None
-    x = x.residual if pre is not None else x
-    pr, pd, pw, pnew, eps, pre_kind, pre_block = pre.kernel_args() if pre is not None else (x, x, x, x, 0.0, 0, 1)
     t, h = x.shape
     k = {**config_for(t, down.shape[2]), **knobs}
     e = router_w.shape[0]
     i = down.shape[2]
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0 and n_group <= 16  # groups as bits
-    assert pre is None or t == 1  # a PreNorm is one token
     has_shared = shared_gate_up is not None
     i_s = shared_down.shape[1] if has_shared else 0
     d_max = min(t * top_k, e) + int(has_shared)
@@ -505,9 +486,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     cnt = counters(dev, 1 + e)
     per_token = k["route"] == "per_token"
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, wt, pr, pd, pw, pnew, t, e, h, k_per, d_max,
-        float(scale), eps, BLOCK_E=router_block_e, BLOCK_K=router_block_k, K_ITERS=k_per // router_block_k, SPLIT=split,
-        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET, PRE=pre_kind, PRE_BLOCK=pre_block,
+        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, wt, t, e, h, k_per, d_max, float(scale),
+        BLOCK_E=router_block_e, BLOCK_K=router_block_k, K_ITERS=k_per // router_block_k, SPLIT=split,
+        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **routing, **launch)
     if per_token:
         _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
@@ -520,10 +501,10 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
     gu_cnt = counters(dev, 1 + e + d_max * i_blocks)[1 + e:]  # past the router's: slot 0 may run beside it
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, pr, pd, pw, t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), eps, BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
+        x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
+        float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
-        EARLY_SHARED=has_shared, PRE=pre_kind, PRE_BLOCK=pre_block, num_warps=k["gu_warps"], num_stages=3, **launch)
+        EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
     dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
@@ -552,7 +533,6 @@ def fused_moe_reference(x, router_w, expert_bias, gate_up, down, shared_gate_up=
     near-tie decided differently by a different summation order does not hide the experts' arithmetic).
     `compute_dtype` bf16 gives the model's eager path (for benchmarks); fp32 is the definition.
     """
-    x = materialize(x)
     n_in = x.shape[0]
     if routing is None:
         logits = x.float() @ router_w.float().t()

@@ -9,19 +9,11 @@ The residual stays in the activation dtype (bf16), exactly as the model's `h + a
 fp32, rounded once to the residual's dtype, and the norm reads that rounded sum, so the kernel reproduces the
 torch form bit for bit rather than a more precise fp32 stream that would drift from the reference model.
 
-At one token the norm need not be a launch of its own: `defer_add_rms_norm` returns a `PreNorm`, which the
-consumer kernels (`gemv.gemv`, `moe.fused_moe`) accept in place of their input rows. Each of their programs
-then adds and norms the row itself (`_pre_rstd`, `_pre_cols`: the same arithmetic as `_add_rms_norm_row`), and
-one program writes the new residual. A 2560-wide row is 10 KB from L2 per program, cheaper than the launch
-boundary it removes (two per layer). At T > 1 every program would read T rows, so verify steps keep the launch.
-
 The KDA output norm (RMSNorm per head times sigmoid(z)) is not here: it is fused into the KDA step kernel
 (lingls.kernels.kda), which saves one launch per KDA layer.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -67,79 +59,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
     _add_rms_norm_row(x, r_ptr + row * sr, w, out_ptr + row * so, offs, m, N, eps, HAS_RESIDUAL)
-
-
-@_jit
-def _pre_h(src, offs, m, PRE: tl.constexpr):
-    """The new residual at columns offs, for src = (residual, delta, weight) pointers: the residual itself
-    (PRE == 1) or residual + delta rounded to its dtype (PRE == 2), as `_add_rms_norm_row` forms it."""
-    r_ptr, d_ptr, _ = src
-    h = tl.load(r_ptr + offs, mask=m, other=0.0)
-    if PRE == 2:
-        h = (tl.load(d_ptr + offs, mask=m, other=0.0).to(tl.float32) + h.to(tl.float32)).to(r_ptr.dtype.element_ty)
-    return h
-
-
-@_jit
-def _pre_rstd(src, out_ptr, write, N, eps, BLOCK: tl.constexpr, PRE: tl.constexpr):
-    """1 / rms of the one-token row (`_pre_h`); where `write` (one program of the consumer) and a delta was
-    added, the new residual is stored to out_ptr as well."""
-    offs = tl.arange(0, BLOCK)
-    m = offs < N
-    h = _pre_h(src, offs, m, PRE)
-    if PRE == 2:
-        tl.store(out_ptr + offs, h, mask=m & write)
-    hf = h.to(tl.float32)
-    return tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-
-
-@_jit
-def _pre_cols(src, rstd, offs, m, PRE: tl.constexpr):
-    """The normed row at columns offs (fp32 holding the values `_add_rms_norm_row` writes, 0 where ~m)."""
-    _, _, w_ptr = src
-    h = _pre_h(src, offs, m, PRE)
-    y = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    return (w * y).to(h.dtype).to(tl.float32)
-
-
-class PreNorm(NamedTuple):
-    """rms_norm(residual + delta) * weight of one token, left to the kernels that read it (see the module note).
-
-    `new_residual` receives residual + delta from the first consumer kernel; until one has run it holds nothing
-    (`materialize` computes both where a consumer cannot take a PreNorm)."""
-    delta: torch.Tensor | None  # [1, N], None: the residual is the stream itself (the first layer's input)
-    residual: torch.Tensor  # [1, N]
-    weight: torch.Tensor  # [N]
-    eps: float
-    new_residual: torch.Tensor  # [1, N]
-
-    def kernel_args(self) -> tuple:
-        """(residual, delta, weight, new residual, eps, PRE, BLOCK) for the consumer kernels."""
-        delta = self.residual if self.delta is None else self.delta
-        return (self.residual, delta, self.weight, self.new_residual, float(self.eps), 1 if self.delta is None else 2,
-                triton.next_power_of_2(self.residual.shape[1]))
-
-
-def defer_add_rms_norm(x, residual, weight, eps: float) -> tuple[PreNorm, torch.Tensor]:
-    """`add_rms_norm`'s (normed, new_residual) for one token, the norm left to its consumers: the PreNorm and the
-    tensor that will hold the new residual (a new one: consumer programs read the old one while one writes)."""
-    if x.shape[0] != 1 or x.stride(1) != 1 or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"a deferred norm takes one contiguous row, got {tuple(x.shape)}")
-    if residual is None:
-        return PreNorm(None, x, weight, eps, x), x
-    new = torch.empty_like(residual)
-    return PreNorm(x, residual, weight, eps, new), new
-
-
-def materialize(x):
-    """A consumer's input rows: x itself, or a PreNorm computed (one `add_rms_norm` launch, new residual written)."""
-    if not isinstance(x, PreNorm):
-        return x
-    if x.delta is None:
-        return add_rms_norm(x.residual, None, x.weight, x.eps)[0]
-    x.new_residual.copy_(x.residual)
-    return add_rms_norm(x.delta, x.new_residual, x.weight, x.eps)[0]
 
 
 def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = NUM_WARPS):

@@ -7,10 +7,7 @@ so the eager model and this step keep computing from the same memory.
 
 Per decoder layer, with the residual stream kept in the activation dtype as the model keeps it:
 - add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer; under tensor parallelism with the
-  peer all-reduce, the all-reduce before each of them joins that kernel (`Parallel.all_reduce_add_norm`).
-  At one token without that collective (a single GPU, or the stubbed shard of the benchmarks) the norm is no
-  launch of its own: `norm.defer_add_rms_norm` hands a `PreNorm` to the GEMV or MoE kernels that read it,
-  whose programs add and norm the row themselves (84 launches fewer per 42-layer step);
+  peer all-reduce, the all-reduce before each of them joins that kernel (`Parallel.all_reduce_add_norm`);
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
 - MLA: one GEMV for q, the latent's down-projection and the gate; `mla.mla_prologue` (RMSNorm of the latent,
@@ -31,7 +28,6 @@ from functools import partial
 
 import torch
 
-from lingls.kernels import norm
 from lingls.kernels import reference as ref
 from lingls.model.config import KDA
 from lingls.model.ling import GatedMLA, KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
@@ -159,9 +155,7 @@ class FusedStep:
         `only` (one MLA layer: the MTP layer's), past the cache writes only row `only` goes on."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
-        # one token: each norm is left to the kernels that read its output (see the module note)
-        defer = ops.kernels and residual.shape[0] == 1 and not keep
-        x, residual = self._norm(residual, None, entries[0]["layer"].input_layernorm.weight, defer)
+        x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
         kept = {}
         # rope frequencies (one width and theta per model; computed once per device, outside any graph capture)
         freq = ref.rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, positions.device)
@@ -174,29 +168,23 @@ class FusedStep:
                 a = self._mla(entry, x, state.latent[model.mla_slot[i]], positions, kv_len, freq, only)
             if only is not None:
                 residual = residual.index_select(0, only)
-            x, residual = self._reduce_add_norm(a, residual, layer.post_attention_layernorm.weight, defer)
+            x, residual = self._reduce_add_norm(a, residual, layer.post_attention_layernorm.weight)
             m = self._mlp(entry, x, i)
             if j + 1 < len(entries):
-                x, residual = self._reduce_add_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight, defer)
+                x, residual = self._reduce_add_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight)
             else:
                 residual = residual + self.par.all_reduce(m)
             if keep and i in keep:
                 kept[i] = residual.clone()  # the stream is updated in place by the next layer
         return residual if keep is None else (residual, kept)
 
-    def _norm(self, a, residual, weight, defer: bool):
-        """(rms_norm(residual + a), the new residual), the first a `norm.PreNorm` for the next kernels with defer."""
-        if defer:
-            return norm.defer_add_rms_norm(a, residual, weight, self.cfg.rms_norm_eps)
-        return self.ops.add_rms_norm(a, residual, weight, self.cfg.rms_norm_eps)
-
-    def _reduce_add_norm(self, a, residual, weight, defer: bool):
+    def _reduce_add_norm(self, a, residual, weight):
         """(rms_norm(residual + all_reduce(a)), the new residual): one kernel where the collective fuses the
-        add and the norm (the peer all-reduce, kernels on), else the all-reduce, then `_norm`."""
+        add and the norm (the peer all-reduce, kernels on), else the all-reduce, then `add_rms_norm`."""
         fused = self.par.all_reduce_add_norm
         if fused is not None and self.ops.kernels:
             return fused(a, residual, weight, self.cfg.rms_norm_eps, pdl=self.ops.pdl)
-        return self._norm(self.par.all_reduce(a), residual, weight, defer)
+        return self.ops.add_rms_norm(self.par.all_reduce(a), residual, weight, self.cfg.rms_norm_eps)
 
     def _kda(self, entry, x, state, slot: int, stage) -> torch.Tensor:
         attn: KimiDeltaAttention = entry["layer"].attention
@@ -214,7 +202,6 @@ class FusedStep:
         attn: GatedMLA = entry["layer"].attention
         pick = (lambda t: t) if only is None else (lambda t: t.index_select(0, only))
         if "mla_proj" not in entry:
-            x = norm.materialize(x)  # read by two torch ops
             cache.index_copy_(0, positions, attn.latent(x, positions))
             return attn.attend_latent(pick(x), pick(positions), cache, kv_len)
         h, nope, rope, rank = attn.heads, attn.nope, attn.rope, attn.rank

@@ -14,7 +14,6 @@ from tests.kernels.conftest import rel  # noqa: E402
 from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
 
 from lingls.kernels import gemv as G
-from lingls.kernels import norm as N
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,26 +59,6 @@ def test_one_token_fma_path_matches_reference(poisoned, n, k, swiglu, residual, 
     assert rel(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("fma,split_k,swiglu,first", [(True, None, False, False), (True, 3, True, False),
-                                                      (False, None, True, False), (False, 2, False, True)])
-def test_deferred_norm_is_the_norm_launch_then_the_product(poisoned, fma, split_k, swiglu, first):
-    """A `norm.PreNorm` input (one token) gives the bits of `fused_add_rms_norm` followed by the GEMV, and the
-    new residual (`first`: the stream itself, no add)."""
-    gen = torch.Generator().manual_seed(31 + split_k if split_k else 31)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV, torch.bfloat16)  # noqa: E731
-    k, n = 320, 40
-    delta, residual, norm_w = r(1, k), r(1, k), 1 + r(k, scale=0.1)
-    w = r(2 * n if swiglu else n, k, scale=k ** -0.5)
-    kw = dict(swiglu=swiglu, limit=0.7 if swiglu else 0.0, split_k=split_k, block_n=16, block_k=64, fma=fma)
-    pre, new_residual = N.defer_add_rms_norm(residual if first else delta, None if first else residual.clone(),
-                                             norm_w, 1e-6)
-    got = G.gemv(pre, w, **kw)
-    x, want_residual = N.fused_add_rms_norm(residual if first else delta, None if first else residual.clone(),
-                                            norm_w, 1e-6)
-    assert torch.equal(got, G.gemv(x, w, **kw)) and torch.equal(new_residual, want_residual)
-    assert rel(got, G.gemv_reference(pre, w, swiglu=swiglu, limit=kw["limit"])) < 1e-2
-
-
 def test_gemv_twice_same_bits(poisoned):
     """Split-K sums its partials in a fixed order and the counters reset: two calls give identical bits."""
     gen = torch.Generator().manual_seed(7)
@@ -109,16 +88,14 @@ def test_tuned_launch_settings_compute_the_same_product(t, monkeypatch):
 
 
 def test_kernel_compiles_for_h200():
-    """Both paths (MMA, FMA), split-K, the SwiGLU epilogue, the deferred norm and PDL through the GPU compiler
-    and ptxas for sm_90 (no GPU needed)."""
+    """Both paths (MMA, FMA), split-K, the SwiGLU epilogue and PDL through the GPU compiler and ptxas for sm_90
+    (no GPU needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import gemv
         types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32",
-                     cnt_ptr="*i32", pr_ptr="*bf16", pd_ptr="*bf16", pw_ptr="*bf16", pnew_ptr="*bf16", limit="fp32",
-                     eps="fp32")
-        for fma, split, swiglu, pre in ((True, 1, False, 0), (False, 2, True, 0), (True, 4, True, 0), (True, 1, False, 2),
-                                        (False, 2, True, 1)):
+                     cnt_ptr="*i32", limit="fp32")
+        for fma, split, swiglu in ((True, 1, False), (False, 2, True), (True, 4, True)):
             build(gemv._gemv_kernel, types, dict(BLOCK_N=32, BLOCK_K=128, K_ITERS=10, SPLIT_K=split, SWIGLU=swiglu,
-                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False, PRE=pre, PRE_BLOCK=4096), 4, True)
+                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
     """)
-    assert len(lines) == 5, lines
+    assert len(lines) == 3, lines

@@ -16,7 +16,6 @@ from tests.kernels.conftest import rel  # noqa: E402
 from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
 
 from lingls.kernels import moe as M
-from lingls.kernels import norm as N
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -108,23 +107,6 @@ def test_ties_and_residual(poisoned, route):
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(route="per_token"), dict(gu_fma=True, gu_split=2, gu_block_k=32,
-                                                                    block_i=16)])
-def test_deferred_norm_is_the_norm_launch_then_the_moe(poisoned, knobs):
-    """A `norm.PreNorm` input (one token): router and gate-up norm the row themselves, the router writes the new
-    residual; the bits of `fused_add_rms_norm` followed by the MoE."""
-    h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[1]
-    gen = torch.Generator().manual_seed(3)
-    w = make(gen, h, e, i, i_s)
-    delta, residual = (torch.randn(1, h, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
-    norm_w = (1 + 0.1 * torch.randn(h, generator=gen)).to(DEV, torch.bfloat16)
-    cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
-    pre, new_residual = N.defer_add_rms_norm(delta, residual.clone(), norm_w, 1e-6)
-    got = M.fused_moe(pre, *w, **cfg, **knobs)
-    x, want_residual = N.fused_add_rms_norm(delta, residual.clone(), norm_w, 1e-6)
-    assert torch.equal(got, M.fused_moe(x, *w, **cfg, **knobs)) and torch.equal(new_residual, want_residual)
-
-
 def test_dispatch_on_cpu_is_the_reference():
     w = make(torch.Generator().manual_seed(2), 32, 16, 8, 8)
     w = M.MoEWeights(*(a.cpu() if a is not None else None for a in w))
@@ -143,17 +125,16 @@ def test_kernels_compile_for_h200():
                        HAS_SHARED=True, WRITE_TOPK=False, USE_PDL=True)
         tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
                       experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
-        pre = dict(pr_ptr="*bf16", pd_ptr="*bf16", pw_ptr="*bf16", pnew_ptr="*bf16", eps="fp32")
-        for tt, warps, d_pad, pre_kind in ((1, 2, 16, 2), (9, 4, 128, 0)):
-            build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16", **pre),
+        for tt, warps, d_pad in ((1, 2, 16), (9, 4, 128)):
+            build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16"),
                   dict(routing, BLOCK_E=8, BLOCK_K=512, K_ITERS=1, SPLIT=5, TT=tt, D_PAD=d_pad, ROUTE=True,
-                       FMA=tt == 1, F32_DOT=False, PRE=pre_kind, PRE_BLOCK=4096), warps, True)
+                       FMA=tt == 1, F32_DOT=False), warps, True)
         build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True), 1, True)
-        for fma, pre_kind in ((False, 0), (True, 2)):
+        for fma in (False, True):
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
-                  wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32",
-                  **pre), dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True,
-                               F32_DOT=False, EARLY_SHARED=True, PRE=pre_kind, PRE_BLOCK=4096),
+                  wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
+                       EARLY_SHARED=True),
                   4, True)
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
