@@ -146,7 +146,8 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
                          fused_no_pdl_graph_ms=no_pdl_ms,
                          floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms, kernels=profile))
-    result = dict(what="fused step vs plain step, one TP=4 rank of Ling-3.0-flash", layers=layers, context=CONTEXT,
+    result = dict(what=f"fused step vs plain step, one TP={model.par.size} rank of Ling-3.0-flash", layers=layers,
+                  context=CONTEXT,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows,
                   **(extra or {}))
     with open(out, "w") as f:
