@@ -245,10 +245,10 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 
 
 # (block_v, num_warps) by heads per rank, then by the step's token count (the smallest key >= T applies), timed
-# by bench/tune_gpu.py at Ling-3.0-flash rank shapes on an H200 (8 heads: TP=4, bench/results/
-# fused_step_shard42.json: at T=9, staged, 32 value columns per program take 22.6 us per layer against 28.2 us
-# with 16; at T=1 the two are within 5%).
-CONFIGS = {8: {1: (16, 4), 16: (32, 4)}}
+# by bench/tune_gpu.py at Ling-3.0-flash rank shapes on an H200 (8 heads: TP=4, bench/results/kernels_kda.json:
+# at T=9, staged, 32 value columns per program 14.4 us per layer, 16 columns 14.6; at T=1 within 5%; 16 heads:
+# TP=2, tune_kda_tp2_rows_ahead.json, 12 layers: T=1 32/4 4.50 us against 16/4 5.02, T=9 32/4 best).
+CONFIGS = {8: {1: (16, 4), 16: (32, 4)}, 16: {1: (32, 4), 16: (32, 4)}}
 
 
 def config_for(t: int, heads: int = 8) -> tuple[int, int]:
