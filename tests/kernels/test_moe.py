@@ -81,7 +81,10 @@ def test_fused_moe_matches_reference(poisoned, t, conf, route):
                                      (1, dict(router_block_k=32, router_split=2, router_block_e=4, gu_fma=True,
                                               block_i=16, gu_block_k=32, gu_split=2)),
                                      (1, dict(gu_fma=True, gu_split=1, gu_block_k=64, route="per_token")),
-                                     (9, dict(router_block_k=32, router_split=3, router_warps=1))])
+                                     (9, dict(router_block_k=32, router_split=3, router_warps=1)),
+                                     (1, dict(block_h=8, split_d=1, dn_fma=True, dn_warps=2)),
+                                     (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
+                                              gu_fma=True, gu_block_k=64, gu_warps=1))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
