@@ -40,6 +40,9 @@ from lingls.runtime.fused_step import FusedStep  # noqa: E402
 
 MLA_CANDIDATES = [(128, 32, 8), (64, 32, 8), (128, 16, 4), (256, 16, 4), (128, 64, 8), (32, 32, 4), (64, 32, 4),
                   (32, 16, 4), (16, 32, 4)]  # (splits, rows per block, warps)
+# verify steps: several heads per program in one larger tile (each split's rows cross L2 once per program, not
+# once per head; the acc tile spills more): (splits, rows per block, warps, heads per program)
+MLA_CANDIDATES += [(32, 16, 8, 4), (64, 16, 8, 4), (16, 16, 8, 4), (32, 32, 8, 2), (32, 16, 8, 2), (64, 16, 8, 2)]
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
 # router: experts and H columns per program, H ranges, warps (which also route when the routing is fused)
 ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="fused")
@@ -99,10 +102,12 @@ def tune_mla(model, t: int) -> list[dict]:
     pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
     want = mla.mla_attend_reference(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate).float()
     rows = []
-    for splits, bn, warps in MLA_CANDIDATES:
+    for splits, bn, warps, *per_program in MLA_CANDIDATES:
         if time.time() > DEADLINE[0]:
             break
-        knobs = dict(num_splits=splits, block_n=bn, num_warps=warps)
+        if per_program and (t == 1 or heads % per_program[0]):  # one token: all heads fit one tile already
+            continue
+        knobs = dict(num_splits=splits, block_n=bn, num_warps=warps, **({"heads": per_program[0]} if per_program else {}))
         try:
             got = mla.mla_decode_triton(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -314,7 +319,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
-                chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"])
+                chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"]) + ((b["heads"],) if "heads" in b else ())
             rows = tune_kda(fused, t) if "kda" in stages else []
             tuning["kda"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]

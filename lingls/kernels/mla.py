@@ -46,20 +46,21 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
     return torch.einsum("thj,jr->thr", probs, keys[:, :r])
 
 
-# (num_splits, block_n, num_warps) by heads per rank (8: TP=4, 16: TP=2), then by the step's query count (the
-# smallest key >= T applies). Chosen by bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every
+# (num_splits, block_n, num_warps[, heads per program]) by heads per rank (8: TP=4, 16: TP=2), then by the step's
+# query count (the smallest key >= T applies; without the fourth entry `heads_per_program` decides). Chosen by bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every
 # candidate's time; TP=2: bench/results/tune_tp2.log).
 CONFIGS = {8: {1: (128, 32, 8), 16: (32, 32, 4)}, 16: {1: (128, 64, 8), 16: (16, 32, 4)}}
 
 
-def config_for(t: int, heads: int = 8) -> tuple[int, int, int]:
+def config_for(t: int, heads: int = 8) -> tuple[int, ...]:
     return by_width_and_tokens(CONFIGS, heads, t)
 
 
 def heads_per_program(t: int, h: int) -> int:
     """Heads one program serves: as many as fit with the T queries in one 16-row MMA tile (a power of two
     dividing H). At T=1 all 8 heads of a TP=4 rank share a program, so the cache crosses HBM once per split
-    and no MMA row is wasted on padding; at T=9 each head has its own program."""
+    and no MMA row is wasted on padding; at T=9 each head has its own program, and the rows of a split cross
+    L2 once per head (a `heads` knob of `mla_decode_triton` puts more heads in a larger tile, for the tuner)."""
     g = 1
     while g * 2 <= h and h % (g * 2) == 0 and t * g * 2 <= 16:
         g *= 2
@@ -231,17 +232,18 @@ if triton is not None:
 
 def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, gate=None,
                       num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                      pdl: bool = False):
+                      heads: int | None = None, pdl: bool = False):
     """The kernel form of `mla_decode_reference` (fp32 output), or with w_v [H, V, R] and gate [T, H] (the gate
     projection's logits) that of `mla_attend_reference` ([T, H*V] in w_v's dtype). positions must be ascending
     (the last is the furthest), as the queries of one decode or verify step are. Unset knobs come from
-    `CONFIGS`."""
+    `CONFIGS`; `heads` (per program, a power of two dividing H) from `heads_per_program` unless set there."""
     t, h, r = q_lat.shape
     p = q_rope.shape[-1]
-    splits, bn, warps = config_for(t, h)
+    splits, bn, warps, *tuned_heads = config_for(t, h)
     num_splits, block_n, num_warps = num_splits or splits, block_n or bn, num_warps or warps
     assert num_splits & (num_splits - 1) == 0, f"num_splits must be a power of two, got {num_splits}"
-    g = heads_per_program(t, h)
+    g = heads or (tuned_heads[0] if tuned_heads else heads_per_program(t, h))
+    assert g & (g - 1) == 0 and h % g == 0, f"heads per program must be a power of two dividing {h}, got {g}"
     bt = max(16, triton.next_power_of_2(t * g))  # tl.dot needs at least 16 rows
     dev = q_lat.device
     part_acc = torch.empty(num_splits, t, h, r, device=dev, dtype=torch.float32)

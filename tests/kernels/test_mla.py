@@ -7,6 +7,7 @@ pytest.importorskip("triton")  # GPU-only dependency: these tests run its interp
 
 from tests.kernels.conftest import rel  # noqa: E402
 
+from lingls.kernels import mla as M
 from lingls.kernels.mla import heads_per_program, mla_decode_reference, mla_decode_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +42,21 @@ def test_rows_past_the_last_position_are_never_read():
 def test_heads_share_a_program_while_their_queries_fit_one_tile():
     assert [heads_per_program(t, 8) for t in (1, 2, 3, 4, 9, 16)] == [8, 8, 4, 4, 1, 1]
     assert heads_per_program(1, 3) == 1 and heads_per_program(1, 32) == 16
+
+
+@pytest.mark.parametrize("t,h,heads", [(9, 4, 2), (9, 8, 4), (5, 4, 4)])
+def test_more_heads_per_program_in_a_larger_tile(t, h, heads, monkeypatch):
+    """The tuner's `heads` knob (verify steps: a T x heads tile past 16 rows), and the same from a CONFIGS entry's
+    fourth field."""
+    g = torch.Generator().manual_seed(t + h)
+    q_lat, q_rope = torch.randn(t, h, 32, generator=g).to(DEV), torch.randn(t, h, 16, generator=g).to(DEV)
+    cache = torch.randn(90, 48, generator=g).to(DEV)
+    positions = torch.arange(80 - t, 80, device=DEV)
+    want = mla_decode_reference(q_lat.cpu(), q_rope.cpu(), cache.cpu(), positions.cpu(), 0.3)
+    got = mla_decode_triton(q_lat, q_rope, cache, positions, 0.3, num_splits=4, block_n=16, heads=heads).cpu()
+    assert (got - want).abs().max().item() < (1e-2 if DEV == "cuda" else 1e-4)
+    monkeypatch.setitem(M.CONFIGS, h, {16: (4, 16, 4, heads)})
+    assert torch.equal(mla_decode_triton(q_lat, q_rope, cache, positions, 0.3).cpu(), got)
 
 
 def test_default_configuration_matches_reference():
