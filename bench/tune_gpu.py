@@ -107,7 +107,9 @@ def tune_mla(model, t: int) -> list[dict]:
             break
         if per_program and (t == 1 or heads % per_program[0]):  # one token: all heads fit one tile already
             continue
-        knobs = dict(num_splits=splits, block_n=bn, num_warps=warps, **({"heads": per_program[0]} if per_program else {}))
+        knobs = dict(num_splits=splits, block_n=bn, num_warps=warps)
+        if per_program:
+            knobs["heads"] = per_program[0]
         try:
             got = mla.mla_decode_triton(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -319,7 +321,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
-                chosen["mla"][t] = (b["num_splits"], b["block_n"], b["num_warps"]) + ((b["heads"],) if "heads" in b else ())
+                chosen["mla"][t] = tuple(b[k] for k in ("num_splits", "block_n", "num_warps", "heads") if k in b)
             rows = tune_kda(fused, t) if "kda" in stages else []
             tuning["kda"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
