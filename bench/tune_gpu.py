@@ -3,15 +3,15 @@ fused step.
 
 At batch 1 these kernels are latency-bound: how many programs stream at once and how many loads each has in
 flight decides their time, and that depends on the GPU. So each candidate setting is timed here, in a CUDA
-graph over all the layers of one rank (TP=4 unless --tp) of Ling-3.0-flash (random bf16 weights, 8k context: every call
-reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts). MLA sweeps
-(splits, block rows, warps); KDA its value columns per program and warps (staged per position at T=9, as in
-verification); MoE sweeps its router (routing in its last program, or per token in a second launch), gate-up (split-K) and down settings (FMA path at T=1) one kernel at a time, rejecting any candidate
-whose output or experts differ from the reference; GEMV its settings per shape (the FMA path at T=1). The
-best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` / `gemv.CONFIGS` for this process, and
-`fused_step_gpu.measure` then checks and times the whole step with them. The JSON lists every candidate; the
-winners are what the code's CONFIGS ship. Every MoE stage starts from the shipped settings, so a sweep cut
-short by the budget never replaces them with an untimed choice.
+graph over all the layers of one rank (TP=4 unless --tp) of Ling-3.0-flash (random bf16 weights, 8k context:
+every call reads another layer's weights, as in a real step), for T=1 (decode) and T=9 (verify of 8 drafts).
+MLA sweeps (splits, block rows, warps); KDA its value columns per program and warps (staged per position at
+T=9, as in verification); MoE sweeps its router and routing, gate-up (split-K) and down settings (FMA path at
+T=1) one kernel at a time, rejecting any candidate whose output or experts differ from the reference; GEMV its
+settings per shape (the FMA path at T=1). The best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` /
+`gemv.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times the whole step with them.
+The JSON lists every candidate; the winners are what the code's CONFIGS ship. Every MoE stage starts from the
+shipped settings, so a sweep cut short by the budget never replaces them with an untimed choice.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
     (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv, default all;
@@ -44,13 +44,11 @@ MLA_CANDIDATES = [(128, 32, 8), (64, 32, 8), (128, 16, 4), (256, 16, 4), (128, 6
 # once per head; the acc tile spills more): (splits, rows per block, warps, heads per program)
 MLA_CANDIDATES += [(32, 16, 8, 4), (64, 16, 8, 4), (16, 16, 8, 4), (32, 32, 8, 2), (32, 16, 8, 2), (64, 16, 8, 2)]
 DEADLINE = [float("inf")]  # candidates are skipped after this time (the device call has a wall-clock limit)
-# router: experts and H columns per program, H ranges, warps (which also route when the routing is fused)
-ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="fused")
-          for e, bk, s, w in ((8, 512, 5, 2), (8, 512, 5, 8), (16, 512, 5, 8), (16, 256, 10, 8), (32, 256, 10, 8),
-                              (16, 512, 5, 4), (16, 256, 10, 4))] + \
-         [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route="per_token", route_warps=rw)
+# router: experts and H columns per program, H ranges, warps; the routing's warps (its own launch)
+ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route_warps=rw)
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
-                                  (8, 128, 4, 4, 4))]
+                                  (8, 128, 4, 4, 4), (16, 512, 5, 4, 4), (16, 512, 5, 4, 2), (16, 512, 5, 8, 4),
+                                  (8, 512, 5, 8, 4))]
 # gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
@@ -219,8 +217,7 @@ def tune_moe(fused: FusedStep, t: int, stages=(ROUTER, GATE_UP, DOWN)) -> list[d
     for stage in stages:
         results = []
         for cand in [{}] + stage:  # {}: the best so far (at first, the shipped settings)
-            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma") or cand.get("route") == "fused")) or \
-                    time.time() > DEADLINE[0]:  # one program routing 9 tokens: 2x slower in every past run
+            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma"))) or time.time() > DEADLINE[0]:
                 continue
             knobs = {**best, **cand}
             try:
@@ -242,8 +239,8 @@ def tune_moe(fused: FusedStep, t: int, stages=(ROUTER, GATE_UP, DOWN)) -> list[d
 
 
 def router_probe(fused: FusedStep) -> dict:
-    """µs per layer of the T=1 router launch with the routing in its last program and without (the matvec
-    alone, ROUTE=False): what the routing itself costs, at the shipped settings."""
+    """µs per layer at T=1 of the router launch alone (the matvec) and of it followed by the routing's launch:
+    what the routing costs, at the shipped settings."""
     entries = [e["moe"] for e in fused.layers if "moe" in e]
     cfg, knobs = fused.moe_cfg, moe.config_for(1, entries[0].down.shape[2])
     x = torch.randn(1, fused.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -260,10 +257,13 @@ def router_probe(fused: FusedStep) -> dict:
 
     def launch(w, route: bool):
         moe._router_kernel[(e // knobs["router_block_e"], split)](
-            x, w.router_w, w.expert_bias, part, cnt, tw, ti, slots, wt, 1, e, h, k_per, cfg["top_k"] + 1,
-            float(cfg["scale"]), BLOCK_E=knobs["router_block_e"], BLOCK_K=knobs["router_block_k"],
-            K_ITERS=k_per // knobs["router_block_k"], SPLIT=split, TT=1, ROUTE=route, FMA=True, USE_PDL=True,
-            F32_DOT=False, num_warps=knobs["router_warps"], launch_pdl=True, **routing)
+            x, w.router_w, part, 1, e, h, k_per, BLOCK_E=knobs["router_block_e"], BLOCK_K=knobs["router_block_k"],
+            K_ITERS=k_per // knobs["router_block_k"], FMA=True, USE_PDL=True, F32_DOT=False,
+            num_warps=knobs["router_warps"], launch_pdl=True)
+        if route:
+            moe._route_token_kernel[(1,)](part, w.expert_bias, cnt, tw, ti, slots, wt, 1, e, cfg["top_k"] + 1,
+                                          float(cfg["scale"]), SPLIT=split, SOLO=True, USE_PDL=True,
+                                          num_warps=knobs["route_warps"], launch_pdl=True, **routing)
 
     return {f"route_{route}": graph_us([lambda w=w, r=route: launch(w, r) for w in entries], len(entries))
             for route in (False, True)}

@@ -3,28 +3,29 @@
 At batch 1 an MoE layer is a walk over the weights of the experts the tokens chose (8 routed + 1 shared per
 token at Ling-3.0, 2.95 MB each per TP=4 rank) plus the router (2.6 MB); the arithmetic is negligible. Issued
 as torch ops it is dozens of small kernels that each reach a fraction of the bandwidth (one expert-sized
-torch.mm reaches ~0.9 TB/s on an H200). Here it is three launches (four with per-token routing), each
-streaming many experts at once:
+torch.mm reaches ~0.9 TB/s on an H200). Here it is four launches, the last two streaming many experts at once:
 
-1. `_router_kernel`: bf16 router matvec (fp32 accumulate, split over E and H), then the last program to
-   arrive (an atomic counter; no second launch) sums the partial logits and does the whole routing on chip:
+1. `_router_kernel`: bf16 router matvec, fp32 partial logits per range of H (split over E and H, so the
+   2.6 MB of router weights stream from every SM).
+2. `_route_token_kernel`: one program per token sums the partials in a fixed order and routes on chip:
    sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
-   experts, weights from the unbiased scores (renormalised, scaled). It also writes the *alignment* the
-   expert kernels need: the distinct experts chosen by any token, in ascending id order after the shared
-   expert (slot 0, id E), then -1 in the slots no token needs, and each token's weight per expert
-   wt[token, expert] (0 where the token did not choose it; the shared expert always weighs 1). One program
-   routing all tokens is serial work that grows with T; `route="per_token"` (verify steps) hands it to a
-   second small launch with one program per token (the last to arrive aligns).
-2. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
+   experts, weights from the unbiased scores (renormalised, scaled). It writes each token's weight per expert
+   wt[token, expert] (0 where the token did not choose it; the shared expert always weighs 1) and the
+   *alignment* the expert kernels need: the distinct experts chosen by any token, in ascending id order after
+   the shared expert (slot 0, id E), then -1 in the slots no token needs (several tokens: each marks a presence
+   table and the last to arrive aligns; one token aligns its own choice). Routing in the router's last
+   program instead (an atomic arrival counter, no launch of its own) was slower at every width on an H200:
+   under PDL a launch boundary costs less than the counter's fences (bench/results/tune_t1_moe_tp4_solo.json).
+3. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
    rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
    A -1 slot exits at once: the grid is sized for the worst case, so nothing is read back to the host, and
    a program's first dependent read is its own slot (no separate count to fetch first).
-3. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
+4. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
    activations with its rows of the expert's down projection and accumulates wt[token, expert] * result in
    fp32, so the weighted sum over the k experts and the shared expert happens in registers, without atomics,
    and the output (optionally plus a residual) is written once.
 
-Why not two launches: the down projection needs a whole expert's activation (all of I), which no single
+Why not fewer launches: the down projection needs a whole expert's activation (all of I), which no single
 program of the gate-up launch holds; splitting down over I instead (atomics into the output) costs
 T*k*(I/BLOCK_I)*H fp32 atomics, ~2.5M at T=9, slower than the launch it saves. Programmatic dependent launch
 (`pdl=True`) hides the launch boundaries instead.
@@ -71,17 +72,11 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr,
-                   T, E, H, K_PER, D_MAX, scale,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
-                   TT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   WRITE_TOPK: tl.constexpr, ROUTE: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-    """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token);
-    with ROUTE the last program to arrive routes all T tokens and aligns the experts (otherwise
-    `_route_token_kernel` does, one program per token)."""
+def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, FMA: tl.constexpr,
+                   USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+    """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token):
+    part[range, token, expert] in fp32, summed in a fixed order by `_route_token_kernel`."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -89,24 +84,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, topk_w_ptr, topk_i
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER
     wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)  # requested before waiting: weights never change
-    if ROUTE:  # the routing's expert bias too (whichever program routes has it in registers by then)
-        gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
-    if ROUTE:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) * SPLIT - 1:
-            present = tl.zeros((E_PAD,), tl.int32)
-            for t in tl.static_range(TT):  # TT == T: one routing per token, one after another
-                chosen = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K,
-                                      K_PAD, G, G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK)
-                present = present | chosen.to(tl.int32)
-            _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -114,10 +96,12 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         D_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
+                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, SOLO: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
-    leaves the counter and the table at zero again."""
+    leaves the counter and the table at zero again. SOLO (one token, one program) aligns its own choice
+    directly: no table, no counter, no atomics."""
     t = tl.program_id(0)
     gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
     if USE_PDL:
@@ -125,15 +109,18 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
         tl.extra.cuda.gdc_launch_dependents()
     mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
                         G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
-    re = tl.arange(0, E_PAD)
-    tl.atomic_or(cnt_ptr + 1 + re, mine, mask=mine > 0, sem="relaxed")
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if arrived == T - 1:
-        present = tl.load(cnt_ptr + 1 + re, mask=re < E, other=0, cache_modifier=".cg")
-        _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
-        tl.store(cnt_ptr + 1 + re, tl.zeros_like(present), mask=re < E)
-        tl.atomic_xchg(cnt_ptr, 0)
+    if SOLO:
+        _align(mine, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
+    else:
+        re = tl.arange(0, E_PAD)
+        tl.atomic_or(cnt_ptr + 1 + re, mine, mask=mine > 0, sem="relaxed")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if arrived == T - 1:
+            present = tl.load(cnt_ptr + 1 + re, mask=re < E, other=0, cache_modifier=".cg")
+            _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
+            tl.store(cnt_ptr + 1 + re, tl.zeros_like(present), mask=re < E)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -240,8 +227,8 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
     programs to keep every SM streaming otherwise.
 
     EARLY_SHARED (under PDL, with a shared expert in slot 0): slot 0's programs need no routing, and x was
-    written two launches back (complete once the router passed its own wait), so they run while the router
-    routes and wait only at the end (the down kernel must still start after the router has finished)."""
+    written three launches back (complete once the router passed its own wait), so they run while the tokens
+    are routed and wait only at the end (the down kernel must still start after the routing has finished)."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -324,9 +311,9 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
 
-    The first slot's expert, routing weights and down rows are read before the wait: the router that wrote
+    The first slot's expert, routing weights and down rows are read before the wait: the routing that wrote
     the slots ran two launches back, and under PDL this kernel starts only after every gate-up program passed
-    its own wait for the router, so they are complete here (read past L1, which may hold an earlier layer's);
+    its own wait for it, so they are complete here (read past L1, which may hold an earlier layer's);
     only the activations come from the kernel just before. At one token that is all of a program's weights.
     The later slots load inside the loop, which Triton pipelines (requesting the next expert's rows by hand,
     two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json).
@@ -407,25 +394,24 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
 # smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
-# a time), its warps (which also route), the routing's launch and warps, gate-up rows per program, H tile, H
-# ranges (split-K) and FMA path, down rows per program, slot shares, FMA path and I columns per chunk (default
-# all). Chosen by bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's
-# time). The router's settings won at every width: decode routes in the router's last program, verify in a
-# launch of its own. TP=2 reads down in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9
-# (bench/results/tune_t9_down_tp2.json; at TP=4 chunks were not faster: tune_t9_down_tp4.json), and at T=1
-# 30.5 -> 28.5 us on the FMA path with 2 warps (tune_t1_down_tp2.json, near the run-to-run spread).
-_DECODE_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route="fused",
-                      route_warps=1)
-_VERIFY_ROUTER = dict(_DECODE_ROUTER, route="per_token", route_warps=4)
+# a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path,
+# down rows per program, slot shares, FMA path and I columns per chunk (default all). Chosen by
+# bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). At T=1
+# each gate-up program reads 8 rows of one expert whole (no partial sums to add up): per MoE layer 21.2 ->
+# 18.3 us at TP=4 with the routing's own launch (tune_t1_moe_tp4.json, tune_t1_moe_tp4_solo.json) and
+# 28.9 -> ~23.7 at TP=2 (tune_t1_moe_tp2.json, tune_t1_moe_tp2_solo.json; its spread is ~2 us). TP=2 reads down
+# in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json; at TP=4 chunks were not
+# faster: tune_t9_down_tp4.json).
+_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route_warps=4)
 CONFIGS = {192: {
-    1: dict(_DECODE_ROUTER, block_i=16, gu_block_k=128, gu_split=4, gu_warps=4, gu_fma=True, block_h=16, split_d=16,
-            dn_warps=4, dn_fma=True),
-    16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
+    1: dict(_ROUTER, block_i=8, gu_block_k=512, gu_split=1, gu_warps=4, gu_fma=True, block_h=64, split_d=16,
+            dn_warps=8, dn_fma=True),
+    16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
              dn_warps=4, dn_fma=False),
 }, 384: {
-    1: dict(_DECODE_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=16, split_d=16,
+    1: dict(_ROUTER, block_i=8, gu_block_k=512, gu_split=1, gu_warps=4, gu_fma=True, block_h=16, split_d=16,
             dn_warps=2, dn_fma=True, dn_block_i=128),
-    16: dict(_VERIFY_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
+    16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
              split_d=8, dn_warps=4, dn_fma=False, dn_block_i=128),
 }}
 
@@ -444,13 +430,13 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
               pdl: bool = False, **knobs):
-    """MoE of T <= 16 tokens in three or four launches, nothing read back to the host.
+    """MoE of T <= 16 tokens in four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
-    route ("fused" | "per_token"), route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
+    route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
     gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all);
     the FMA paths apply at T=1 only), for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
@@ -484,15 +470,12 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                    D_PAD=triton.next_power_of_2(d_max), TOPK_GROUP=topk_group, NORMALIZE=normalize,
                    HAS_SHARED=has_shared, WRITE_TOPK=return_routing)
     cnt = counters(dev, 1 + e)
-    per_token = k["route"] == "per_token"
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, expert_bias, part, cnt, topk_w, topk_i, experts, wt, t, e, h, k_per, d_max, float(scale),
-        BLOCK_E=router_block_e, BLOCK_K=router_block_k, K_ITERS=k_per // router_block_k, SPLIT=split,
-        TT=t, ROUTE=not per_token, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET,
-        num_warps=k["router_warps"], **routing, **launch)
-    if per_token:
-        _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
-                                  SPLIT=split, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
+        x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=router_block_k,
+        K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["router_warps"],
+        **launch)
+    _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
+                              SPLIT=split, SOLO=t == 1, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = k["gu_block_k"]

@@ -54,16 +54,15 @@ CONFIGS = [(128, 32, 32, 48, 4, 4, 2, True, 1.0, 0.0),   # shared expert wider t
            (128, 512, 16, 16, 8, 8, 4, True, 0.0, 0.0)]  # flash's router: 8 of 512 in 4 of 8 groups
 
 
-@pytest.mark.parametrize("route", ["fused", "per_token"])
-@pytest.mark.parametrize("t", [1, 9, 16])
+@pytest.mark.parametrize("t", [1, 2, 9, 16])
 @pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared", "flash-router"])
-def test_fused_moe_matches_reference(poisoned, t, conf, route):
+def test_fused_moe_matches_reference(poisoned, t, conf):
     h, e, i, i_s, k, g, tg, norm, lim, slim = conf
     gen = torch.Generator().manual_seed(1000 * t + e)
     w = make(gen, h, e, i, i_s)
     x = (torch.randn(t, h, generator=gen)).to(DEV, torch.bfloat16)
     cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
-    out, tw, ti = M.fused_moe(x, *w, return_routing=True, route=route, **cfg)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg)
     check_routing(x, w, cfg, tw, ti)
     want = M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)
     assert out.shape == (t, h) and out.dtype == torch.bfloat16
@@ -72,15 +71,15 @@ def test_fused_moe_matches_reference(poisoned, t, conf, route):
 
 @pytest.mark.parametrize("t,knobs", [(9, dict(split_d=1, block_h=32)), (9, dict(split_d=3, router_split=2, router_block_e=8)),
                                      (9, dict(split_d=64, block_i=32, router_warps=4)),
-                                     (9, dict(route="per_token", route_warps=2, split_d=2)),
-                                     (1, dict(route="per_token", route_warps=1, router_warps=8)),
+                                     (9, dict(route_warps=2, split_d=2)),
+                                     (1, dict(route_warps=1, router_warps=8)),
                                      (9, dict(gu_split=2, gu_block_k=32, block_i=16)),
                                      (1, dict(dn_fma=True, gu_split=1, split_d=1)),
                                      (9, dict(dn_block_i=16, split_d=3)), (1, dict(dn_block_i=16, dn_fma=True)),
                                      (1, dict(gu_split=3, gu_block_k=32, dn_fma=True, split_d=4)),
                                      (1, dict(router_block_k=32, router_split=2, router_block_e=4, gu_fma=True,
                                               block_i=16, gu_block_k=32, gu_split=2)),
-                                     (1, dict(gu_fma=True, gu_split=1, gu_block_k=64, route="per_token")),
+                                     (1, dict(gu_fma=True, gu_split=1, gu_block_k=64)),
                                      (9, dict(router_block_k=32, router_split=3, router_warps=1)),
                                      (1, dict(block_h=8, split_d=1, dn_fma=True, dn_warps=2)),
                                      (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
@@ -97,15 +96,14 @@ def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
 
-@pytest.mark.parametrize("route", ["fused", "per_token"])
-def test_ties_and_residual(poisoned, route):
+def test_ties_and_residual(poisoned):
     """A router with exact ties (lowest id wins in the kernel; any order in torch), plus the residual epilogue."""
     gen = torch.Generator().manual_seed(5)
     w = make(gen, 64, 64, 16, 16, tied_router=True)
     x = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
     res = torch.randn(9, 64, generator=gen).to(DEV, torch.bfloat16)
     cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
-    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, route=route, **cfg)
+    out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, **cfg)
     check_routing(x, w, cfg, tw, ti)
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
 
@@ -119,20 +117,21 @@ def test_dispatch_on_cpu_is_the_reference():
 
 
 def test_kernels_compile_for_h200():
-    """The router (routing in its last program at T=1 on the FMA path and at T=9 on MMA, and per token), gate-up
-    (MMA and FMA) and down kernels at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90
-    (no GPU needed)."""
+    """The router (FMA path at T=1, MMA at T=9), the routing (one token alone, or several), gate-up (MMA and
+    FMA) and down kernels at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU
+    needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
                        HAS_SHARED=True, WRITE_TOPK=False, USE_PDL=True)
         tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
                       experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
-        for tt, warps, d_pad in ((1, 2, 16), (9, 4, 128)):
-            build(moe._router_kernel, dict(tables, x_ptr="*bf16", w_ptr="*bf16"),
-                  dict(routing, BLOCK_E=8, BLOCK_K=512, K_ITERS=1, SPLIT=5, TT=tt, D_PAD=d_pad, ROUTE=True,
-                       FMA=tt == 1, F32_DOT=False), warps, True)
-        build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True), 1, True)
+        for fma in (True, False):
+            build(moe._router_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32"),
+                  dict(BLOCK_E=8, BLOCK_K=512, K_ITERS=1, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
+        for solo in (False, True):
+            build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True, SOLO=solo), 1,
+                  True)
         for fma in (False, True):
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
@@ -145,11 +144,10 @@ def test_kernels_compile_for_h200():
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
                        I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True)
     """)
-    assert len(lines) == 7, lines
+    assert len(lines) == 8, lines
 
 
-@pytest.mark.parametrize("route", ["fused", "per_token"])
-def test_unused_slots_are_marked(monkeypatch, route):
+def test_unused_slots_are_marked(monkeypatch):
     """The slots no token needs must read -1. Here the scratch starts at 0 (an expert every token chooses,
     through its bias) instead of the usual -1 poison, so a slot left unwritten would count expert 0 again."""
     real = torch.empty
@@ -165,6 +163,6 @@ def test_unused_slots_are_marked(monkeypatch, route):
     w.expert_bias[0] = 10.0
     x = torch.randn(1, 64, generator=gen).to(DEV, torch.bfloat16).expand(9, 64).contiguous()  # 8 experts, 73 slots
     cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
-    out, tw, ti = M.fused_moe(x, *w, return_routing=True, route=route, **cfg)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg)
     assert (ti == 0).any(dim=1).all()
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)) < 1e-2
