@@ -48,7 +48,7 @@ DEADLINE = [float("inf")]  # candidates are skipped after this time (the device 
 ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps=w, route_warps=rw)
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
                                   (8, 128, 4, 4, 4), (16, 512, 5, 4, 4), (16, 512, 5, 4, 2), (16, 512, 5, 8, 4),
-                                  (8, 512, 5, 8, 4))]
+                                  (8, 512, 5, 8, 4), (8, 512, 5, 4, 8), (8, 512, 5, 4, 16))]
 # gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
