@@ -8,7 +8,8 @@ accident), the GEMV that reads such a matrix:
 - after an idle phase (one program spinning on the clock for IDLE_US) whose other programs asked L2 for the
   matrix (`prefetch.global.L2`, or the sm_90 bulk prefetch), with or without an expert-sized stream of other
   bytes (26 MB, read normally or marked evict-first) between the prefetch and the GEMV.
-The GEMV's time in each sequence is the sequence's time minus its other parts timed alone.
+Each sequence and each of its parts is timed alone in the same run (µs per layer in the JSON); the GEMV's own
+time in a sequence is the sequence's time minus its other parts.
 
     python bench/l2_probe.py OUT.json
 """

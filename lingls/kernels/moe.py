@@ -436,9 +436,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     Returns out [T, H] in x's dtype (routed sum + shared expert, + residual), and with return_routing also
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
-    route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block),
-    gu_warps, gu_fma, block_h, split_d, dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all);
-    the FMA paths apply at T=1 only), for the tuning benchmark.
+    route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, gu_fma, block_h, split_d,
+    dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all); the FMA paths apply at T=1 only),
+    for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
