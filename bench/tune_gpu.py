@@ -79,7 +79,10 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                                         (8, 512, 4, 3, True))] + \
        [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
         for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
-                              (16, 128, 8, False))]  # {}: the shipped settings (CONFIGS, else the automatic plan)
+                              (16, 128, 8, False))] + \
+       [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, swap_ab=True)  # W's rows as the MMA's tall side
+        for bn, bk, w, st in ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4), (64, 128, 4, 4))]
+# {}: the shipped settings (CONFIGS, else the automatic plan)
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -138,7 +141,7 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
         for cand in GEMV:
-            if (t > 1 and cand.get("fma")) or time.time() > DEADLINE[0]:
+            if (t > 1 and cand.get("fma")) or (t == 1 and cand.get("swap_ab")) or time.time() > DEADLINE[0]:
                 continue
             try:
                 want = gemv.gemv_reference(x, ws[0], swiglu=swiglu).float()
@@ -341,8 +344,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
                 if ok:
                     b = min(ok, key=lambda r: r["us"])
-                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma")
-                             if key in b}
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma",
+                                                     "swap_ab") if key in b}
                     if knobs:  # the shipped settings won: nothing to change
                         chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "
