@@ -49,7 +49,8 @@ ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
                                   (8, 128, 4, 4, 4), (16, 512, 5, 4, 4), (16, 512, 5, 4, 2), (16, 512, 5, 8, 4),
                                   (8, 512, 5, 8, 4), (8, 512, 5, 4, 8), (8, 512, 5, 4, 16))]
-# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
+# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only; the last three
+# FMA ones read whole rows, no partial sums)
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
                                   (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
@@ -57,7 +58,9 @@ GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
                                   (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True),
                                   (64, 1, 4, 256, False), (64, 1, 8, 256, False), (32, 1, 8, 256, False),
                                   (32, 1, 4, 512, False),
-                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True))]  # T=1: no partials
+                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True))] + \
+          [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=False, gu_swap=True)  # rows as the MMA's
+           for b, s, w, bk in ((64, 1, 4, 256), (128, 1, 4, 128), (64, 2, 4, 256), (64, 1, 4, 128))]  # tall side
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
@@ -69,7 +72,9 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
        [dict(block_h=h, split_d=16, dn_warps=w, dn_fma=True, dn_block_i=bi)  # one token: FMA over chunks of I
         for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))] + \
        [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=True)  # one token, few rows per program, all (or half) the
-        for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))]  # slots: no partials to sum
+        for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))] + \
+       [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=False, dn_swap=True)  # down's rows as the MMA's tall side
+        for h, d, w in ((64, 8, 4), (64, 16, 4), (128, 8, 4), (128, 16, 8))]
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
