@@ -49,8 +49,7 @@ ROUTER = [dict(router_block_e=e, router_block_k=bk, router_split=s, router_warps
           for e, bk, s, w, rw in ((8, 512, 5, 2, 1), (8, 512, 5, 4, 2), (8, 512, 5, 4, 4), (16, 256, 10, 4, 1),
                                   (8, 128, 4, 4, 4), (16, 512, 5, 4, 4), (16, 512, 5, 4, 2), (16, 512, 5, 8, 4),
                                   (8, 512, 5, 8, 4), (8, 512, 5, 4, 8), (8, 512, 5, 4, 16))]
-# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only; the last three
-# FMA ones read whole rows, no partial sums)
+# gate-up: rows per program, H ranges per block (split-K), warps, H tile, FMA path (T=1 only)
 GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
            for b, s, w, bk, f in ((32, 1, 4, 256, False), (16, 1, 4, 256, False), (32, 2, 4, 256, False),
                                   (32, 4, 4, 128, False), (16, 4, 4, 128, False), (64, 4, 8, 128, False),
@@ -58,9 +57,7 @@ GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
                                   (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True),
                                   (64, 1, 4, 256, False), (64, 1, 8, 256, False), (32, 1, 8, 256, False),
                                   (32, 1, 4, 512, False),
-                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True))] + \
-          [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=False, gu_swap=True)  # rows as the MMA's
-           for b, s, w, bk in ((64, 1, 4, 256), (128, 1, 4, 128), (64, 2, 4, 256), (64, 1, 4, 128))]  # tall side
+                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True))]  # T=1: no partials
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
@@ -72,9 +69,7 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
        [dict(block_h=h, split_d=16, dn_warps=w, dn_fma=True, dn_block_i=bi)  # one token: FMA over chunks of I
         for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))] + \
        [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=True)  # one token, few rows per program, all (or half) the
-        for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))] + \
-       [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=False, dn_swap=True)  # down's rows as the MMA's tall side
-        for h, d, w in ((64, 8, 4), (64, 16, 4), (128, 8, 4), (128, 16, 8))]
+        for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))]  # slots: no partials to sum
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)]  # (block_v, num_warps)
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
@@ -84,10 +79,7 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                                         (8, 512, 4, 3, True))] + \
        [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
         for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
-                              (16, 128, 8, False))] + \
-       [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, swap_ab=True)  # W's rows as the MMA's tall side
-        for bn, bk, w, st in ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4), (64, 128, 4, 4))]
-# {}: the shipped settings (CONFIGS, else the automatic plan)
+                              (16, 128, 8, False))]  # {}: the shipped settings (CONFIGS, else the automatic plan)
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -146,7 +138,7 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
         for cand in GEMV:
-            if (t > 1 and cand.get("fma")) or (t == 1 and cand.get("swap_ab")) or time.time() > DEADLINE[0]:
+            if (t > 1 and cand.get("fma")) or time.time() > DEADLINE[0]:
                 continue
             try:
                 want = gemv.gemv_reference(x, ws[0], swiglu=swiglu).float()
@@ -349,8 +341,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
                 if ok:
                     b = min(ok, key=lambda r: r["us"])
-                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma",
-                                                     "swap_ab") if key in b}
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma")
+                             if key in b}
                     if knobs:  # the shipped settings won: nothing to change
                         chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "

@@ -71,9 +71,8 @@ def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-                F32_DOT: tl.constexpr, SWAP: tl.constexpr = False):
-    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows],
-    or with SWAP into [rows, 16] (W as the MMA's tall operand: Hopper's warpgroup MMA wants >= 64 rows there)."""
+                F32_DOT: tl.constexpr):
+    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows]."""
     if FMA:
         xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc += wt * xv[None, :]
@@ -82,21 +81,16 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.c
     else:
         xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
                      other=0.0)
-        if SWAP:
-            acc = _mma(acc, wt, tl.trans(xt), F32_DOT)
-            if SWIGLU:
-                acc_up = _mma(acc_up, wu, tl.trans(xt), F32_DOT)
-        else:
-            acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
-            if SWIGLU:
-                acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+        if SWIGLU:
+            acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
     return acc, acc_up
 
 
 @triton.jit
 def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
               BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-              F32_DOT: tl.constexpr, SWAP: tl.constexpr = False):
+              F32_DOT: tl.constexpr):
     """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo, (wt, wu) being the first tile, already loaded
     (callers request it before waiting on the previous kernel where they can): [16, ROWS] fp32 sums for W's rows
     (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path)."""
@@ -105,22 +99,17 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
     if FMA:  # one token: products on the FMA units, reduced over K once at the end
         acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
         acc_up = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    elif SWAP:
-        acc = tl.zeros((ROWS, 16), tl.float32)
-        acc_up = tl.zeros((ROWS, 16), tl.float32)
     else:
         acc = tl.zeros((16, ROWS), tl.float32)
         acc_up = tl.zeros((16, ROWS), tl.float32)
-    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT, SWAP)
+    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
     for i in range(1, K_ITERS):
         kk = k_lo + i * BLOCK_K + rk
         wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
-        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT, SWAP)
+        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :]
         acc_up = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
-    elif SWAP:
-        acc, acc_up = tl.trans(acc), tl.trans(acc_up)
     return acc, acc_up
 
 
@@ -128,8 +117,8 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
-                 USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
@@ -142,7 +131,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
-                            SWIGLU, FMA, F32_DOT, SWAP)
+                            SWIGLU, FMA, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -249,15 +238,13 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, fma: bool | None = None, swap_ab: bool | None = None,
-         pdl: bool = False) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
-    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path; `swap_ab`
-    (MMA path) multiplies W's rows by x^T, so the MMA's tall side is W's block of rows, not x's 16. `pdl`:
+    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
     programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
     """
     t, k = x.shape
@@ -271,7 +258,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     fma = t == 1 and (tuned.get("fma", False) if fma is None else fma)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
-    swap = not fma and block_n >= 16 and (tuned.get("swap_ab", False) if swap_ab is None else swap_ab)
     blocks = triton.cdiv(n, block_n)
     part = torch.empty(split * (2 if swiglu else 1) * 16 * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out
@@ -279,7 +265,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, SWAP=swap, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

@@ -219,8 +219,8 @@ def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.conste
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr, USE_PDL: tl.constexpr,
-                    F32_DOT: tl.constexpr, EARLY_SHARED: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                    EARLY_SHARED: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -252,9 +252,6 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             if FMA:
                 acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
                 acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
-            elif SWAP:  # the expert's rows as the MMA's tall operand (gemv's swap_ab)
-                acc_g = tl.zeros((BLOCK_I, 16), tl.float32)
-                acc_u = tl.zeros((BLOCK_I, 16), tl.float32)
             else:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32)
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32)
@@ -263,12 +260,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             for i in range(0, K_ITERS):
                 kk = k_lo + i * BLOCK_K + rk
                 wg, wu = _load_w(base, ri, kk, inter, H, H, True)
-                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT, SWAP)
+                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT)
             if FMA:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_g, axis=1)[None, :]
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_u, axis=1)[None, :]
-            elif SWAP:
-                acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
@@ -311,7 +306,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr,
-                 SWAP: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -334,22 +329,17 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if SWAP:  # the expert's rows as the MMA's tall operand (gemv's swap_ab)
-        acc = tl.zeros((BLOCK_H, 16), tl.float32)
-    else:
-        acc = tl.zeros((16, BLOCK_H), tl.float32)
+    acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
-    acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, SWAP, F32_DOT)
+    acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
     for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
         d = sd + (it // I_CHUNKS) * SPLIT_D
         rc = (it % I_CHUNKS) * BLOCK_I + ri
         e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
         wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
-        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, SWAP, F32_DOT)
+        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
-    elif SWAP:
-        acc = tl.trans(acc)
     mask = (rt[:, None] < T) & (rh[None, :] < H)
     if SPLIT_D > 1:
         pofs = rt[:, None] * H + rh[None, :]
@@ -382,7 +372,7 @@ def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
 
 @triton.jit
 def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: tl.constexpr, FMA: tl.constexpr,
-                     SWAP: tl.constexpr, F32_DOT: tl.constexpr):
+                     F32_DOT: tl.constexpr):
     """Slot d's share of the weighted sum: its tokens' activations through the rows wt, times their weights w."""
     live = e >= 0
     if FMA:
@@ -391,10 +381,7 @@ def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: t
     else:
         a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
                     mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
-        if SWAP:
-            acc += _mma(tl.zeros(acc.shape, tl.float32), wt, tl.trans(a), F32_DOT) * w[None, :]
-        else:
-            acc += _mma(tl.zeros(acc.shape, tl.float32), a, tl.trans(wt), F32_DOT) * w[:, None]
+        acc += _mma(tl.zeros(acc.shape, tl.float32), a, tl.trans(wt), F32_DOT) * w[:, None]
     return acc, acc2
 
 
@@ -450,9 +437,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
     route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, gu_fma, block_h, split_d,
-    dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all), gu_swap / dn_swap (the MMA paths with
-    the expert's rows as the tall operand, as gemv's swap_ab); the FMA paths apply at T=1 only), for the tuning
-    benchmark.
+    dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all); the FMA paths apply at T=1 only),
+    for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
@@ -492,7 +478,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                               SPLIT=split, SOLO=t == 1, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
-    gu_block_k, gu_fma, dn_fma = k["gu_block_k"], t == 1 and k["gu_fma"], t == 1 and k["dn_fma"]
+    gu_block_k = k["gu_block_k"]
     gu_k_per, gu_split = _h_ranges(h, k["gu_split"], gu_block_k)
     i_blocks = triton.cdiv(max(i, i_s), k["block_i"])
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
@@ -500,8 +486,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, FMA=gu_fma, SWAP=k.get("gu_swap", False) and not gu_fma, USE_PDL=pdl,
-        F32_DOT=INTERPRET, EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
+        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
+        EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
     dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
@@ -511,8 +497,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
-        HAS_RES=residual is not None, FMA=dn_fma, SWAP=k.get("dn_swap", False) and not dn_fma, USE_PDL=pdl,
-        F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
+        num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -83,10 +83,7 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
                                      (9, dict(router_block_k=32, router_split=3, router_warps=1)),
                                      (1, dict(block_h=8, split_d=1, dn_fma=True, dn_warps=2)),
                                      (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
-                                              gu_fma=True, gu_block_k=64, gu_warps=1)),
-                                     (9, dict(gu_swap=True, dn_swap=True, block_i=16, block_h=32, split_d=4)),
-                                     (16, dict(gu_swap=True, dn_swap=True, gu_split=2, gu_block_k=32, dn_block_i=16)),
-                                     (1, dict(gu_swap=True, dn_swap=True, gu_fma=False, dn_fma=False))])
+                                              gu_fma=True, gu_block_k=64, gu_warps=1))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
@@ -120,9 +117,9 @@ def test_dispatch_on_cpu_is_the_reference():
 
 
 def test_kernels_compile_for_h200():
-    """The router (FMA path at T=1, MMA at T=9), the routing (one token alone, or several), gate-up and down
-    (MMA in either operand order, and FMA) at flash's shapes, with PDL, through the GPU compiler and ptxas for
-    sm_90 (no GPU needed)."""
+    """The router (FMA path at T=1, MMA at T=9), the routing (one token alone, or several), gate-up (MMA and
+    FMA) and down kernels at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU
+    needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
@@ -135,20 +132,19 @@ def test_kernels_compile_for_h200():
         for solo in (False, True):
             build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True, SOLO=solo), 1,
                   True)
-        for fma, swap in ((False, False), (True, False), (False, True)):
+        for fma in (False, True):
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
-                  dict(BLOCK_I=64 if swap else 32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, SWAP=swap,
-                       USE_PDL=True, F32_DOT=False, EARLY_SHARED=True),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
+                       EARLY_SHARED=True),
                   4, True)
-        for d_per, fma, swap in ((1, True, False), (10, False, False), (10, False, True)):
+        for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, SWAP=swap, USE_PDL=True, F32_DOT=False), 8 if fma else 4,
-                  True)
+                       I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True)
     """)
-    assert len(lines) == 10, lines
+    assert len(lines) == 8, lines
 
 
 def test_unused_slots_are_marked(monkeypatch):
