@@ -87,15 +87,10 @@ def main(out: str) -> None:
     n_lines = N * K * 2 // 128
     lines = {1: 512, 2: 2048}
 
-    def idle(w, mode):
+    def idle(w, mode, idle_us=IDLE_US):  # idle_us=0: the prefetching programs alone
         per = lines.get(mode, 1)
         progs = 1 + (triton.cdiv(n_lines, per) if mode else 0)
-        _idle_prefetch_kernel[(progs,)](w, n_lines, sink, int(IDLE_US * 1e3), LINES=per, MODE=mode, num_warps=4)
-
-    def prefetch_only(w, mode):  # the prefetching programs without the spinning one (idle_ns = 0)
-        per = lines[mode]
-        _idle_prefetch_kernel[(1 + triton.cdiv(n_lines, per),)](w, n_lines, sink, 0, LINES=per, MODE=mode,
-                                                                 num_warps=4)
+        _idle_prefetch_kernel[(progs,)](w, n_lines, sink, int(idle_us * 1e3), LINES=per, MODE=mode, num_warps=4)
 
     def stream(s, evict_first):
         block, iters = 2048, 8
@@ -112,8 +107,8 @@ def main(out: str) -> None:
         "idle": lambda i: idle(ws[i], 0),
         "idle + prefetch (per line)": lambda i: idle(ws[i], 1),
         "idle + prefetch (bulk)": lambda i: idle(ws[i], 2),
-        "prefetch alone (per line)": lambda i: prefetch_only(ws[i], 1),
-        "prefetch alone (bulk)": lambda i: prefetch_only(ws[i], 2),
+        "prefetch alone (per line)": lambda i: idle(ws[i], 1, 0),
+        "prefetch alone (bulk)": lambda i: idle(ws[i], 2, 0),
         "stream": lambda i: stream(streams[i], False),
         "stream evict-first": lambda i: stream(streams[i], True),
         "idle, gemv": lambda i: (idle(ws[i], 0), gemv(x, ws[i])),
@@ -137,9 +132,9 @@ def main(out: str) -> None:
         print(f"{us[name] if isinstance(us[name], str) else f'{us[name]:8.2f} us'}  {name}", flush=True)
     floor_us = N * K * 2 / bw * 1e6
     print(f"copy {bw / 1e12:.2f} TB/s; the matrix's floor {floor_us:.2f} us")
-    Path(out).write_text(json.dumps(dict(what="L2 prefetch probe (us per layer, 40 layers)", device=torch.cuda.get_device_name(),
-                                         copy_bw_tbs=bw / 1e12, matrix_bytes=N * K * 2, idle_us=IDLE_US,
-                                         floor_us=floor_us, us=us), indent=1))
+    Path(out).write_text(json.dumps(dict(what="L2 prefetch probe (us per layer, 40 layers)",
+                                         device=torch.cuda.get_device_name(), copy_bw_tbs=bw / 1e12,
+                                         matrix_bytes=N * K * 2, idle_us=IDLE_US, floor_us=floor_us, us=us), indent=1))
 
 
 if __name__ == "__main__":
