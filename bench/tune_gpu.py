@@ -57,7 +57,9 @@ GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
                                   (32, 4, 4, 64, True), (16, 2, 4, 128, True), (8, 10, 2, 256, True),
                                   (64, 1, 4, 256, False), (64, 1, 8, 256, False), (32, 1, 8, 256, False),
                                   (32, 1, 4, 512, False),
-                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True))]  # T=1: no partials
+                                  (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True),  # T=1: no partials
+                                  (8, 1, 8, 512, True), (4, 1, 4, 512, True), (4, 1, 2, 512, True),
+                                  (16, 1, 8, 512, True), (8, 1, 8, 1024, True), (4, 1, 4, 256, True))]
 DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
                            (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
@@ -76,7 +78,8 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),
                                         (16, 256, 4, 4, False), (16, 256, 4, 3, True), (32, 128, 4, 3, True),
                                         (32, 256, 8, 3, True), (64, 64, 4, 3, True), (64, 128, 8, 2, True),
-                                        (8, 512, 4, 3, True))] + \
+                                        (8, 512, 4, 3, True), (4, 512, 2, 3, True), (4, 512, 4, 3, True),
+                                        (8, 512, 8, 3, True), (16, 512, 8, 3, True), (8, 256, 4, 3, True))] + \
        [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
         for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
                               (16, 128, 8, False))]  # {}: the shipped settings (CONFIGS, else the automatic plan)
@@ -142,9 +145,10 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
                 continue
             try:
                 want = gemv.gemv_reference(x, ws[0], swiglu=swiglu).float()
-                err = ((gemv.gemv(x, ws[0], swiglu=swiglu, **cand).float() - want).norm() / want.norm()).item()
-                us = graph_us([lambda w=w, o=o: gemv.gemv(x, w, swiglu=swiglu, out=o, **cand) for w, o in zip(ws, outs)],
-                              len(ws))
+                err = ((gemv.gemv(x, ws[0], swiglu=swiglu, pdl=True, **cand).float() - want).norm()
+                       / want.norm()).item()
+                us = graph_us([lambda w=w, o=o: gemv.gemv(x, w, swiglu=swiglu, out=o, pdl=True, **cand)
+                               for w, o in zip(ws, outs)], len(ws))
                 rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, us=us, rel_err=err))
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(T=t, n=n, k=k, swiglu=swiglu, **cand, error=repr(e)[:200]))

@@ -4,10 +4,11 @@ At T <= 16 a projection is a pass over W and nothing else: the arithmetic is fre
 W over the memory bandwidth, if enough of them are in flight. So the kernel is laid out for streaming: each
 program owns a block of W's rows (BLOCK_N) and walks a range of its columns (the K dimension) in BLOCK_K tiles,
 multiplying them with the whole x tile on the tensor cores (x is padded to 16 rows, the smallest MMA shape;
-the padding costs no memory traffic). For one token the `FMA` path skips the tensor cores: W's tile goes from
-memory straight into registers, is multiplied with x on the FMA units into a [BLOCK_N, BLOCK_K] fp32 tile, and
-that tile is reduced over K once at the end (no shared-memory staging or operand shuffles for an MMA whose 15
-other rows are padding). When N is small there are too few row blocks to keep every SM streaming,
+the padding costs no memory traffic). For one token the `FMA` path skips the tensor cores: a program requests
+all of its W tiles at once, before it waits for the previous kernel (they never depend on it), straight into
+registers, multiplies them with x on the FMA units into a [BLOCK_N, BLOCK_K] fp32 tile, and reduces that over K
+once at the end (no shared-memory staging or operand shuffles for an MMA whose 15 other rows are padding).
+Loaded inside the K loop instead, each tile had waited a memory round trip of its own. When N is small there are too few row blocks to keep every SM streaming,
 so K is split too (split-K): each program writes an fp32 partial, bumps the row block's counter, and the
 program that arrives last sums the partials in a fixed order (deterministic), applies the epilogue and writes
 y. One launch either way; the counters reset themselves, so CUDA-graph replays need no memset.
@@ -30,6 +31,8 @@ import triton
 import triton.language as tl
 
 from lingls.kernels import reference as ref
+from lingls.kernels.pdl import mode as pdl_mode
+from lingls.kernels.pdl import wait_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
@@ -70,46 +73,62 @@ def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-                F32_DOT: tl.constexpr):
-    """One K tile: on the FMA units into [rows, K tile] products (FMA, one token), else an MMA into [16, rows]."""
-    if FMA:
-        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        acc += wt * xv[None, :]
+def _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+                SWIGLU: tl.constexpr):
+    """All K_ITERS tiles of W's rows rn from column k_lo (each a `_load_w` pair), requested at once. No tile
+    depends on another, so a program's whole slice is in flight together; loaded inside the multiply loop,
+    each tile cost a memory round trip of its own (the loop's FMAs wait for it before the next load issues)."""
+    tiles = ()
+    for i in tl.static_range(K_ITERS):
+        tiles = tiles + (_load_w(w_ptr, rn, k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU),)
+    return tiles
+
+
+@triton.jit
+def _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+              SWIGLU: tl.constexpr):
+    """One token through `_load_tiles`' tiles on the FMA units: [16, ROWS] fp32 sums (every row the same) for W's
+    rows and their up rows. x is read in the tiles' own 2D layout (each row's copy from L1): read as a
+    [BLOCK_K] vector it was moved into that layout through shared memory, two barriers per tile."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    for i in tl.static_range(K_ITERS):
+        kk = k_lo + i * BLOCK_K + rk
+        xv = tl.load(x_ptr + kk[None, :] + 0 * rn[:, None], mask=kk[None, :] < K, other=0.0).to(tl.float32)
+        wt, wu = tiles[i]
+        acc += wt * xv
         if SWIGLU:
-            acc_up += wu * xv[None, :]
-    else:
-        xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K),
-                     other=0.0)
-        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
-        if SWIGLU:
-            acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+            acc_up += wu * xv
+    return (tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :],
+            tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :])
+
+
+@triton.jit
+def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
+    """One K tile of the T tokens on the tensor cores, into [16, rows] sums."""
+    xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
+    acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+    if SWIGLU:
+        acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
     return acc, acc_up
 
 
 @triton.jit
 def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
-              BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr,
-              F32_DOT: tl.constexpr):
-    """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo, (wt, wu) being the first tile, already loaded
-    (callers request it before waiting on the previous kernel where they can): [16, ROWS] fp32 sums for W's rows
-    (and for its up rows with SWIGLU; rows past T hold the same sums on the FMA path)."""
+              BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
+    """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo on the tensor cores, (wt, wu) being the first
+    tile, already loaded (callers request it before waiting on the previous kernel where they can): [16, ROWS]
+    fp32 sums for W's rows (and for its up rows with SWIGLU). Triton pipelines the loop's loads into the MMA."""
     rt = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
-    if FMA:  # one token: products on the FMA units, reduced over K once at the end
-        acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
-        acc_up = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    else:
-        acc = tl.zeros((16, ROWS), tl.float32)
-        acc_up = tl.zeros((16, ROWS), tl.float32)
-    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
+    acc = tl.zeros((16, ROWS), tl.float32)
+    acc_up = tl.zeros((16, ROWS), tl.float32)
+    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, F32_DOT)
     for i in range(1, K_ITERS):
         kk = k_lo + i * BLOCK_K + rk
         wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
-        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, FMA, F32_DOT)
-    if FMA:
-        acc = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :]
-        acc_up = tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :]
+        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, F32_DOT)
     return acc, acc_up
 
 
@@ -125,13 +144,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    # the first W tile is requested before waiting for the previous kernel (PDL): weights never depend on it
-    wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
-                            SWIGLU, FMA, F32_DOT)
+    # W is requested before waiting for the previous kernel (PDL): weights never depend on it. One token: the
+    # program's whole slice at once; several: the first tile, the loop pipelines the rest into the MMA
+    if FMA:
+        tiles = _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
+    else:
+        wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
+    wait_previous(USE_PDL)
+    if FMA:
+        acc, acc_up = _fma_rows(x_ptr, tiles, rn, k_lo, K, BLOCK_N, BLOCK_K, K_ITERS, SWIGLU)
+    else:
+        acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K,
+                                K_ITERS, SWIGLU, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -207,25 +231,26 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 
 # Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
 # steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
-# Pinned from bench/results/tune_shard42.json (one H200, Ling-3.0-flash TP=4 rank shapes): at T=1 every shape
-# is best on the FMA path with 8 rows x 512 columns per program (the dense MLP's gate-up with split-K); the
-# TP=2 rank shapes from `bench/tune_gpu.py --tp 2` (bench/results/tune_tp2.log, 12 layers).
+# At T=1 (the FMA path, each program's whole slice requested at once) every TP=4 rank shape is best with 8 rows
+# x 256-column tiles per program (the dense MLP's gate-up with split-K), timed under PDL
+# (bench/results/tune_t1_preload.json); the TP=2 rank shapes from `bench/tune_gpu.py --tp 2` (12 layers; at T=1
+# bench/results/tune_t1_tp2_preload.json, at T=16 bench/results/tune_tp2.log).
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
-    (5128, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
-    (2560, 1024, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
-    (2560, 1536, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # dense MLP down
-    (1536, 2560, True, 1): dict(block_n=16, block_k=128, split_k=4, num_warps=4, num_stages=3, fma=True),  # gate-up
-    (2120, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
+    (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
+    (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
+    (2560, 1536, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # dense MLP down
+    (1536, 2560, True, 1): dict(block_n=8, block_k=256, split_k=2, num_warps=4, num_stages=3, fma=True),  # gate-up
+    (2120, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
     (2560, 1024, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
     (2560, 1536, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
     (1536, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
     (2120, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
     (5128, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
     # TP=2
-    (10256, 2560, False, 1): dict(block_n=32, block_k=256, num_warps=8, num_stages=3, fma=True),
-    (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (10256, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),
+    (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
     (2560, 3072, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
-    (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
+    (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
     (3664, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
     (10256, 2560, False, 16): dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
     (2560, 2048, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
@@ -265,7 +290,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, USE_PDL=pdl and x.is_cuda, F32_DOT=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        FMA=fma, USE_PDL=pdl_mode(pdl and x.is_cuda, "gemv", t), F32_DOT=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

@@ -46,6 +46,8 @@ import torch
 
 from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
+from lingls.kernels.pdl import mode as pdl_mode
+from lingls.kernels.pdl import wait_previous
 
 try:
     import triton
@@ -135,9 +137,7 @@ def _kda_step_kernel(
     wv3 = tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(USE_PDL)
 
     # conv state [3, C, 3], oldest input first; kept as three sliding registers per stream
     xq0 = tl.load(conv_ptr + ck * 3 + 0).to(tl.float32)
@@ -302,7 +302,7 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         out, _row_stride(out, "out"), o_acc, count, stage_state, stage_conv,
         d ** -0.5, float(lower_bound), float(eps),
         T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
-        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=bool(kwargs),
+        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=pdl_mode(bool(kwargs), "kda", t),
         num_warps=num_warps, **kwargs,
     )
     return out
@@ -382,9 +382,7 @@ def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, 
     layer = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     NV: tl.constexpr = D // BV
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(USE_PDL)
     idx = tl.load(index_ptr)
     if pid < H * NV:
         h = pid // NV
@@ -436,7 +434,7 @@ def fused_commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool
     kwargs = {"launch_pdl": True} if pdl and state.is_cuda else {}
     _commit_kernel[(layers, heads * (d // block_v) + triton.cdiv(nb, block))](
         index, state, stage_state, conv_state, stage_conv, nb, H=heads, D=d, BV=block_v, T_STAGE=stage_state.shape[1],
-        BLOCK=block, USE_PDL=bool(kwargs), num_warps=4, **kwargs)
+        BLOCK=block, USE_PDL=pdl_mode(bool(kwargs), "kda", stage_state.shape[1]), num_warps=4, **kwargs)
 
 
 def commit_reference(index, state, stage_state, conv_state, stage_conv) -> None:

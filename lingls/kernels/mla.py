@@ -70,6 +70,8 @@ def heads_per_program(t: int, h: int) -> int:
 
 if triton is not None:
     from lingls.kernels.gemv import INTERPRET, _mma, counters
+    from lingls.kernels.pdl import mode as pdl_mode
+    from lingls.kernels.pdl import wait_previous
 
     @triton.jit
     def _rotate(ptr, i, m, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, cos, sin):
@@ -100,9 +102,7 @@ if triton is not None:
         # W_k's tile is requested before waiting for the previous kernel (PDL): weights never depend on it
         wk = tl.load(wk_ptr + head * swk_h + rn[:, None] * swk_n + rr[None, :],
                      mask=absorb & (rn[:, None] < NOPE) & (rr[None, :] < R), other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_previous(USE_PDL)
         if absorb:
             rt = tl.arange(0, 16)
             qn = tl.load(q_ptr + rt[:, None] * sq + head * (NOPE + 2 * HALF) + rn[None, :],
@@ -142,9 +142,7 @@ if triton is not None:
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                           NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
         """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_previous(USE_PDL)
         split = tl.program_id(0)
         i = tl.arange(0, BT)
         t = i // G
@@ -201,9 +199,7 @@ if triton is not None:
         head = row % H
         if ABSORB:  # W_v's tile is requested before waiting for the previous kernel (PDL)
             wv = tl.load(wv_ptr + head * swv_h + v[:, None] * swv_v + r[None, :], mask=v[:, None] < V, other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_previous(USE_PDL)
         s = tl.arange(0, NUM_SPLITS)
         base = s * T * H + row
         m = tl.load(part_ml + base * 2)
@@ -253,8 +249,8 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     pdl = pdl and cache.is_cuda
     launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
-                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, USE_PDL=pdl,
-                                            F32_DOT=INTERPRET, num_warps=num_warps, **launch)
+                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits,
+                                            USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, num_warps=num_warps, **launch)
     rblk = min(MERGE_BLOCK, r)
     absorb = w_v is not None
     if absorb:
@@ -271,7 +267,7 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
         strides = (0, 0, 0)
     _mla_merge_kernel[(t * h, r // rblk)](part_acc, part_ml, out, w_v, gate, part_o, counters(dev, t * h), t, *strides,
                                           H=h, R=r, RBLK=rblk, V=v, V_PAD=v_pad, NUM_SPLITS=num_splits,
-                                          ABSORB=absorb, USE_PDL=pdl, **launch)
+                                          ABSORB=absorb, USE_PDL=pdl_mode(pdl, "mla", t), **launch)
     return out
 
 
@@ -346,6 +342,6 @@ def mla_prologue(q, kv, norm_w, eps: float, inv_freq, cache, positions, heads: i
         t, q.stride(0), kv.stride(0), cache.stride(0), w_k.stride(0), w_k.stride(1), float(eps), H=heads,
         H_PAD=triton.next_power_of_2(heads), NOPE=nope, NOPE_PAD=max(16, triton.next_power_of_2(nope)), R=rank,
         R_PAD=max(r_pad, rblk), RBLK=rblk, HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2),
-        INTERLEAVE=interleave, USE_PDL=pdl and kv.is_cuda, F32_DOT=INTERPRET, num_warps=4,
+        INTERLEAVE=interleave, USE_PDL=pdl_mode(pdl and kv.is_cuda, "mla", t), F32_DOT=INTERPRET, num_warps=4,
         **({"launch_pdl": True} if pdl and kv.is_cuda else {}))
     return q_lat, q_rope

@@ -48,7 +48,10 @@ import triton.language as tl
 from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
-from lingls.kernels.gemv import INTERPRET, MAX_T, _accumulate, _dot_rows, _load_w, _mma, _swiglu, counters
+from lingls.kernels.pdl import mode as pdl_mode
+from lingls.kernels.pdl import wait_previous
+from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _dot_rows, _fma_rows, _load_tiles, _load_w, _mma,
+                                 _swiglu, counters)
 
 
 class MoEWeights(NamedTuple):
@@ -83,11 +86,16 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER
-    wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)  # requested before waiting: weights never change
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, F32_DOT)
+    # requested before waiting: weights never change (one token: the program's whole slice)
+    if FMA:
+        tiles = _load_tiles(w_ptr, re, k_lo, E, H, H, BLOCK_K, K_ITERS, False)
+    else:
+        wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)
+    wait_previous(USE_PDL)
+    if FMA:
+        acc, _ = _fma_rows(x_ptr, tiles, re, k_lo, H, BLOCK_E, BLOCK_K, K_ITERS, False)
+    else:
+        acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
@@ -104,9 +112,7 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
     directly: no table, no counter, no atomics."""
     t = tl.program_id(0)
     gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(USE_PDL)
     mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
                         G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
     if SOLO:
@@ -227,8 +233,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
     programs to keep every SM streaming otherwise.
 
     EARLY_SHARED (under PDL, with a shared expert in slot 0): slot 0's programs need no routing, and x was
-    written three launches back (complete once the router passed its own wait), so they run while the tokens
-    are routed and wait only at the end (the down kernel must still start after the routing has finished)."""
+    written three launches back (complete once the router passed its own wait: the routing lets this kernel
+    launch only after its own wait, `pdl.LATE`), so they run while the tokens are routed and wait only at the
+    end. The programs let the down kernel launch only after their wait (LATE whatever USE_PDL says): it reads
+    the routing's slots before its own wait."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -249,21 +257,18 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
-            if FMA:
-                acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
-                acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+            if FMA:  # one token: the program's rows over its whole H range requested at once
+                tiles = _load_tiles(base, ri, k_lo, inter, H, H, BLOCK_K, K_ITERS, True)
+                acc_g, acc_u = _fma_rows(x_ptr, tiles, ri, k_lo, H, BLOCK_I, BLOCK_K, K_ITERS, True)
             else:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32)
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32)
-            # gemv's `_dot_rows` loop, but loading every tile inside it: the expert is known only after the
-            # wait, so no first tile can be requested early, and the peeled form holds 44 registers more
-            for i in range(0, K_ITERS):
-                kk = k_lo + i * BLOCK_K + rk
-                wg, wu = _load_w(base, ri, kk, inter, H, H, True)
-                acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, FMA, F32_DOT)
-            if FMA:
-                acc_g = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_g, axis=1)[None, :]
-                acc_u = tl.zeros((16, BLOCK_I), tl.float32) + tl.sum(acc_u, axis=1)[None, :]
+                # gemv's `_dot_rows` loop, but loading every tile inside it: the expert is known only after the
+                # wait, so no first tile can be requested early, and the peeled form holds 44 registers more
+                for i in range(0, K_ITERS):
+                    kk = k_lo + i * BLOCK_K + rk
+                    wg, wu = _load_w(base, ri, kk, inter, H, H, True)
+                    acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, F32_DOT)
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
@@ -326,9 +331,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     rt = tl.arange(0, 16)
     e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
     wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(USE_PDL)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
@@ -397,20 +400,21 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path,
 # down rows per program, slot shares, FMA path and I columns per chunk (default all). Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). At T=1
-# each gate-up program reads 8 rows of one expert whole (no partial sums to add up): per MoE layer 21.2 ->
-# 18.3 us at TP=4 with the routing's own launch (tune_t1_moe_tp4.json, tune_t1_moe_tp4_solo.json) and
-# 28.9 -> ~23.7 at TP=2 (tune_t1_moe_tp2.json, tune_t1_moe_tp2_solo.json; its spread is ~2 us). TP=2 reads down
+# each gate-up program requests its rows of one expert over all of H at once (no partial sums to add up), and
+# so does the router: per MoE layer 18.6 -> 16.5 us at TP=4 with 4 rows and 2 warps per gate-up program
+# (tune_t1_preload.json), 26.5 -> 23.4 at TP=2 (12 layers, tune_t1_tp2_preload.json). TP=2 reads down
 # in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json; at TP=4 chunks were not
 # faster: tune_t9_down_tp4.json).
 _ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route_warps=4)
 CONFIGS = {192: {
-    1: dict(_ROUTER, block_i=8, gu_block_k=512, gu_split=1, gu_warps=4, gu_fma=True, block_h=64, split_d=16,
-            dn_warps=8, dn_fma=True),
+    1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
+            gu_block_k=256, gu_split=1, gu_warps=2, gu_fma=True, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
     16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
              dn_warps=4, dn_fma=False),
 }, 384: {
-    1: dict(_ROUTER, block_i=8, gu_block_k=512, gu_split=1, gu_warps=4, gu_fma=True, block_h=16, split_d=16,
-            dn_warps=2, dn_fma=True, dn_block_i=128),
+    1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
+            gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=True, block_h=32, split_d=16, dn_warps=4, dn_fma=True,
+            dn_block_i=128),
     16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
              split_d=8, dn_warps=4, dn_fma=False, dn_block_i=128),
 }}
@@ -472,10 +476,11 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     cnt = counters(dev, 1 + e)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=router_block_k,
-        K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl, F32_DOT=INTERPRET, num_warps=k["router_warps"],
-        **launch)
+        K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl_mode(pdl, "router", t), F32_DOT=INTERPRET,
+        num_warps=k["router_warps"], **launch)
     _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
-                              SPLIT=split, SOLO=t == 1, USE_PDL=pdl, num_warps=k["route_warps"], **routing, **launch)
+                              SPLIT=split, SOLO=t == 1, USE_PDL=pdl_mode(pdl, "route", t),
+                              num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = k["gu_block_k"]
@@ -486,8 +491,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
-        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
-        EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
+        I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
+        F32_DOT=INTERPRET, EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
     dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
@@ -497,7 +502,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
-        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl, F32_DOT=INTERPRET,
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET,
         num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i

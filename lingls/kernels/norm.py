@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from lingls.kernels import reference as ref
+from lingls.kernels.pdl import mode as pdl_mode
+from lingls.kernels.pdl import wait_previous
 
 try:
     import triton
@@ -54,9 +56,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
     offs = tl.arange(0, BLOCK)
     m = offs < N
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: safe before the previous kernel ends
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(USE_PDL)
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
     _add_rms_norm_row(x, r_ptr + row * sr, w, out_ptr + row * so, offs, m, N, eps, HAS_RESIDUAL)
 
@@ -76,7 +76,7 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
     kwargs = {"launch_pdl": True} if pdl and x.is_cuda else {}
     _add_rms_norm_kernel[(t,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), n, float(eps),
                                BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-                               USE_PDL=bool(kwargs), num_warps=num_warps, **kwargs)
+                               USE_PDL=pdl_mode(bool(kwargs), "norm", t), num_warps=num_warps, **kwargs)
     return out, r
 
 
