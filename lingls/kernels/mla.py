@@ -138,10 +138,34 @@ if triton is not None:
             tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
+    def _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R: tl.constexpr, P: tl.constexpr,
+                      BN: tl.constexpr, F32_DOT: tl.constexpr):
+        """The online softmax over cache rows [b*BN, (b+1)*BN): the tile's running max m, sum l and output acc."""
+        j = b * BN + tl.arange(0, BN)
+        j_ok = j < n_rows
+        c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
+        kr = tl.load(cache + j[:, None] * (R + P) + R + p[None, :], mask=j_ok[:, None], other=0.0)
+        s = _mma(_mma(tl.zeros((ql.shape[0], BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
+        s = s * scale
+        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(w, axis=1)
+        acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
+        return m_new, l, acc
+
+    @triton.jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
-        """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G)."""
+                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                          COUNTED: tl.constexpr):
+        """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G).
+
+        COUNTED (on a GPU): the blocks are walked by a for loop over a run-time count, which Triton's pipeliner
+        prefetches (the next blocks' rows stream into shared memory while one is multiplied); Triton's
+        interpreter cannot run such a loop (NumPy >= 2.4), so under it a while loop walks the same blocks."""
         wait_previous(USE_PDL)
         split = tl.program_id(0)
         i = tl.arange(0, BT)
@@ -160,24 +184,16 @@ if triton is not None:
         m = tl.full([BT], float("-inf"), tl.float32)
         l = tl.zeros([BT], tl.float32)
         acc = tl.zeros([BT, R], tl.float32)
-        b = split * per_split
+        first = split * per_split
         end = tl.minimum((split + 1) * per_split, n_blocks)
-        while b < end:  # a while loop: its bound is a device value (Triton's interpreter rejects it in range())
-            j = b * BN + tl.arange(0, BN)
-            j_ok = j < n_rows
-            c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
-            kr = tl.load(cache + j[:, None] * (R + P) + R + p[None, :], mask=j_ok[:, None], other=0.0)
-            s = _mma(_mma(tl.zeros((BT, BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
-            s = s * scale
-            s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            w = tl.exp(s - m_safe[:, None])
-            l = l * alpha + tl.sum(w, axis=1)
-            acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
-            m = m_new
-            b += 1
+        if COUNTED:
+            for b in range(first, end):
+                m, l, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R, P, BN, F32_DOT)
+        else:
+            b = first
+            while b < end:
+                m, l, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R, P, BN, F32_DOT)
+                b += 1
         base = split * T * H + row  # partials [split, T, H]: only the tile's real rows are written
         tl.store(part_acc + base[:, None] * R + r[None, :], acc, mask=ok[:, None])
         tl.store(part_ml + base * 2, m, mask=ok)
@@ -250,7 +266,7 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
                                             R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits,
-                                            USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, num_warps=num_warps, **launch)
+                                            USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, COUNTED=not INTERPRET, num_warps=num_warps, **launch)
     rblk = min(MERGE_BLOCK, r)
     absorb = w_v is not None
     if absorb:

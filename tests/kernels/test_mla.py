@@ -123,7 +123,9 @@ def test_attend_applies_w_v_and_the_gate_in_the_merge(poisoned, t, h, v, splits)
 
 def test_kernels_compile_for_h200():
     """The prologue (with the W_k programs), split and merge (plain and with W_v and the gate) kernels at flash's
-    TP=4 rank shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed)."""
+    TP=4 rank shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed). The split kernel
+    as the GPU runs it (its counted, pipelined loop) must not spill at T=1 or T=9 (the while loop spilled 232
+    bytes per thread at T=9)."""
     from tests.kernels.test_kda import compile_for_sm90
 
     lines = compile_for_sm90("""
@@ -135,10 +137,12 @@ def test_kernels_compile_for_h200():
         for bt, g in ((16, 8), (16, 1)):
             build(mla._mla_split_kernel, dict(q_lat="*bf16", q_rope="*bf16", cache="*bf16", positions="*i64",
                   part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, P=64, BT=bt, BN=32,
-                  NUM_SPLITS=128, USE_PDL=True, F32_DOT=False), 8 if g == 8 else 4, True)
+                  NUM_SPLITS=128, USE_PDL=True, F32_DOT=False, COUNTED=True), 8 if g == 8 else 4, True)
         for absorb in (False, True):
             build(mla._mla_merge_kernel, dict(part_acc="*fp32", part_ml="*fp32", out="*bf16" if absorb else "*fp32",
                   wv_ptr="*bf16", g_ptr="*bf16", part_o="*fp32", cnt_ptr="*i32"), dict(H=8, R=512, RBLK=64, V=128,
                   V_PAD=128, NUM_SPLITS=64, ABSORB=absorb, USE_PDL=True), 4, True)
     """)
     assert len(lines) == 5, lines
+    for line in lines[1:3]:
+        assert "_mla_split_kernel" in line and "STACK:0 " in line and "LOCAL:0 " in line, line
