@@ -8,10 +8,11 @@ the padding costs no memory traffic). For one token the `FMA` path skips the ten
 all of its W tiles at once, before it waits for the previous kernel (they never depend on it), straight into
 registers, multiplies them with x on the FMA units into a [BLOCK_N, BLOCK_K] fp32 tile, and reduces that over K
 once at the end (no shared-memory staging or operand shuffles for an MMA whose 15 other rows are padding).
-Loaded inside the K loop instead, each tile had waited a memory round trip of its own. When N is small there are too few row blocks to keep every SM streaming,
-so K is split too (split-K): each program writes an fp32 partial, bumps the row block's counter, and the
-program that arrives last sums the partials in a fixed order (deterministic), applies the epilogue and writes
-y. One launch either way; the counters reset themselves, so CUDA-graph replays need no memset.
+Loaded inside the K loop instead, each tile had waited a memory round trip of its own. When N is small there
+are too few row blocks to keep every SM streaming, so K is split too (split-K): each program writes an fp32
+partial, bumps the row block's counter, and the program that arrives last sums the partials in a fixed order
+(deterministic), applies the epilogue and writes y. One launch either way; the counters reset themselves, so
+CUDA-graph replays need no memset.
 
 Epilogues fused here because the model needs them right after a projection:
 - `residual`: y = x @ W^T + residual (o_proj / down_proj straight into the residual stream, at TP=1).
@@ -289,9 +290,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     _gemv_kernel[(blocks, split)](
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
-        BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu, HAS_RES=residual is not None,
-        FMA=fma, USE_PDL=pdl_mode(pdl and x.is_cuda, "gemv", t), F32_DOT=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu,
+        HAS_RES=residual is not None, FMA=fma, USE_PDL=pdl_mode(pdl and x.is_cuda, "gemv", t), F32_DOT=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

@@ -266,7 +266,8 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
                                             R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits,
-                                            USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, COUNTED=not INTERPRET, num_warps=num_warps, **launch)
+                                            USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, COUNTED=not INTERPRET,
+                                            num_warps=num_warps, **launch)
     rblk = min(MERGE_BLOCK, r)
     absorb = w_v is not None
     if absorb:

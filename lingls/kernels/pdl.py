@@ -17,7 +17,8 @@ fused_step_shard42_late.json, fused_step_shard42_early_all.json):
 EARLY at one token moves the KDA input projection's share of a layer from ~10 to ~7 us (it now starts ~6 us
 before the norm ahead of it ends; the MoE down kernel's share grows by ~2.7 us) and the decode step from ~1.557
 to ~1.521 ms; at 9 tokens (verify) it made the step slower (4.43 -> 4.76 ms; not analysed, likely the programs
-launched early holding SM room the wide expert kernels need), hence `EARLY_MAX_TOKENS`. At TP=2 it changed nothing measurable (bench/results/step_timeline_tp2.json).
+launched early holding SM room the wide expert kernels need), hence `EARLY_MAX_TOKENS`. At TP=2 it changed
+nothing measurable (bench/results/step_timeline_tp2.json).
 
 What runs after a wait stays ordered as before (a wait ends only after the previous kernel completed, and that
 one had waited for the one before it). What changes is the part before the wait: under EARLY the kernels two
