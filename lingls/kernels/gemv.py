@@ -134,6 +134,26 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
 
 
 @triton.jit
+def _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """x[:T] @ W[rn]^T (and its up rows with SWIGLU) in a kernel that follows another: W is requested before
+    waiting for the previous kernel (PDL: weights never depend on it), at one token the program's whole slice
+    (`_load_tiles`, `_fma_rows`), else the first tile (`_dot_rows` pipelines the rest into the MMA); x after."""
+    if FMA:
+        tiles = _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
+    else:
+        wt, wu = _load_w(w_ptr, rn, k_lo + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU)
+    wait_previous(USE_PDL)
+    if FMA:
+        acc, acc_up = _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS, BLOCK_K, K_ITERS, SWIGLU)
+    else:
+        acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS, BLOCK_K, K_ITERS,
+                                SWIGLU, F32_DOT)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -143,20 +163,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    # W is requested before waiting for the previous kernel (PDL): weights never depend on it. One token: the
-    # program's whole slice at once; several: the first tile, the loop pipelines the rest into the MMA
-    if FMA:
-        tiles = _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
-    else:
-        wt, wu = _load_w(w_ptr, rn, k_lo + rk, N, K, stride_w, SWIGLU)
-    wait_previous(USE_PDL)
-    if FMA:
-        acc, acc_up = _fma_rows(x_ptr, tiles, rn, k_lo, K, BLOCK_N, BLOCK_K, K_ITERS, SWIGLU)
-    else:
-        acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K,
-                                K_ITERS, SWIGLU, F32_DOT)
+    acc, acc_up = _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
+                                   SWIGLU, FMA, USE_PDL, F32_DOT)
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1

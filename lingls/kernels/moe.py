@@ -48,10 +48,10 @@ import triton.language as tl
 from lingls.kernels import by_width_and_tokens
 from lingls.kernels import reference as ref
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _fma_rows, _load_tiles, _load_w, _mma,
+                                 _rows_after_wait, _swiglu, counters)
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
-from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _dot_rows, _fma_rows, _load_tiles, _load_w, _mma,
-                                 _swiglu, counters)
 
 
 class MoEWeights(NamedTuple):
@@ -84,18 +84,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER
-    # requested before waiting: weights never change (one token: the program's whole slice)
-    if FMA:
-        tiles = _load_tiles(w_ptr, re, k_lo, E, H, H, BLOCK_K, K_ITERS, False)
-    else:
-        wr, _ = _load_w(w_ptr, re, k_lo + rk, E, H, H, False)
-    wait_previous(USE_PDL)
-    if FMA:
-        acc, _ = _fma_rows(x_ptr, tiles, re, k_lo, H, BLOCK_E, BLOCK_K, K_ITERS, False)
-    else:
-        acc, _ = _dot_rows(x_ptr, w_ptr, wr, wr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, F32_DOT)
+    acc, _ = _rows_after_wait(x_ptr, w_ptr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, USE_PDL,
+                              F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
