@@ -14,7 +14,8 @@ The JSON lists every candidate; the winners are what the code's CONFIGS ship. Ev
 shipped settings, so a sweep cut short by the budget never replaces them with an untimed choice.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
-    (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv, default all;
+    (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv (or gemv-tma:
+    only the descriptor-load path's candidates, T > 1), default all;
     --tp: the rank shapes of TP=N, default 4; the settings are kept per width, heads or expert rows per rank,
     so each TP degree has its own)
 """
@@ -83,6 +84,12 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
        [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, fma=f)  # more programs per row block
         for bn, bk, sk, f in ((8, 256, 2, True), (16, 128, 4, True), (8, 128, 4, True), (32, 128, 4, False),
                               (16, 128, 8, False))]  # {}: the shipped settings (CONFIGS, else the automatic plan)
+# verify steps through descriptor loads and the swapped warpgroup MMA (gemv's `tma` path): rows, K tile, K ranges,
+# pipeline stages
+GEMV_TMA = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st, tma=True)
+            for bn, bk, sk, st in ((64, 128, 2, 4), (64, 128, 4, 3), (64, 128, 1, 4), (128, 128, 2, 3),
+                                   (64, 256, 2, 3), (64, 64, 4, 4), (128, 64, 4, 4))]
+GEMV += GEMV_TMA
 
 
 def graph_us(calls, per_graph: int) -> float:
@@ -122,7 +129,7 @@ def tune_mla(model, t: int) -> list[dict]:
     return rows
 
 
-def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
+def tune_gemv(fused: FusedStep, t: int, candidates: list[dict] = GEMV) -> list[dict]:
     """Every GEMV shape of the step (all its layers' weights of that shape, so no call hits L2 for another)."""
     shapes: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
     for entry in fused.layers:
@@ -140,8 +147,8 @@ def tune_gemv(fused: FusedStep, t: int) -> list[dict]:
     for (n, k, swiglu), ws in shapes.items():
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-        for cand in GEMV:
-            if (t > 1 and cand.get("fma")) or time.time() > DEADLINE[0]:
+        for cand in candidates:
+            if (t > 1 and cand.get("fma")) or (t == 1 and cand.get("tma")) or time.time() > DEADLINE[0]:
                 continue
             try:
                 want = gemv.gemv_reference(x, ws[0], swiglu=swiglu).float()
@@ -339,14 +346,15 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["moe"][t] = {k: v for k, v in b.items() if k not in ("T", "us", "rel_err")}
-            rows = tune_gemv(fused, t) if "gemv" in stages else []
+            rows = (tune_gemv(fused, t) if "gemv" in stages else tune_gemv(fused, t, [{}] + GEMV_TMA)
+                    if "gemv-tma" in stages and t > 1 else [])
             tuning["gemv"] += rows
             for shape in {(r["n"], r["k"], r["swiglu"]) for r in rows}:
                 ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2 and (r["n"], r["k"], r["swiglu"]) == shape]
                 if ok:
                     b = min(ok, key=lambda r: r["us"])
-                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma")
-                             if key in b}
+                    knobs = {key: b[key] for key in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fma",
+                                                     "tma") if key in b}
                     if knobs:  # the shipped settings won: nothing to change
                         chosen["gemv"][(*shape, 1 if t == 1 else 16)] = knobs
             print(f"T={t} tuned in {time.time() - t0:.0f} s: mla {chosen['mla'].get(t)}, moe {chosen['moe'].get(t)}, "

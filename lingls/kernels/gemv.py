@@ -8,7 +8,10 @@ the padding costs no memory traffic). For one token the `FMA` path skips the ten
 all of its W tiles at once, before it waits for the previous kernel (they never depend on it), straight into
 registers, multiplies them with x on the FMA units into a [BLOCK_N, BLOCK_K] fp32 tile, and reduces that over K
 once at the end (no shared-memory staging or operand shuffles for an MMA whose 15 other rows are padding).
-Loaded inside the K loop instead, each tile had waited a memory round trip of its own. When N is small there
+Loaded inside the K loop instead, each tile had waited a memory round trip of its own. For verify steps the
+`TMA` path (`_gemv_tma_kernel`) streams W and x through tensor-memory-accelerator descriptors into shared memory
+and multiplies W x^T on Hopper's warpgroup MMA (W's rows as the tall operand): the register-tile loop reached
+a third of the copy rate on its own at TP=4 (bench/results/ncu_step_tp4_t9.json). When N is small there
 are too few row blocks to keep every SM streaming, so K is split too (split-K): each program writes an fp32
 partial, bumps the row block's counter, and the program that arrives last sums the partials in a fixed order
 (deterministic), applies the epilogue and writes y. One launch either way; the counters reset themselves, so
@@ -30,6 +33,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
@@ -166,6 +170,43 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
     acc, acc_up = _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
                                    SWIGLU, FMA, USE_PDL, F32_DOT)
+    _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o, stride_r, limit,
+            BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
+
+
+@triton.jit
+def _gemv_tma_kernel(x_desc, w_desc, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                     T, N, K_PER, stride_o, stride_r, limit,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+    """Verify steps (T > 1) with the operands swapped: W's [BLOCK_N, BLOCK_K] tiles (and x's [16, BLOCK_K], its
+    rows past T zero-filled) come through the tensor memory accelerator into shared memory, and the product
+    is W x^T, BLOCK_N rows tall: Hopper's warpgroup MMA (`wgmma`) reads both from shared memory while the next
+    tiles stream in (Triton pipelines the descriptor loads), where the register-tile path runs `mma.sync`
+    with 16 token rows. The split-K finish and epilogue are `_gemv_kernel`'s."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rt = tl.arange(0, 16)
+    n0 = pid_n * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    k_lo = pid_k * K_PER
+    acc = tl.zeros((BLOCK_N, 16), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, 16), tl.float32)
+    wait_previous(USE_PDL)
+    for i in range(K_ITERS):
+        kk = k_lo + i * BLOCK_K
+        xt = tl.trans(x_desc.load([0, kk]))
+        acc = _mma(acc, w_desc.load([n0, kk]), xt, F32_DOT)
+        if SWIGLU:
+            acc_up = _mma(acc_up, w_desc.load([n0 + N, kk]), xt, F32_DOT)
+    _finish(tl.trans(acc), tl.trans(acc_up), out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o,
+            stride_r, limit, BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
+
+
+@triton.jit
+def _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o, stride_r, limit,
+            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr):
+    """A program's [16, BLOCK_N] sums to y: directly, or with split-K through the row block's partials."""
     if SPLIT_K > 1:
         # Publish this K range's partial, then let the last arriving program of the row block finish it.
         n_parts: tl.constexpr = 2 if SWIGLU else 1
@@ -244,18 +285,21 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # At T=1 (the FMA path, each program's whole slice requested at once) every TP=4 rank shape is best with 8 rows
 # x 256-column tiles per program (the dense MLP's gate-up with split-K), timed under PDL
 # (bench/results/tune_t1_preload.json); the TP=2 rank shapes from `bench/tune_gpu.py --tp 2` (12 layers; at T=1
-# bench/results/tune_t1_tp2_preload.json, at T=16 bench/results/tune_tp2.log).
+# bench/results/tune_t1_tp2_preload.json, at T=16 bench/results/tune_tp2.log). The TP=4 verify shapes take the
+# descriptor path with K split so every SM gets programs: the GEMVs' device time per 42-layer T=9 step 742 -> 677
+# us, the step 4.399 -> 4.346 ms (bench/results/fused_step_shard42_tma.json); the settings fastest shape by shape
+# alone (fewer K ranges, bench/results/tune_gemv_tma_t9.json) made the step slower.
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
     (2560, 1536, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # dense MLP down
     (1536, 2560, True, 1): dict(block_n=8, block_k=256, split_k=2, num_warps=4, num_stages=3, fma=True),  # gate-up
     (2120, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
-    (2560, 1024, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
-    (2560, 1536, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    (1536, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    (2120, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
-    (5128, 2560, False, 16): dict(block_n=32, block_k=128, num_warps=4, num_stages=3),
+    (2560, 1024, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
+    (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
+    (1536, 2560, True, 16): dict(block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=3, tma=True),
+    (2120, 2560, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, tma=True),
+    (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4, tma=True),
     # TP=2
     (10256, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),
     (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
@@ -273,14 +317,16 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, fma: bool | None = None, pdl: bool = False) -> torch.Tensor:
+         num_stages: int | None = None, fma: bool | None = None, tma: bool | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
     residual: [T, N] or None. Returns [T, N] in x's dtype (or written into `out`). fp32 accumulation; the
     epilogue math is fp32 and rounds once. The launch settings come from `CONFIGS` for tuned shapes, else
-    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path. `pdl`:
-    programmatic dependent launch (CUDA): the launch and the first weight tile overlap the previous kernel.
+    from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path, `tma` (T > 1,
+    16-bit operands) the descriptor-load, warpgroup-MMA path (`_gemv_tma_kernel`). `pdl`: programmatic dependent
+    launch (CUDA): the launch and the first weight tile overlap the previous kernel.
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
@@ -291,19 +337,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     block_k = block_k or tuned.get("block_k", 256)
     num_warps, num_stages = num_warps or tuned.get("num_warps", 4), num_stages or tuned.get("num_stages", 3)
     fma = t == 1 and (tuned.get("fma", False) if fma is None else fma)
+    tma = t > 1 and (tuned.get("tma", False) if tma is None else tma) and _descriptors_fit(x, w)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     block_n, split, k_per = _plan(n, k, x.device, block_n, split_k, block_k)
     blocks = triton.cdiv(n, block_n)
     part = torch.empty(split * (2 if swiglu else 1) * 16 * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     res = residual if residual is not None else out
+    launch = {"launch_pdl": True} if pdl and x.is_cuda else {}
+    if tma:
+        _gemv_tma_kernel[(blocks, split)](
+            TensorDescriptor.from_tensor(x, [16, block_k]), TensorDescriptor.from_tensor(w, [block_n, block_k]),
+            out, res, part, counters(x.device, blocks), t, n, k_per, out.stride(0), res.stride(0), float(limit),
+            BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu,
+            HAS_RES=residual is not None, USE_PDL=pdl_mode(bool(launch), "gemv", t), F32_DOT=INTERPRET,
+            num_warps=num_warps, num_stages=num_stages, **launch)
+        return out
     _gemv_kernel[(blocks, split)](
         x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
         x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu,
-        HAS_RES=residual is not None, FMA=fma, USE_PDL=pdl_mode(pdl and x.is_cuda, "gemv", t), F32_DOT=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
-        **({"launch_pdl": True} if pdl and x.is_cuda else {}))
+        HAS_RES=residual is not None, FMA=fma, USE_PDL=pdl_mode(bool(launch), "gemv", t), F32_DOT=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages, **launch)
     return out
+
+
+def _descriptors_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor-memory-accelerator descriptors need 16-bit operands (the warpgroup MMA's bf16/fp16) on 16-byte
+    aligned addresses and row strides."""
+    return all(a.dtype in (torch.bfloat16, torch.float16) and a.data_ptr() % 16 == 0
+               and a.stride(0) * a.element_size() % 16 == 0 for a in (x, w))
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,

@@ -59,6 +59,25 @@ def test_one_token_fma_path_matches_reference(poisoned, n, k, swiglu, residual, 
     assert rel(out, want) < 1e-5
 
 
+DESCRIPTOR_CASES = [(9, 100, 512, False, True, 2), (2, 40, 320, True, False, 3), (16, 33, 1000, True, True, 1),
+                    (9, 64, 128, False, False, 1)]
+
+
+@pytest.mark.parametrize("t,n,k,swiglu,residual,split_k", DESCRIPTOR_CASES)
+def test_verify_descriptor_path_matches_reference(poisoned, t, n, k, swiglu, residual, split_k):
+    """T > 1 through the descriptor loads and the swapped (warpgroup) MMA: ragged N and K (the descriptors
+    zero-fill what lies past them, x's rows past T too), split-K, both epilogues."""
+    gen = torch.Generator().manual_seed(t + n + k)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV, torch.bfloat16)  # noqa: E731
+    x, w = r(t, k), r(2 * n if swiglu else n, k, scale=k ** -0.5)
+    res = r(t, n) if residual else None
+    limit = 0.7 if swiglu else 0.0
+    out = torch.full((t, n), float("nan"), dtype=torch.float32, device=DEV)
+    G.gemv(x, w, res, swiglu, limit, out=out, split_k=split_k, block_n=32, block_k=64, tma=True)
+    want = G.gemv_reference(x.float(), w.float(), None if res is None else res.float(), swiglu, limit)
+    assert rel(out, want) < 1e-5
+
+
 def test_gemv_twice_same_bits(poisoned):
     """Split-K sums its partials in a fixed order and the counters reset: two calls give identical bits."""
     gen = torch.Generator().manual_seed(7)
@@ -97,5 +116,11 @@ def test_kernel_compiles_for_h200():
         for fma, split, swiglu in ((True, 1, False), (False, 2, True), (True, 4, True)):
             build(gemv._gemv_kernel, types, dict(BLOCK_N=32, BLOCK_K=128, K_ITERS=10, SPLIT_K=split, SWIGLU=swiglu,
                   HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
+        descriptors = dict(types, x_desc="tensordesc<bf16[16, 128]>", w_desc="tensordesc<bf16[64, 128]>")
+        for split, swiglu in ((1, False), (4, True)):
+            build(gemv._gemv_tma_kernel, descriptors, dict(BLOCK_N=64, BLOCK_K=128, K_ITERS=5, SPLIT_K=split,
+                  SWIGLU=swiglu, HAS_RES=True, USE_PDL=True, F32_DOT=False), 4, True)
     """)
-    assert len(lines) == 3, lines
+    assert len(lines) == 5, lines
+    for line in lines[3:]:  # the descriptor path: operands in shared memory, the accumulator alone in registers
+        assert "STACK:0 " in line and "LOCAL:0 " in line, line
