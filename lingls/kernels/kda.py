@@ -33,11 +33,14 @@ position: that state is H*D*D fp32 per position (9 MB per layer at TP=2 for a 9-
 here, and writing it cost ~0.19 ms of a 5 ms verify step on one H200 (TP=4 shard); the replay reads the
 state once, as the copy did, and adds T dependent updates.
 
-Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias),
-then `gdc_wait`s for the previous kernel before touching anything a kernel writes (inputs, states,
-counters), then lets the next kernel launch (`gdc_launch_dependents`) so that kernel can load its own weights
-while this one runs. Since each kernel waits before it triggers, at most two neighbours overlap, and everything
-two or more launches back has completed: consecutive kda_step calls on the same state stay correct.
+Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias)
+and its layer's recurrent and conv states, then `gdc_wait`s for the previous kernel before touching what that
+kernel may write (the projected inputs, the scratch and counters). The states are safe to read early: their
+only writers are this layer's previous step, the commit and prefill, never the kernel just before (the layer's
+input projection), and between any of them and this launch sit a graph boundary or MoE launches that let
+their successor launch only after their own wait (`pdl` never makes the routing or gate-up EARLY), which
+orders everything before them. With `pdl.EARLY` the next kernel may launch before this one's wait, so it can load its own weights while
+this one runs.
 """
 
 from __future__ import annotations
@@ -137,8 +140,6 @@ def _kda_step_kernel(
     wv3 = tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    wait_previous(USE_PDL)
-
     # conv state [3, C, 3], oldest input first; kept as three sliding registers per stream
     xq0 = tl.load(conv_ptr + ck * 3 + 0).to(tl.float32)
     xq1 = tl.load(conv_ptr + ck * 3 + 1).to(tl.float32)
@@ -151,6 +152,7 @@ def _kda_step_kernel(
     xv2 = tl.load(conv_ptr + (2 * C + cv) * 3 + 2).to(tl.float32)
     s_off = h * D * D + dk[:, None] * D + dv[None, :]
     S = tl.load(state_ptr + s_off)  # [D, BV] fp32
+    wait_previous(USE_PDL)
 
     # each token's input rows are requested one token ahead, so their latency overlaps the previous token's
     # reductions instead of starting every token's dependency chain
