@@ -115,7 +115,8 @@ def test_kernel_compiles_for_h200():
                      cnt_ptr="*i32", limit="fp32")
         for fma, split, swiglu in ((True, 1, False), (False, 2, True), (True, 4, True)):
             build(gemv._gemv_kernel, types, dict(BLOCK_N=32, BLOCK_K=128, K_ITERS=10, SPLIT_K=split, SWIGLU=swiglu,
-                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
+                  HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True,
+                  divisible=("K", "K_PER", "stride_x", "stride_w"))
         descriptors = dict(types, x_desc="tensordesc<bf16[16, 128]>", w_desc="tensordesc<bf16[64, 128]>")
         for split, swiglu in ((1, False), (4, True)):
             build(gemv._gemv_tma_kernel, descriptors, dict(BLOCK_N=64, BLOCK_K=128, K_ITERS=5, SPLIT_K=split,

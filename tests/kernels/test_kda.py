@@ -211,10 +211,15 @@ import os, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def build(fn, types, consts, num_warps=4, pdl=False):
+def build(fn, types, consts, num_warps=4, pdl=False, divisible=()):
+    # as the JIT specializes a launch: pointers (torch's allocations are 16-byte aligned) and the integer
+    # arguments named in `divisible` (sizes and strides that are multiples of 16 at the model's shapes) get
+    # tt.divisibility 16, without which loads stay scalar and loops unpipelined
     sig = {n: types.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     cx = {(fn.arg_names.index(n),): v for n, v in consts.items()}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+    div = [n for n in fn.arg_names if sig[n].startswith("*") or n in divisible]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, launch_pdl=pdl))
     path = tempfile.mktemp(suffix=".cubin")
     open(path, "wb").write(k.asm["cubin"])
@@ -249,7 +254,7 @@ def test_kernels_compile_for_h200_without_spills():
                                     (4, False, False, False)):
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
             consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
-            build(kda._kda_step_kernel, types, consts, 4, pdl)
+            build(kda._kda_step_kernel, types, consts, 4, pdl, divisible=("s_out",))
         build(kda._commit_kernel, dict(index_ptr="*i64", state_ptr="*fp32", stage_ptr="*fp32", live_conv="*bf16",
               staged_conv="*bf16"), dict(H=8, D=128, BV=16, T_STAGE=9, BLOCK=4096, USE_PDL=True), 4, True)
     """)

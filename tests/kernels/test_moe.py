@@ -128,7 +128,8 @@ def test_kernels_compile_for_h200():
                       experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
         for fma in (True, False):
             build(moe._router_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32"),
-                  dict(BLOCK_E=8, BLOCK_K=512, K_ITERS=1, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True)
+                  dict(BLOCK_E=8, BLOCK_K=512, K_ITERS=1, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True,
+                  divisible=("E", "H", "K_PER"))
         for solo in (False, True):
             build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True, SOLO=solo), 1,
                   True)
@@ -137,14 +138,17 @@ def test_kernels_compile_for_h200():
                   wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
                   dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
                        EARLY_SHARED=True),
-                  4, True)
+                  4, True, divisible=("H", "E", "I", "I_S", "K_PER"))
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True)
+                       I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True,
+                  divisible=("H", "E", "I", "I_S"))
     """)
     assert len(lines) == 8, lines
+    for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
+        assert "STACK:0 " in line and "LOCAL:0 " in line, line
 
 
 def test_unused_slots_are_marked(monkeypatch):
