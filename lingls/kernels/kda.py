@@ -39,8 +39,8 @@ kernel may write (the projected inputs, the scratch and counters). The states ar
 only writers are this layer's previous step, the commit and prefill, never the kernel just before (the layer's
 input projection), and between any of them and this launch sit a graph boundary or MoE launches that let
 their successor launch only after their own wait (`pdl` never makes the routing or gate-up EARLY), which
-orders everything before them. With `pdl.EARLY` the next kernel may launch before this one's wait, so it can load its own weights while
-this one runs.
+orders everything before them. With `pdl.EARLY` the next kernel may launch before this one's wait, so it can
+load its own weights while this one runs.
 """
 
 from __future__ import annotations
