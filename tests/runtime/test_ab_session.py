@@ -1,0 +1,46 @@
+"""bench/ab_session.sh, the script every device call's A/B goes through, on CPU with a stand-in benchmark: a
+variant is HEAD's code plus a patch (applied for real: a `git apply` inside the repository's ignored .cache
+folder would skip every path without a word), and AB_SIDES / AB_ROUNDS time the trees alternately, each
+benchmark importing its own tree's lingls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# the stand-in benchmark: writes which lingls it imported and whether the patch's mark is in it
+PROBE = ("import sys, lingls.kernels.pdl as p; "
+         "open(sys.argv[1], 'w').write(p.__file__ + ' ' + str(hasattr(p, 'PATCHED')))")
+
+
+def run(args, cwd, **env):
+    return subprocess.run(["bash", "bench/ab_session.sh", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_variants_alternate_with_the_code_before(tmp_path):
+    clone = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    pdl = clone / "lingls" / "kernels" / "pdl.py"
+    pdl.write_text(pdl.read_text() + "\nPATCHED = True\n")
+    patch = tmp_path / "mark.patch"
+    patch.write_text(subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True, check=True).stdout)
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=clone, check=True)
+
+    assert run(["--prepare"], clone).returncode == 0
+    made = run(["--variant", "mark", str(patch)], clone)
+    assert made.returncode == 0, made.stderr
+    assert "PATCHED" in (clone / ".cache" / "mark" / "lingls" / "kernels" / "pdl.py").read_text()
+    assert run(["--variant", "after", str(patch)], clone).returncode != 0  # the working tree's name
+
+    out = tmp_path / "out"
+    timed = run(["none", "--", "-c", PROBE, "@OUT"], clone, OUT=str(out), AB_SIDES="before mark nothing",
+                AB_ROUNDS="2", PYTHONPATH="")
+    assert timed.returncode == 0, timed.stderr
+    assert "== nothing: no .cache/nothing, skipped" in timed.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["before.json", "before_r2.json", "mark.json", "mark_r2.json"]
+    for name, tree, patched in (("before", "before", False), ("mark_r2", "mark", True)):
+        file, mark = (out / f"{name}.json").read_text().split()
+        assert file == str(clone / ".cache" / tree / "lingls" / "kernels" / "pdl.py") and mark == str(patched)
