@@ -73,8 +73,8 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))] + \
        [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=True)  # one token, few rows per program, all (or half) the
         for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))]  # slots: no partials to sum
-# (block_v, num_warps); 64 value columns (two programs per head) compile without spills with 4 or 8 warps
-# (ptxas, sm_90), 128 spill
+# (block_v, num_warps); 64 value columns (two programs per head) compile without spills at T=1 with 4 or 8 warps
+# and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8)]
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),

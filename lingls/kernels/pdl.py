@@ -20,15 +20,15 @@ to ~1.521 ms; at 9 tokens (verify) it made the step slower (4.43 -> 4.76 ms; not
 launched early holding SM room the wide expert kernels need), hence `EARLY_MAX_TOKENS`. At TP=2 it changed
 nothing measurable (bench/results/step_timeline_tp2.json).
 
-What runs after a wait stays ordered as before (a wait ends only after the previous kernel completed, and that
-one had waited for the one before it). What changes is the part before the wait: under EARLY the kernels two
-or more launches back may still be running, so that part may read only weights, the step's inputs, and state
-no kernel of the step writes before it (the KDA step's recurrent and conv states, last written by the layer's
-previous step, or by the commit or prefill in another graph). Kernels
-whose successors read something else before their wait keep LATE: the routing (the shared expert's gate-up
-programs read x before waiting) and the gate-up kernel (the down kernel reads the routing's slots before its
-wait). No program ever waits on a later kernel, and a kernel launches only once all programs of the one before
-it are resident, so waiting programs cannot starve the kernel they wait for.
+What runs after a wait stays ordered as before (a wait ends only after the previous kernel completed, and that one
+had waited for the one before it). What changes is the part before the wait: under EARLY the kernels two or more
+launches back may still be running, so that part may read only weights, the step's inputs, and state no kernel of
+the step writes before it (the KDA step's recurrent and conv states, last written by the layer's previous step, or
+by the commit or prefill in another graph). Kernels whose successors read something else before their wait keep
+LATE: the routing (the shared expert's gate-up programs read x before waiting) and the gate-up kernel (the down
+kernel reads the routing's slots before its wait). No program ever waits on a later kernel, and a kernel launches
+only once all programs of the one before it are resident, so waiting programs cannot starve the kernel they wait
+for.
 """
 
 from __future__ import annotations
