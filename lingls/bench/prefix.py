@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lingls.bench.step import build_flash
+from lingls.bench.step import build_flash, fla_version
 from lingls.runtime.runner import ModelRunner, Sampling
 
 
@@ -33,6 +33,22 @@ def ttft_ms(runner: ModelRunner, prompt: list[int]) -> tuple[float, int]:
     return ms, runner.cache.stats.tokens_saved - saved
 
 
+def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> list[dict]:
+    """Where a cold prefill's time goes: its `top` ops by device time (CUPTI via torch.profiler), each with
+    its calls and the host time spent in it (a prefill issued op by op can be bound by either)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.cache.reset()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ttft_ms(runner, prompt)
+    rows = [dict(op=e.key[:90], device_ms=e.self_device_time_total / 1e3, host_ms=e.self_cpu_time_total / 1e3,
+                 calls=e.count) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r["device_ms"])
+    for r in rows[:top]:
+        print(f"  {r['device_ms']:9.1f} ms device {r['host_ms']:9.1f} ms host {r['calls']:7d} x  {r['op']}")
+    return rows[:top]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lingls bench prefix", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192, help="prompt length")
@@ -41,6 +57,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (and snapshot spacing)")
     p.add_argument("--edits", type=int, default=5)
     p.add_argument("--out", default="bench/results/prefix.json")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one more cold prefill: its N largest ops by device time, in the JSON")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("lingls bench prefix: needs a CUDA GPU", file=sys.stderr)
@@ -63,11 +81,14 @@ def main(argv: list[str]) -> int:
         edits.append(ms)
         reused.append(saved)
     append, _ = ttft_ms(runner, edited + [17])
+    ops = cold_prefill_profile(runner, prompt, a.profile) if a.profile else None
     result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "layers": a.layers, "tp": a.tp, "prompt_tokens": a.tokens, "prefill_chunk": a.chunk,
               "cold_ttft_ms": cold, "edit_ttft_ms": edits, "edit_ttft_median_ms": statistics.median(edits),
               "edit_tokens_reused": reused, "append_one_token_ttft_ms": append,
-              "speedup": cold / statistics.median(edits), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "speedup": cold / statistics.median(edits), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "fla": fla_version(),
+              **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -33,6 +33,15 @@ from lingls.model.random_checkpoint import random_model
 from lingls.runtime.runner import ModelRunner, Sampling
 
 
+def fla_version() -> str | None:
+    """fla-core's version when installed (long prefills then run its chunk_kda), else None."""
+    try:
+        import fla
+    except ImportError:
+        return None
+    return getattr(fla, "__version__", "present")
+
+
 def build_flash(layers: int, tp: int = 1, rank: int = 0, device: str = "cuda", seed: int = 0) -> LingForCausalLM:
     """Random bf16 weights built directly on the device (no 250 GB checkpoint on disk), without the MTP layer."""
     cfg = flash_config(layers)
@@ -282,13 +291,7 @@ def main(argv: list[str]) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     result = {"bench": "step", "mode": a.mode, "tp": tp, "layers": layers, "context": a.context,
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-              "copy_TBps": bw / 1e12, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        import fla  # noqa: F401
-
-        result["fla"] = getattr(fla, "__version__", "present")
-    except ImportError:
-        result["fla"] = None
+              "copy_TBps": bw / 1e12, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "fla": fla_version()}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.mode == "peers":

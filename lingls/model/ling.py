@@ -14,6 +14,7 @@ rows first, `mlp.experts.down_proj` [E, H, I]) so a step gathers the chosen expe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,8 @@ from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
 
+# torch's grouped GEMM (a CUTLASS kernel for bf16 on Hopper; elsewhere torch's own per-group fallback)
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 CHUNKED_KDA_MIN_TOKENS = 64  # below this a step runs the recurrent form; above, the chunked form
 GATHER_EXPERTS_MAX_TOKENS = 16  # up to this many tokens, experts are gathered by index (graph-capturable)
 DENSE_EXPERTS_MAX = 32  # beyond GATHER_EXPERTS_MAX_TOKENS, this few experts are all computed densely
@@ -154,6 +157,9 @@ _FLA = []
 
 def _fla_chunk_kda():
     if not _FLA:
+        # fla's kernels autotune on first use (92 s for chunk_kda on an H200); keep the timings on disk so
+        # that happens once per machine, not once per server start (Triton reads this when fla is imported)
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
         try:
             from fla.ops.kda import chunk_kda
         except Exception:  # fla-core absent or without a GPU toolchain: the torch forms serve
@@ -279,21 +285,24 @@ class Experts(nn.Module):
         n_exp = self.gate_up_proj.shape[0]
         if n_exp <= DENSE_EXPERTS_MAX:
             return self._dense(x, weights, idx)
-        out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
+        return self._grouped(x, weights, idx)
+
+    def _grouped(self, x, weights, idx):
+        """The (token, expert) pairs sorted by expert, each expert's rows one group of torch's grouped matrix
+        product: two launches for all experts and no host sync, where a loop over Ling-3.0-flash's 512 experts
+        issued a dozen small ops for each (and read the counts back to the host) in every prefill chunk."""
+        n, k = idx.shape
         flat = idx.flatten()
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        tokens, slots = order // k, order
-        start = 0
-        for e, cnt in enumerate(counts):
-            if cnt == 0:
-                continue
-            tok, slot = tokens[start:start + cnt], slots[start:start + cnt]
-            start += cnt
-            gu = x[tok] @ self.gate_up_proj[e].t()
-            y = ref.swiglu(gu[:, : self.inter], gu[:, self.inter:], self.limit) @ self.down_proj[e].t()
-            out.index_add_(0, tok, y.float() * weights.flatten()[slot, None])
-        return out.to(x.dtype)
+        order = flat.argsort(stable=True)
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        ends = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device).index_add_(0, flat, ones)
+        ends = ends.cumsum(0, dtype=torch.int32)  # offs: where each expert's rows end
+        tokens = order // k
+        gu = _grouped_mm(x[tokens], self.gate_up_proj.transpose(1, 2), offs=ends)
+        act = ref.swiglu(gu[:, : self.inter], gu[:, self.inter:], self.limit)
+        y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)
+        out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tokens, y.float() * weights.flatten()[order, None]).to(x.dtype)
 
 
     def _dense(self, x, weights, idx):
