@@ -81,9 +81,12 @@ class PrefixCache:
         self._slots[position] = slot
 
     def reset(self) -> None:
-        """Forget everything (after a failed step left the state unknown)."""
+        """Forget everything (after a failed step left the state unknown): the live KDA and conv state start
+        again from zeros, as `begin` expects of a state that has consumed no tokens."""
         self.tokens.clear()
         self._slots.clear()
+        self.state.kda.zero_()
+        self.state.conv.zero_()
 
     @property
     def snapshots(self) -> list[int]:

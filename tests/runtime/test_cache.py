@@ -62,3 +62,11 @@ def test_typing_one_more_token_prefills_one_token(warm, monkeypatch):
     monkeypatch.setattr(warm.model, "step", lambda ids, *a, **k: ran.append(len(ids)) or step(ids, *a, **k))
     assert warm.prefill(BASE + [42], Sampling()) == len(BASE)  # the snapshot at the old prompt's end
     assert ran == [1]
+
+
+def test_after_a_reset_the_next_request_starts_cold(tiny_model, warm):
+    """A reset (after a failed step, or the warm-up's prefill) leaves no state behind: the next prompt, sharing
+    nothing with the last, gives a cold runner's tokens."""
+    warm.cache.reset()
+    other = [7] * 40 + BASE[:30]
+    assert list(warm.generate(other, 10)) == cold(tiny_model, other)
