@@ -165,9 +165,13 @@ class ModelRunner:
         return graph
 
     def warmup(self, greedy_only: bool = False) -> None:
-        """Capture the decode graphs of every KV bucket up front, so no request pays for a capture."""
+        """Capture the decode graphs of every KV bucket up front, and run one prefill of a chunk and a bit (then
+        forget it), so no request pays for a capture, or for compiling the prefill's kernels (with fla-core,
+        for its first-use autotuning: 92 s on an H200, which an editor's first request would not survive)."""
         if not self.use_graphs:
             return
+        self.prefill([0] * min(self.prefill_chunk + 16, self.capacity - 1), Sampling())
+        self.cache.reset()
         b = self.bucket(1)
         while True:
             for greedy in (True,) if greedy_only else (True, False):

@@ -46,3 +46,12 @@ def test_prefix_reuse_equals_cold_on_gpu(gpu_model):
     for prompt in (BASE[:-1] + [4242], BASE[:70] + [9] + BASE[71:], BASE + [1, 2]):
         cold = list(ModelRunner(gpu_model, capacity=512, prefill_chunk=32).generate(prompt, 12))
         assert list(warm.generate(prompt, 12)) == cold
+
+
+def test_warmup_prefill_leaves_no_trace(gpu_model):
+    """The warm-up's prefill (its kernels compiled before any request) is forgotten: the next request starts
+    cold and gives what a fresh runner gives."""
+    warm = ModelRunner(gpu_model, capacity=512, prefill_chunk=32)
+    warm.warmup(greedy_only=True)
+    assert warm.cache.tokens == []
+    assert list(warm.generate(BASE, 12)) == list(ModelRunner(gpu_model, capacity=512, prefill_chunk=32).generate(BASE, 12))
