@@ -35,8 +35,17 @@ except ImportError:  # CPU-only installs: the reference serves
     triton = None
 
 
+QUERY_BLOCK = 512  # queries per pass of the reference: a 2048-token prefill chunk at a 32k context and 16 heads
+                  # (TP=2) would hold 4.3 GB of fp32 scores at once, several times over; 512 holds ~1 GB
+
+
 def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
-    """q_lat [T, H, R], q_rope [T, H, P], cache [N, R + P], positions [T] -> latent output [T, H, R] (fp32)."""
+    """q_lat [T, H, R], q_rope [T, H, P], cache [N, R + P], positions [T] -> latent output [T, H, R] (fp32).
+    A long prefill's queries go QUERY_BLOCK at a time (each query's softmax is its own), to bound memory."""
+    if q_lat.shape[0] > QUERY_BLOCK:
+        return torch.cat([mla_decode_reference(q_lat[i:i + QUERY_BLOCK], q_rope[i:i + QUERY_BLOCK], cache,
+                                               positions[i:i + QUERY_BLOCK], scale)
+                          for i in range(0, q_lat.shape[0], QUERY_BLOCK)])
     r = q_lat.shape[-1]
     keys = cache.float()
     scores = (torch.einsum("thr,jr->thj", q_lat.float(), keys[:, :r])

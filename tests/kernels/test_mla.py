@@ -146,3 +146,15 @@ def test_kernels_compile_for_h200():
     assert len(lines) == 5, lines
     for line in lines[1:3]:
         assert "_mla_split_kernel" in line and "STACK:0 " in line and "LOCAL:0 " in line, line
+
+
+def test_reference_takes_long_prefills_a_block_of_queries_at_a_time(monkeypatch):
+    """A prefill chunk's queries in blocks (bounded memory) give what all of them at once give."""
+    gen = torch.Generator().manual_seed(4)
+    t, h, r, p, n = 40, 2, 16, 8, 64
+    q_lat, q_rope = torch.randn(t, h, r, generator=gen), torch.randn(t, h, p, generator=gen)
+    cache = torch.randn(n, r + p, generator=gen)
+    positions = torch.arange(n - t, n)
+    whole = M.mla_decode_reference(q_lat, q_rope, cache, positions, 0.3)
+    monkeypatch.setattr(M, "QUERY_BLOCK", 16)
+    torch.testing.assert_close(M.mla_decode_reference(q_lat, q_rope, cache, positions, 0.3), whole)
