@@ -294,7 +294,7 @@ class Experts(nn.Module):
         n, k = idx.shape
         flat = idx.flatten()
         order = flat.argsort(stable=True)
-        ones = torch.ones_like(flat, dtype=torch.int32)
+        ones = torch.ones_like(flat, dtype=torch.int32)  # counted by index_add: CUDA's bincount reads the max back
         ends = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device).index_add_(0, flat, ones)
         ends = ends.cumsum(0, dtype=torch.int32)  # offs: where each expert's rows end
         tokens = order // k
@@ -303,7 +303,6 @@ class Experts(nn.Module):
         y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)
         out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, tokens, y.float() * weights.flatten()[order, None]).to(x.dtype)
-
 
     def _dense(self, x, weights, idx):
         """Every expert on every token, the unchosen ones weighted 0: two large matmuls and no host sync.
