@@ -135,8 +135,8 @@ def test_dispatch_on_cpu_is_the_reference():
 
 def test_kernels_compile_for_h200():
     """The router (FMA path at T=1, MMA at T=9), the routing (one token alone, or several), gate-up (MMA and
-    FMA) and down kernels (walking the slots, or slot-major) at flash's shapes, with PDL, through the GPU
-    compiler and ptxas for sm_90 (no GPU needed)."""
+    FMA) and down kernels (walking slots, or slot-major) at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU
+    needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
