@@ -14,8 +14,7 @@ The JSON lists every candidate; the winners are what the code's CONFIGS ship. Ev
 shipped settings, so a sweep cut short by the budget never replaces them with an untimed choice.
 
     python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
-    (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel; moe-slot: only the
-    slot-major down candidates against the shipped down), gemv (or gemv-tma:
+    (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv (or gemv-tma:
     only the descriptor-load path's candidates, T > 1), default all;
     --tp: the rank shapes of TP=N, default 4; the settings are kept per width, heads or expert rows per rank,
     so each TP degree has its own)
@@ -74,11 +73,6 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
         for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))] + \
        [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=True)  # one token, few rows per program, all (or half) the
         for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))]  # slots: no partials to sum
-# verify steps, slot-major (`moe._down_slot_kernel`): hidden rows per program, rows per tile, warps, I columns per chunk
-DOWN_SLOT = [dict(dn_slot_rows=r, block_h=h, dn_warps=w, dn_fma=False, dn_block_i=bi)
-             for r, h, w, bi in ((64, 64, 4, 64), (128, 64, 4, 64), (128, 128, 8, 64), (256, 64, 8, 64), (64, 32, 4, 64),
-                                 (32, 32, 4, 64), (128, 64, 8, 64), (64, 64, 4, 128), (128, 64, 4, 128))]
-DOWN += DOWN_SLOT
 # (block_v, num_warps); 64 value columns (two programs per head) compile without spills at T=1 with 4 or 8 warps
 # and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8)]
@@ -236,8 +230,7 @@ def tune_moe(fused: FusedStep, t: int, stages=(ROUTER, GATE_UP, DOWN)) -> list[d
     for stage in stages:
         results = []
         for cand in [{}] + stage:  # {}: the best so far (at first, the shipped settings)
-            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma"))) or (t == 1 and cand.get("dn_slot_rows")) \
-                    or time.time() > DEADLINE[0]:
+            if (t > 1 and (cand.get("dn_fma") or cand.get("gu_fma"))) or time.time() > DEADLINE[0]:
                 continue
             knobs = {**best, **cand}
             try:
@@ -273,7 +266,7 @@ def router_probe(fused: FusedStep) -> dict:
     cnt = moe.counters(x.device, 1 + e)
     routing = dict(TOP_K=cfg["top_k"], K_PAD=cfg["top_k"], G=cfg["n_group"], G_PAD=cfg["n_group"],
                    EPG=e // cfg["n_group"], EPG_PAD=e // cfg["n_group"], E_PAD=e, D_PAD=16, TOPK_GROUP=cfg["topk_group"],
-                   NORMALIZE=cfg["normalize"], HAS_SHARED=True, WRITE_TOPK=False, WRITE_IDS=False)
+                   NORMALIZE=cfg["normalize"], HAS_SHARED=True, WRITE_TOPK=False)
 
     def launch(w, route: bool):
         moe._router_kernel[(e // knobs["router_block_e"], split)](
@@ -348,8 +341,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 chosen["kda"][t] = (b["block_v"], b["num_warps"])
-            moe_stages = ((ROUTER, GATE_UP, DOWN) if "moe" in stages else (DOWN,) if "moe-down" in stages else
-                          (DOWN_SLOT,) if "moe-slot" in stages else ())
+            moe_stages = (ROUTER, GATE_UP, DOWN) if "moe" in stages else (DOWN,) if "moe-down" in stages else ()
             rows = tune_moe(fused, t, moe_stages) if moe_stages else []
             tuning["moe"] += rows
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]

@@ -95,8 +95,8 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         D_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, WRITE_IDS: tl.constexpr,
-                        SOLO: tl.constexpr, USE_PDL: tl.constexpr):
+                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, SOLO: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
     leaves the counter and the table at zero again. SOLO (one token, one program) aligns its own choice
@@ -105,7 +105,7 @@ def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, exp
     gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
     wait_previous(USE_PDL)
     mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
-                        G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK, WRITE_IDS).to(tl.int32)
+                        G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
     if SOLO:
         _align(mine, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
     else:
@@ -145,11 +145,11 @@ def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.conste
 def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
                  SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr, WRITE_IDS: tl.constexpr):
+                 NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr):
     """Grouped top-k routing of token t: sigmoid, group scores (sum of the top-2 of score + bias per group), the
     best TOPK_GROUP groups, the top-k experts of those, weights from the unbiased scores (renormalised,
     scaled). Writes the token's row of the weight table wt[t, e] (0 where not chosen) and, with WRITE_TOPK,
-    topk_w/topk_i in selection order (WRITE_IDS: topk_i alone). Returns chosen [E_PAD].
+    topk_w/topk_i in selection order. Returns chosen [E_PAD].
 
     Why this shape: the time is the number of reductions, each a synchronisation of the program's threads.
     The groups are ranked on a [group, expert in group] tile, where a group's scores sit in one row: its best
@@ -189,11 +189,10 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     weights = tl.where(chosen, score, 0.0)
     mult = scale / (tl.sum(weights, axis=0) + 1e-20) if NORMALIZE else scale
     tl.store(wt_ptr + t * E + re, weights * mult, mask=valid)
-    kmask = kc < TOP_K
     if WRITE_TOPK:  # selection order, for callers that ask (tests, benchmarks); the expert kernels read wt
+        kmask = kc < TOP_K
         vals = tl.sum(tl.where((ids[:, None] == re[None, :]) & kmask[:, None], score[None, :], 0.0), axis=1)
         tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
-    if WRITE_TOPK or WRITE_IDS:  # the slot-major down kernel files each expert's output under its pick's index
         tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
     return chosen
 
@@ -387,71 +386,6 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
     tl.store(out_ptr + rt[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _down_slot_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, topk_i_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                      T, H, E, I, I_S, D_MAX,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, PICKS: tl.constexpr, ROW_TILES: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr,
-                      HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
-    """Down projection of a verify step, slot-major: program (slot, chunk of ROW_TILES * BLOCK_H hidden rows)
-    requests its expert's rows of that chunk at once, before it waits (one expert, one contiguous block: no
-    expert id to chase between tiles, as `_down_kernel`'s walk over slots has), multiplies them with the slot's
-    activations and files each token's weighted result under that token's pick index (part[token, pick, row];
-    the shared expert's under pick TOP_K). Every (token, pick) has exactly one writer, so the last program of a
-    chunk to arrive sums the picks in pick order: deterministic, no atomics on data. The pick index comes from
-    the routing's topk_i (two launches back, complete before this kernel launches, as the slots)."""
-    d = tl.program_id(0)
-    c = tl.program_id(1)
-    rt = tl.arange(0, 16)
-    rk = tl.arange(0, K_PAD)
-    tok = rt < T
-    e = tl.load(experts_ptr + d, cache_modifier=".cg")
-    live = e >= 0
-    routed = live & (e < E)
-    shared = e == E
-    inter = tl.where(shared, I_S, I)
-    base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
-    ids = tl.load(topk_i_ptr + rt[:, None] * TOP_K + rk[None, :], mask=routed & tok[:, None] & (rk[None, :] < TOP_K),
-                  other=-1, cache_modifier=".cg")
-    pick = tl.max(tl.where((ids == e) & routed, rk[None, :], -1), axis=1)  # -1: the token did not choose it
-    pick = tl.where(shared & tok, TOP_K, pick)
-    w = tl.load(wt_ptr + rt * E + e, mask=routed & tok, other=0.0, cache_modifier=".cg")
-    w = tl.where(shared & tok, 1.0, w)
-    row0 = c * (ROW_TILES * BLOCK_H)
-    tiles = ()
-    for r in tl.static_range(ROW_TILES):
-        rh = row0 + r * BLOCK_H + tl.arange(0, BLOCK_H)
-        for ic in tl.static_range(I_CHUNKS):
-            ri = ic * BLOCK_I + tl.arange(0, BLOCK_I)
-            tiles = tiles + (tl.load(base + rh[:, None] * inter + ri[None, :],
-                                     mask=live & (rh[:, None] < H) & (ri[None, :] < inter), other=0.0),)
-    wait_previous(USE_PDL)
-    acts = ()
-    for ic in tl.static_range(I_CHUNKS):
-        ri = ic * BLOCK_I + tl.arange(0, BLOCK_I)
-        acts = acts + (tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
-                               mask=live & tok[:, None] & (ri[None, :] < inter), other=0.0),)
-    for r in tl.static_range(ROW_TILES):
-        rh = row0 + r * BLOCK_H + tl.arange(0, BLOCK_H)
-        acc = tl.zeros((16, BLOCK_H), tl.float32)
-        for ic in tl.static_range(I_CHUNKS):
-            acc = _mma(acc, acts[ic], tl.trans(tiles[r * I_CHUNKS + ic]), F32_DOT)
-        tl.store(part_ptr + (rt[:, None] * PICKS + pick[:, None]) * H + rh[None, :], acc * w[:, None],
-                 mask=(pick[:, None] >= 0) & (rh[None, :] < H))
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + c, 1, sem="acq_rel")
-    if arrived == D_MAX - 1:
-        for r in tl.static_range(ROW_TILES):
-            rh = row0 + r * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask = tok[:, None] & (rh[None, :] < H)
-            acc = tl.zeros((16, BLOCK_H), tl.float32)
-            for k in tl.static_range(PICKS):
-                acc += tl.load(part_ptr + (rt[:, None] * PICKS + k) * H + rh[None, :], mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
-        tl.atomic_xchg(cnt_ptr + c, 0)
-
-
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
 # smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
 # a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path,
@@ -536,8 +470,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl_mode(pdl, "router", t), F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **launch)
     _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
-                              SPLIT=split, SOLO=t == 1, WRITE_IDS=t > 1 and bool(k.get("dn_slot_rows")),
-                              USE_PDL=pdl_mode(pdl, "route", t),
+                              SPLIT=split, SOLO=t == 1, USE_PDL=pdl_mode(pdl, "route", t),
                               num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
@@ -551,29 +484,17 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
+    split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
     dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
-    i_chunks = triton.cdiv(max(i, i_s), dn_block_i)
-    res = residual if residual is not None else out
-    slot_rows = k.get("dn_slot_rows", 0) if t > 1 else 0
-    if slot_rows:  # verify steps: program per (slot, chunk of H), picks summed by each chunk's last program
-        picks = top_k + int(has_shared)
-        chunks = triton.cdiv(h, slot_rows)
-        down_part = torch.empty(16 * picks * h, dtype=torch.float32, device=dev)
-        _down_slot_kernel[(d_max, chunks)](
-            act, down, sdn, experts, wt, topk_i, out, res, down_part, counters(dev, chunks), t, h, e, i, i_s, d_max,
-            TOP_K=top_k, K_PAD=routing["K_PAD"], PICKS=picks, ROW_TILES=slot_rows // block_h, BLOCK_H=block_h,
-            BLOCK_I=dn_block_i, I_CHUNKS=i_chunks, I_PAD=i_pad, HAS_RES=residual is not None,
-            USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], **launch)
-    else:
-        split_d = max(1, min(k["split_d"], d_max))
-        h_blocks = triton.cdiv(h, block_h)
-        down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
-        _down_kernel[(h_blocks, split_d)](
-            act, down, sdn, experts, wt, out, res, down_part, counters(dev, h_blocks), t, h, e, i, i_s, d_max,
-            D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d, BLOCK_H=block_h, BLOCK_I=dn_block_i,
-            I_CHUNKS=i_chunks, I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
-            USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
+    h_blocks = triton.cdiv(h, block_h)
+    down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
+    _down_kernel[(h_blocks, split_d)](
+        act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
+        counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET,
+        num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -83,10 +83,7 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
                                      (9, dict(router_block_k=32, router_split=3, router_warps=1)),
                                      (1, dict(block_h=8, split_d=1, dn_fma=True, dn_warps=2)),
                                      (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
-                                              gu_fma=True, gu_block_k=64, gu_warps=1)),
-                                     (9, dict(dn_slot_rows=64, block_h=32)), (16, dict(dn_slot_rows=32, block_h=16)),
-                                     (2, dict(dn_slot_rows=128, block_h=64, dn_block_i=16)),
-                                     (1, dict(dn_slot_rows=64, block_h=32))])  # one token: not slot-major
+                                              gu_fma=True, gu_block_k=64, gu_warps=1))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
@@ -97,20 +94,6 @@ def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
     out, tw, ti = M.fused_moe(x, *w, residual=res, return_routing=True, **cfg, **knobs)
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), residual=res, **cfg)) < 1e-2
-
-
-@pytest.mark.parametrize("t", [2, 9, 16])
-@pytest.mark.parametrize("conf", CONFIGS, ids=["wide-shared", "flash-like", "no-shared", "flash-router"])
-def test_slot_major_down_matches_reference(poisoned, t, conf):
-    """The verify steps' slot-major down kernel: every (token, pick) partial written once and summed in pick
-    order, with and without a shared expert (whose partial is the last pick)."""
-    h, e, i, i_s, k, g, tg, norm, lim, slim = conf
-    gen = torch.Generator().manual_seed(31 * t + e)
-    w = make(gen, h, e, i, i_s)
-    x = torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16)
-    cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=norm, scale=2.5, limit=lim, shared_limit=slim)
-    out, tw, ti = M.fused_moe(x, *w, return_routing=True, dn_slot_rows=32, block_h=16, **cfg)
-    assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)) < 1e-2
 
 
 def test_ties_and_residual(poisoned):
@@ -135,12 +118,12 @@ def test_dispatch_on_cpu_is_the_reference():
 
 def test_kernels_compile_for_h200():
     """The router (FMA path at T=1, MMA at T=9), the routing (one token alone, or several), gate-up (MMA and
-    FMA) and down kernels (walking slots, or slot-major) at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU
+    FMA) and down kernels at flash's shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU
     needed)."""
     lines = compile_for_sm90("""
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
-                       HAS_SHARED=True, WRITE_TOPK=False, WRITE_IDS=False, USE_PDL=True)
+                       HAS_SHARED=True, WRITE_TOPK=False, USE_PDL=True)
         tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
                       experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
         for fma in (True, False):
@@ -162,12 +145,8 @@ def test_kernels_compile_for_h200():
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
                        I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True,
                   divisible=("H", "E", "I", "I_S"))
-        build(moe._down_slot_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-              wt_ptr="*fp32", topk_i_ptr="*i32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-              dict(TOP_K=8, K_PAD=8, PICKS=9, ROW_TILES=2, BLOCK_H=64, BLOCK_I=64, I_CHUNKS=3, I_PAD=256,
-                   HAS_RES=True, USE_PDL=True, F32_DOT=False), 4, True, divisible=("H", "E", "I", "I_S"))
     """)
-    assert len(lines) == 9, lines
+    assert len(lines) == 8, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
 
