@@ -265,7 +265,7 @@ def _conv_stream(x_ptr, stride, conv_ptr, conv_w_ptr, sc, ck, cs, t):
 def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, conv_ptr, conv_w_ptr, a_log_ptr,
                      dt_bias_ptr, qhat_ptr, qk_ptr, stage_state_ptr, stage_conv_ptr, q_scale, lower_bound,
                      H: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (head, token) of a step of T > 1: what the step computes without the recurrent state, once per
+    """Program (head, token) of a verify step: what the step computes without the recurrent state, once per
     head and token, all tokens side by side: conv + SiLU of q, k, v, the q/k L2 norms and q.k, the gate and
     beta. Writes the staged recurrence inputs (what `commit` replays) and the conv window after the token, and
     the normalised query and q.k for `_kda_staged_kernel`."""
@@ -307,16 +307,14 @@ def _staged_rows(stage_state_ptr, qhat_ptr, qk_ptr, t, h, dk, dv, ck, live, H: t
 
 
 @_jit
-def _kda_staged_kernel(z_ptr, sz, norm_w_ptr, state_ptr, conv_ptr, out_ptr, s_out, o_acc_ptr, count_ptr,
-                       stage_state_ptr, stage_conv_ptr, qhat_ptr, qk_ptr, eps, T: tl.constexpr, H: tl.constexpr,
-                       D: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, STAGE: tl.constexpr, NORM: tl.constexpr,
-                       USE_PDL: tl.constexpr):
-    """The recurrence after `_kda_prep_kernel`: program (head, block of BV value columns) walks the positions
-    with only the state-dependent work left per token (decay, the two reductions over the keys, the rank-one
-    update), so its blocks can be narrow without repeating the per-token work in each; the head's last program
-    then applies the gated output norm, as in `_kda_step_kernel`. STAGE (verify): the live states are only
-    read. Otherwise each program stores its state columns and the head's last program moves the window after
-    the last token from the prep's stage into the live conv state."""
+def _kda_staged_kernel(z_ptr, sz, norm_w_ptr, state_ptr, out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr,
+                       qhat_ptr, qk_ptr, eps, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                       BT: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """The recurrence of a verify step after `_kda_prep_kernel`: program (head, block of BV value columns)
+    walks the positions with only the state-dependent work left per token (decay, the two reductions over the
+    keys, the rank-one update), so its blocks can be narrow without repeating the per-token work in each; the
+    head's last program then applies the gated output norm, as in `_kda_step_kernel`. The live state is
+    only read."""
     h = tl.program_id(0)
     j = tl.program_id(1)
     NV: tl.constexpr = D // BV
@@ -338,21 +336,12 @@ def _kda_staged_kernel(z_ptr, sz, norm_w_ptr, state_ptr, conv_ptr, out_ptr, s_ou
             tl.store(o_acc_ptr + t * C + cv, o)
         else:
             tl.store(out_ptr + t * s_out + cv, o.to(out_ptr.dtype.element_ty))
-    if not STAGE:
-        tl.store(state_ptr + h * D * D + dk[:, None] * D + dv[None, :], S)
-    if NORM or not STAGE:
+    if NORM:
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + h, 1, sem="acq_rel", scope="gpu")
         if arrived == NV - 1:
             tl.atomic_xchg(count_ptr + h, 0, sem="relaxed", scope="gpu")
-            if not STAGE:
-                last = stage_conv_ptr + (T - 1) * 3 * C * 3
-                for stream in tl.static_range(3):
-                    for slot in tl.static_range(3):
-                        cs = (stream * C + ck) * 3 + slot
-                        tl.store(conv_ptr + cs, tl.load(last + cs, cache_modifier=".cg"))
-            if NORM:
-                _gated_norm_head(o_acc_ptr, z_ptr, sz, norm_w_ptr, out_ptr, s_out, ck, dk, eps, T, D, C, BT)
+            _gated_norm_head(o_acc_ptr, z_ptr, sz, norm_w_ptr, out_ptr, s_out, ck, dk, eps, T, D, C, BT)
 
 
 _WORKSPACE: dict = {}
@@ -386,7 +375,7 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 CONFIGS = {8: {1: (16, 4), 16: (32, 4)}, 16: {1: (32, 4), 16: (32, 4)}}
 
 
-# Steps of T > 1 in two launches (`_kda_prep_kernel`, then `_kda_staged_kernel`): (block_v, num_warps of the
+# Verify steps in two launches (`_kda_prep_kernel`, then `_kda_staged_kernel`): (block_v, num_warps of the
 # recurrence, num_warps of the prep) by heads per rank, then tokens; a width without an entry keeps one launch.
 SPLIT_CONFIGS: dict = {}
 _SPLIT_DEFAULT = (16, 4, 4)  # the two-launch settings when asked for where no table entry applies
@@ -397,7 +386,7 @@ def config_for(t: int, heads: int = 8) -> tuple[int, int]:
 
 
 def split_config_for(t: int, heads: int = 8) -> tuple[int, int, int] | None:
-    """The two-launch settings of a step of T > 1 tokens, or None where such steps keep one launch."""
+    """The two-launch settings of a staged step of T > 1 tokens, or None where verify steps keep one launch."""
     return by_width_and_tokens(SPLIT_CONFIGS, heads, t) if SPLIT_CONFIGS and t > 1 else None
 
 
@@ -406,7 +395,7 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
                    block_v: int | None = None, num_warps: int | None = None, split: bool | None = None,
                    prep_warps: int | None = None) -> torch.Tensor:
     """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
-    block_v (value columns per program) and num_warps override `CONFIGS`. split: a step of T > 1 in two
+    block_v (value columns per program) and num_warps override `CONFIGS`. split: a staged step of T > 1 in two
     launches (the per-token work once per head, then the recurrence; `SPLIT_CONFIGS` decides when None);
     prep_warps: the first launch's warps."""
     t, c = q.shape
@@ -424,9 +413,9 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:
         raise ValueError("the gated output norm needs z (the g_proj output)")
-    if split and t == 1:
-        raise ValueError("the two-launch KDA step is for steps of T > 1 tokens")
-    split_cfg = split_config_for(t, h) if split is None else _SPLIT_DEFAULT if split else None
+    if split and (stage is None or t == 1):
+        raise ValueError("the two-launch KDA step is for staged verify steps of T > 1 tokens")
+    split_cfg = split_config_for(t, h) if split is None and stage is not None else _SPLIT_DEFAULT if split else None
     tuned_bv, tuned_warps, tuned_prep = split_cfg or (*config_for(t, h), 0)
     block_v, num_warps = block_v or min(tuned_bv, d), num_warps or tuned_warps
     if d & (d - 1) or d % block_v or block_v & (block_v - 1):
@@ -447,19 +436,16 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
             raise ValueError("stage buffers must be contiguous")
     kwargs = {"launch_pdl": True} if pdl and q.is_cuda else {}
     use_pdl = pdl_mode(bool(kwargs), "kda", t)
-    if split_cfg:  # a plain step stages into scratch and commits its last position itself
-        rows, windows = stage or (torch.empty(t, h, STAGE_ROWS, d, device=q.device),
-                                  torch.empty(t, *conv_state.shape, device=q.device, dtype=conv_state.dtype))
+    if split_cfg:
         _kda_prep_kernel[(h, t)](
             q, k, v, f, b, _row_stride(q, "q"), _row_stride(k, "k"), _row_stride(v, "v"), _row_stride(f, "f"),
-            _row_stride(b, "b"), conv_state, conv_weight, a_log, dt_bias, qhat, qk, rows, windows,
+            _row_stride(b, "b"), conv_state, conv_weight, a_log, dt_bias, qhat, qk, stage_state, stage_conv,
             d ** -0.5, float(lower_bound), H=h, D=d, USE_PDL=use_pdl, num_warps=prep_warps or tuned_prep, **kwargs)
         _kda_staged_kernel[(h, d // block_v)](
             z if z is not None else q, _row_stride(z, "z") if z is not None else 0,
-            norm_weight if norm_weight is not None else a_log, state, conv_state, out, _row_stride(out, "out"),
-            o_acc, count, rows, windows, qhat, qk, float(eps), T=t, H=h, D=d, BV=block_v,
-            BT=triton.next_power_of_2(t), STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=use_pdl,
-            num_warps=num_warps, **kwargs)
+            norm_weight if norm_weight is not None else a_log, state, out, _row_stride(out, "out"), o_acc, count,
+            stage_state, qhat, qk, float(eps), T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
+            NORM=norm_weight is not None, USE_PDL=use_pdl, num_warps=num_warps, **kwargs)
         return out
     _kda_step_kernel[(h, d // block_v)](
         q, k, v, f, b, z if z is not None else q,
