@@ -76,9 +76,6 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
 # (block_v, num_warps); 64 value columns (two programs per head) compile without spills at T=1 with 4 or 8 warps
 # and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8)]
-# verify steps in two launches (`kda._kda_prep_kernel`, `kda._kda_staged_kernel`): (block_v, warps, prep warps)
-KDA_SPLIT = [(4, 1, 4), (8, 1, 4), (8, 2, 4), (16, 2, 4), (16, 4, 4), (32, 4, 4), (8, 1, 1), (16, 4, 1), (4, 1, 1),
-             (8, 2, 2)]
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),
@@ -192,16 +189,13 @@ def tune_kda(fused: FusedStep, t: int) -> list[dict]:
     pristine = first["conv_state"].clone(), first["state"].clone()  # the timed calls update the live state
 
     def fresh() -> dict:
-        stage = None if t == 1 else tuple(torch.empty_like(x) for x in calls[0][1])
-        return {**first, "conv_state": pristine[0].clone(), "state": pristine[1].clone(), "stage": stage}
+        return {**first, "conv_state": pristine[0].clone(), "state": pristine[1].clone()}
 
     want = kda.kda_step_reference(**fresh(), **kw).float()
-    candidates = [dict(block_v=bv, num_warps=w, split=False) for bv, w in KDA_CANDIDATES]
-    if t > 1:
-        candidates += [dict(block_v=bv, num_warps=w, split=True, prep_warps=p) for bv, w, p in KDA_SPLIT]
-    for knobs in candidates:
+    for bv, warps in KDA_CANDIDATES:
         if time.time() > DEADLINE[0]:
             break
+        knobs = dict(block_v=bv, num_warps=warps)
         try:
             got = kda.fused_kda_step(**fresh(), **kw, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -304,12 +298,6 @@ def pin(table: dict, width: int, chosen: dict) -> None:
     table[width] = entry
 
 
-def pin_split(heads: int, chosen: dict) -> None:
-    """Verify steps of this width in two launches when the tuning chose it at T=9 (`kda.SPLIT_CONFIGS`)."""
-    if 9 in chosen:
-        kda.SPLIT_CONFIGS[heads] = {16: chosen[9]}
-
-
 def load_tuned(path: str) -> dict:
     """Pin the settings a tuning run chose (its JSON) into the kernels' CONFIGS for this process: another
     benchmark can run with them before they are copied into the code."""
@@ -317,7 +305,6 @@ def load_tuned(path: str) -> dict:
     chosen, heads, rows = res["chosen"], res["heads_per_rank"], res["expert_rows_per_rank"]
     pin(mla.CONFIGS, heads, {int(t): tuple(v) for t, v in chosen["mla"].items()})
     pin(kda.CONFIGS, heads, {int(t): tuple(v) for t, v in chosen["kda"].items()})
-    pin_split(heads, {int(t): tuple(v) for t, v in chosen.get("kda_split", {}).items()})
     pin(moe.CONFIGS, rows, {int(t): v for t, v in chosen["moe"].items()})
     gemv.CONFIGS.update({ast.literal_eval(key): v for key, v in chosen["gemv"].items()})
     return chosen
@@ -332,8 +319,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     model = build_flash(layers, tp=tp, rank=0)
     heads, expert_rows = model.config.num_attention_heads // tp, model.config.moe_intermediate_size // tp
     fused = FusedStep(model, kernels=True)
-    tuning = {"mla": [], "moe": [], "gemv": [], "kda": []}
-    chosen = {"mla": {}, "moe": {}, "gemv": {}, "kda": {}, "kda_split": {}}
+    tuning, chosen = {"mla": [], "moe": [], "gemv": [], "kda": []}, {"mla": {}, "moe": {}, "gemv": {}, "kda": {}}
     with torch.inference_mode():
         before = {t: step_ms(model, fused, t) for t in (1, 9)}  # the settings the code shipped with
         print(f"fused step with the shipped settings: {before}", flush=True)
@@ -354,10 +340,7 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
             ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
-                if b["split"]:
-                    chosen["kda_split"][t] = (b["block_v"], b["num_warps"], b["prep_warps"])
-                else:
-                    chosen["kda"][t] = (b["block_v"], b["num_warps"])
+                chosen["kda"][t] = (b["block_v"], b["num_warps"])
             moe_stages = (ROUTER, GATE_UP, DOWN) if "moe" in stages else (DOWN,) if "moe-down" in stages else ()
             rows = tune_moe(fused, t, moe_stages) if moe_stages else []
             tuning["moe"] += rows
@@ -382,12 +365,10 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
     pin(mla.CONFIGS, heads, chosen["mla"])
     pin(moe.CONFIGS, expert_rows, chosen["moe"])
     pin(kda.CONFIGS, heads, chosen["kda"])
-    pin_split(heads, chosen["kda_split"])
     gemv.CONFIGS.update(chosen["gemv"])
     defaults = {"mla": {t: mla.config_for(t, heads) for t in (1, 9)},
                 "moe": {t: moe.config_for(t, expert_rows) for t in (1, 9)},
                 "kda": {t: kda.config_for(t, heads) for t in (1, 9)},
-                "kda_split": {9: kda.split_config_for(9, heads)},
                 "gemv": {str(key): c for key, c in gemv.CONFIGS.items()}}
     for kind in ("mla", "moe", "kda"):
         for t in (1, 9):

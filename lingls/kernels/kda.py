@@ -215,150 +215,28 @@ def _kda_step_kernel(
                 tl.store(conv_ptr + (C + ck) * 3 + 1, xk1.to(ety))
                 tl.store(conv_ptr + (C + ck) * 3 + 2, xk2.to(ety))
             if NORM:
-                _gated_norm_head(o_acc_ptr, z_ptr, sz, norm_w_ptr, out_ptr, s_out, ck, dk, eps, T, D, C, BT)
-
-
-@_jit
-def _gated_norm_head(o_acc_ptr, z_ptr, sz, norm_w_ptr, out_ptr, s_out, ck, dk, eps,
-                     T: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
-    """The head's output rows from the fp32 scratch its programs filled: RMSNorm_D(o) * w * sigmoid(z)."""
-    rows = tl.arange(0, BT)
-    m = (rows[:, None] < T) & (dk[None, :] < D)
-    oh = tl.load(o_acc_ptr + rows[:, None] * C + ck[None, :], mask=m, other=0.0, cache_modifier=".cg")
-    zh = tl.load(z_ptr + rows[:, None] * sz + ck[None, :], mask=m, other=0.0).to(tl.float32)
-    w = tl.load(norm_w_ptr + dk).to(tl.float32)
-    rms = tl.rsqrt(tl.sum(oh * oh, 1) / D + eps)
-    y = oh * rms[:, None] * w[None, :] * tl.sigmoid(zh)
-    tl.store(out_ptr + rows[:, None] * s_out + ck[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# KDA verify step in two launches
-
-
-@_jit
-def _conv_input(x_ptr, stride, conv_ptr, ck, cs, j):
-    """Conv input j of one stream: its projected row j (channels ck) when j >= 0, else slot 3 + j of the conv
-    state (channels cs of [3, C, 3], the stream's last three inputs, oldest first)."""
-    row = tl.load(x_ptr + j * stride + ck, mask=(ck >= 0) & (j >= 0), other=0.0).to(tl.float32)
-    return row + tl.load(conv_ptr + cs * 3 + 3 + j, mask=(cs >= 0) & (j < 0), other=0.0).to(tl.float32)
-
-
-@_jit
-def _conv_stream(x_ptr, stride, conv_ptr, conv_w_ptr, sc, ck, cs, t):
-    """Token t of one stream through the causal conv and SiLU; the window after it goes to the staged conv sc."""
-    x0 = _conv_input(x_ptr, stride, conv_ptr, ck, cs, t - 3)
-    x1 = _conv_input(x_ptr, stride, conv_ptr, ck, cs, t - 2)
-    x2 = _conv_input(x_ptr, stride, conv_ptr, ck, cs, t - 1)
-    x3 = _conv_input(x_ptr, stride, conv_ptr, ck, cs, t)
-    w = conv_w_ptr + cs * 4
-    y = _conv_silu(tl.load(w).to(tl.float32), tl.load(w + 1).to(tl.float32), tl.load(w + 2).to(tl.float32),
-                   tl.load(w + 3).to(tl.float32), x0, x1, x2, x3)
-    sty = sc.dtype.element_ty
-    tl.store(sc + cs * 3 + 0, x1.to(sty))
-    tl.store(sc + cs * 3 + 1, x2.to(sty))
-    tl.store(sc + cs * 3 + 2, x3.to(sty))
-    return y
-
-
-@_jit
-def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, conv_ptr, conv_w_ptr, a_log_ptr,
-                     dt_bias_ptr, qhat_ptr, qk_ptr, stage_state_ptr, stage_conv_ptr, q_scale, lower_bound,
-                     H: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (head, token) of a verify step: what the step computes without the recurrent state, once per
-    head and token, all tokens side by side: conv + SiLU of q, k, v, the q/k L2 norms and q.k, the gate and
-    beta. Writes the staged recurrence inputs (what `commit` replays) and the conv window after the token, and
-    the normalised query and q.k for `_kda_staged_kernel`."""
-    h = tl.program_id(0)
-    t = tl.program_id(1)
-    C: tl.constexpr = H * D
-    dk = tl.arange(0, D)
-    ck = h * D + dk
-    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    wait_previous(USE_PDL)
-    sc = stage_conv_ptr + t * 3 * C * 3
-    yq = _conv_stream(q_ptr, sq, conv_ptr, conv_w_ptr, sc, ck, ck, t)
-    yk = _conv_stream(k_ptr, sk, conv_ptr, conv_w_ptr, sc, ck, C + ck, t)
-    yv = _conv_stream(v_ptr, sv, conv_ptr, conv_w_ptr, sc, ck, 2 * C + ck, t)
-    qt = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * q_scale
-    kt = yk / tl.sqrt(tl.sum(yk * yk, 0) + 1e-6)
-    gate = lower_bound * tl.sigmoid(rate * (tl.load(f_ptr + t * sf + ck).to(tl.float32) + dt_bias))
-    beta = tl.sigmoid(tl.load(b_ptr + t * sb + h).to(tl.float32))
-    st = stage_state_ptr + (t * H + h) * _ROWS * D
-    tl.store(st + dk, kt)
-    tl.store(st + D + dk, gate)
-    tl.store(st + 2 * D + dk, yv)
-    tl.store(st + 3 * D + dk, tl.zeros_like(kt) + beta)
-    tl.store(qhat_ptr + t * C + ck, qt)
-    tl.store(qk_ptr + t * H + h, tl.sum(qt * kt, 0))
-
-
-@_jit
-def _staged_rows(stage_state_ptr, qhat_ptr, qk_ptr, t, h, dk, dv, ck, live, H: tl.constexpr, D: tl.constexpr):
-    """Position t's prepared inputs for head h: key, log decay, value (columns dv), beta, query, q.k."""
-    st = stage_state_ptr + (t * H + h) * _ROWS * D
-    return (tl.load(st + dk, mask=live, other=0.0, cache_modifier=".cg"),
-            tl.load(st + D + dk, mask=live, other=0.0, cache_modifier=".cg"),
-            tl.load(st + 2 * D + dv, mask=live, other=0.0, cache_modifier=".cg"),
-            tl.load(st + 3 * D, mask=live, other=0.0, cache_modifier=".cg"),
-            tl.load(qhat_ptr + t * (H * D) + ck, mask=live, other=0.0, cache_modifier=".cg"),
-            tl.load(qk_ptr + t * H + h, mask=live, other=0.0, cache_modifier=".cg"))
-
-
-@_jit
-def _kda_staged_kernel(z_ptr, sz, norm_w_ptr, state_ptr, out_ptr, s_out, o_acc_ptr, count_ptr, stage_state_ptr,
-                       qhat_ptr, qk_ptr, eps, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-                       BT: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    """The recurrence of a verify step after `_kda_prep_kernel`: program (head, block of BV value columns)
-    walks the positions with only the state-dependent work left per token (decay, the two reductions over the
-    keys, the rank-one update), so its blocks can be narrow without repeating the per-token work in each; the
-    head's last program then applies the gated output norm, as in `_kda_step_kernel`. The live state is
-    only read."""
-    h = tl.program_id(0)
-    j = tl.program_id(1)
-    NV: tl.constexpr = D // BV
-    C: tl.constexpr = H * D
-    dk = tl.arange(0, D)
-    dv = j * BV + tl.arange(0, BV)
-    ck = h * D + dk
-    cv = h * D + dv
-    S = tl.load(state_ptr + h * D * D + dk[:, None] * D + dv[None, :])  # [D, BV] fp32, before the wait as ever
-    wait_previous(USE_PDL)
-    nk, ng, nv, nb, nq, nqk = _staged_rows(stage_state_ptr, qhat_ptr, qk_ptr, 0, h, dk, dv, ck, True, H, D)
-    for t in range(T):
-        kt, gate, vt, beta, qt, qk = nk, ng, nv, nb, nq, nqk
-        nk, ng, nv, nb, nq, nqk = _staged_rows(stage_state_ptr, qhat_ptr, qk_ptr, t + 1, h, dk, dv, ck, t + 1 < T,
-                                               H, D)
-        P, err, S = _delta_rule(S, kt, tl.exp(gate), vt, beta)
-        o = tl.sum(P * qt[:, None], 0) + qk * err
-        if NORM:
-            tl.store(o_acc_ptr + t * C + cv, o)
-        else:
-            tl.store(out_ptr + t * s_out + cv, o.to(out_ptr.dtype.element_ty))
-    if NORM:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == NV - 1:
-            tl.atomic_xchg(count_ptr + h, 0, sem="relaxed", scope="gpu")
-            _gated_norm_head(o_acc_ptr, z_ptr, sz, norm_w_ptr, out_ptr, s_out, ck, dk, eps, T, D, C, BT)
+                rows = tl.arange(0, BT)
+                m = (rows[:, None] < T) & (dk[None, :] < D)
+                oh = tl.load(o_acc_ptr + rows[:, None] * C + ck[None, :], mask=m, other=0.0, cache_modifier=".cg")
+                zh = tl.load(z_ptr + rows[:, None] * sz + ck[None, :], mask=m, other=0.0).to(tl.float32)
+                w = tl.load(norm_w_ptr + dk).to(tl.float32)
+                rms = tl.rsqrt(tl.sum(oh * oh, 1) / D + eps)
+                y = oh * rms[:, None] * w[None, :] * tl.sigmoid(zh)
+                tl.store(out_ptr + rows[:, None] * s_out + ck[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 _WORKSPACE: dict = {}
 
 
 def _workspace(device: torch.device, heads: int, head_dim: int):
-    """fp32 o scratch [MAX_TOKENS, C], per-head arrival counters [H] (zero; each launch leaves them zero), and
-    the two-launch verify step's normalised queries [MAX_TOKENS, C] and q.k [MAX_TOKENS, H] (fp32).
+    """fp32 o scratch [MAX_TOKENS, C] and per-head arrival counters [H] (zero; each launch leaves them zero).
 
     One per (device, H, D), shared by all layers (their launches are stream-ordered) and allocated once, so a
     CUDA graph captured after the first call keeps valid addresses. Call once before capturing a graph."""
     key = (device, heads, head_dim)
     if key not in _WORKSPACE:
         _WORKSPACE[key] = (torch.empty(MAX_TOKENS, heads * head_dim, device=device, dtype=torch.float32),
-                           torch.zeros(heads, device=device, dtype=torch.int32),
-                           torch.empty(MAX_TOKENS, heads * head_dim, device=device, dtype=torch.float32),
-                           torch.empty(MAX_TOKENS, heads, device=device, dtype=torch.float32))
+                           torch.zeros(heads, device=device, dtype=torch.int32))
     return _WORKSPACE[key]
 
 
@@ -375,29 +253,15 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 CONFIGS = {8: {1: (16, 4), 16: (32, 4)}, 16: {1: (32, 4), 16: (32, 4)}}
 
 
-# Verify steps in two launches (`_kda_prep_kernel`, then `_kda_staged_kernel`): (block_v, num_warps of the
-# recurrence, num_warps of the prep) by heads per rank, then tokens; a width without an entry keeps one launch.
-SPLIT_CONFIGS: dict = {}
-_SPLIT_DEFAULT = (16, 4, 4)  # the two-launch settings when asked for where no table entry applies
-
-
 def config_for(t: int, heads: int = 8) -> tuple[int, int]:
     return by_width_and_tokens(CONFIGS, heads, t)
 
 
-def split_config_for(t: int, heads: int = 8) -> tuple[int, int, int] | None:
-    """The two-launch settings of a staged step of T > 1 tokens, or None where verify steps keep one launch."""
-    return by_width_and_tokens(SPLIT_CONFIGS, heads, t) if SPLIT_CONFIGS and t > 1 else None
-
-
 def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, *,
                    lower_bound: float, eps: float = 1e-6, stage=None, out=None, pdl: bool = False,
-                   block_v: int | None = None, num_warps: int | None = None, split: bool | None = None,
-                   prep_warps: int | None = None) -> torch.Tensor:
+                   block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The Triton KDA step (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). Arguments as `kda_step`;
-    block_v (value columns per program) and num_warps override `CONFIGS`. split: a staged step of T > 1 in two
-    launches (the per-token work once per head, then the recurrence; `SPLIT_CONFIGS` decides when None);
-    prep_warps: the first launch's warps."""
+    block_v (value columns per program) and num_warps override `CONFIGS`."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
     if not 1 <= t <= MAX_TOKENS:
@@ -413,14 +277,11 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:
         raise ValueError("the gated output norm needs z (the g_proj output)")
-    if split and (stage is None or t == 1):
-        raise ValueError("the two-launch KDA step is for staged verify steps of T > 1 tokens")
-    split_cfg = split_config_for(t, h) if split is None and stage is not None else _SPLIT_DEFAULT if split else None
-    tuned_bv, tuned_warps, tuned_prep = split_cfg or (*config_for(t, h), 0)
+    tuned_bv, tuned_warps = config_for(t, h)
     block_v, num_warps = block_v or min(tuned_bv, d), num_warps or tuned_warps
     if d & (d - 1) or d % block_v or block_v & (block_v - 1):
         raise ValueError(f"D={d} and block_v={block_v} must be powers of two with block_v dividing D")
-    o_acc, count, qhat, qk = _workspace(q.device, h, d)
+    o_acc, count = _workspace(q.device, h, d)
     if out is None:
         out = torch.empty(t, c, device=q.device, dtype=q.dtype if norm_weight is not None else torch.float32)
     if stage is None:
@@ -435,18 +296,6 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         if not (stage_state.is_contiguous() and stage_conv.is_contiguous()):
             raise ValueError("stage buffers must be contiguous")
     kwargs = {"launch_pdl": True} if pdl and q.is_cuda else {}
-    use_pdl = pdl_mode(bool(kwargs), "kda", t)
-    if split_cfg:
-        _kda_prep_kernel[(h, t)](
-            q, k, v, f, b, _row_stride(q, "q"), _row_stride(k, "k"), _row_stride(v, "v"), _row_stride(f, "f"),
-            _row_stride(b, "b"), conv_state, conv_weight, a_log, dt_bias, qhat, qk, stage_state, stage_conv,
-            d ** -0.5, float(lower_bound), H=h, D=d, USE_PDL=use_pdl, num_warps=prep_warps or tuned_prep, **kwargs)
-        _kda_staged_kernel[(h, d // block_v)](
-            z if z is not None else q, _row_stride(z, "z") if z is not None else 0,
-            norm_weight if norm_weight is not None else a_log, state, out, _row_stride(out, "out"), o_acc, count,
-            stage_state, qhat, qk, float(eps), T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
-            NORM=norm_weight is not None, USE_PDL=use_pdl, num_warps=num_warps, **kwargs)
-        return out
     _kda_step_kernel[(h, d // block_v)](
         q, k, v, f, b, z if z is not None else q,
         _row_stride(q, "q"), _row_stride(k, "k"), _row_stride(v, "v"), _row_stride(f, "f"), _row_stride(b, "b"),
@@ -455,7 +304,7 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         out, _row_stride(out, "out"), o_acc, count, stage_state, stage_conv,
         d ** -0.5, float(lower_bound), float(eps),
         T=t, H=h, D=d, BV=block_v, BT=triton.next_power_of_2(t),
-        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=use_pdl,
+        STAGE=stage is not None, NORM=norm_weight is not None, USE_PDL=pdl_mode(bool(kwargs), "kda", t),
         num_warps=num_warps, **kwargs,
     )
     return out

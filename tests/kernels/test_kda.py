@@ -116,19 +116,14 @@ def test_consecutive_steps_carry_state():
     assert torch.equal(live["conv_state"], ref_live["conv_state"])
 
 
-@pytest.mark.parametrize("t,split,block_v", [(9, False, 16), (9, True, 16), (2, True, 4), (16, True, 32)],
-                         ids=["one-launch", "two-launch", "two-launch-2-tokens", "two-launch-16-tokens"])
-def test_staged_verify_then_commit_equals_accepted_prefix(t, split, block_v):
-    """A verify step stages every position's inputs and conv window, leaves the live states alone, and the
-    commit of any accepted prefix leaves what running only that prefix would have; in one launch or in two
-    (the per-token work once per head and token, then the recurrence)."""
-    h, d = 2, 32
-    gen = torch.Generator().manual_seed(21 + t)
+def test_staged_verify_then_commit_equals_accepted_prefix():
+    t, h, d = 9, 2, 32
+    gen = torch.Generator().manual_seed(21)
     inp = make(t, h, d, torch.bfloat16, gen)
     c = h * d
     stage = (torch.full((t, h, kda.STAGE_ROWS, d), float("nan"), device=DEV),
              torch.full((t, 3, c, 3), float("nan"), device=DEV, dtype=torch.bfloat16))
-    out, live = run_kernel(inp, block_v=block_v, stage=stage, split=split)
+    out, live = run_kernel(inp, block_v=16, stage=stage)
     assert torch.equal(live["state"], inp["state"]) and torch.equal(live["conv_state"], inp["conv_state"])
     ref_in = upcast(inp)
     ref_stage = (torch.empty(t, h, kda.STAGE_ROWS, d, device=DEV), torch.empty(t, 3, c, 3, device=DEV))
@@ -138,8 +133,7 @@ def test_staged_verify_then_commit_equals_accepted_prefix(t, split, block_v):
     assert rel(stage[0], ref_stage[0]) < 1e-5
     assert torch.equal(stage[1].float(), ref_stage[1])
 
-    assert_workspace_clean(h, d)
-    for accepted in sorted({0, int(torch.randint(0, t, (1,), generator=gen)), t - 1}):  # none, some, all accepted
+    for accepted in (0, int(torch.randint(1, t - 1, (1,), generator=gen)), t - 1):  # none, some, all accepted
         index = torch.tensor([accepted], device=DEV, dtype=torch.int32)
         state, conv = live["state"].clone()[None], live["conv_state"].clone()[None]
         kda.fused_commit(index, state, stage[0][None], conv, stage[1][None])
@@ -211,8 +205,6 @@ def test_bad_shapes_are_named():
         kda.fused_kda_step(**{**inp, "b": inp["b"][:, :1]}, lower_bound=LB)
     with pytest.raises(ValueError, match="needs z"):
         kda.fused_kda_step(**{**inp, "z": None}, lower_bound=LB)
-    with pytest.raises(ValueError, match="two-launch"):
-        kda.fused_kda_step(**inp, lower_bound=LB, split=True)  # not staged
 
 
 SM90_PRELUDE = """
