@@ -27,6 +27,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from fused_step_gpu import graphed  # noqa: E402
+
 from lingls.bench.step import median_ms  # noqa: E402
 from lingls.kernels.pdl import EARLY, LATE, OFF, wait_previous  # noqa: E402
 
@@ -64,19 +67,6 @@ def _persistent_kernel(buf_ptr, sync_ptr, bad_ptr, HOPS: tl.constexpr, P: tl.con
             spins += 1
         if spins >= SPIN_LIMIT:
             tl.atomic_xchg(bad_ptr, 1)
-
-
-def graphed(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main(out: str, hops: int) -> int:
