@@ -12,6 +12,8 @@ in a CUDA graph and replayed; the figure is the median replay over HOPS. Variant
 - `grid_barrier`: one kernel; after each phase every program bumps a counter and spins until all have.
 - `flags`: one kernel; each program waits only for the program whose value it reads (a flag per program and
   phase): the point-to-point latency a dataflow kernel would pay.
+- `..._ld`: the same, every thread polling with volatile loads instead of one thread's acquire load and a
+  shared-memory broadcast (one acquire read after the spin).
 The persistent variants need every program resident at once: PROGRAMS is at most one per SM, and every spin
 gives up after SPIN_LIMIT polls and marks the result invalid instead of hanging the GPU.
 """
@@ -45,8 +47,17 @@ def _hop_kernel(buf_ptr, hop, P: tl.constexpr, USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def _poll(flag, ATOMIC: tl.constexpr):
+    """The counter or flag as this program sees it: an atomic read (Triton 3.6 emits an add of 0 as one thread's
+    `ld.acquire.gpu`, broadcast to the others through shared memory), or every thread's volatile load."""
+    if ATOMIC:
+        return tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    return tl.load(flag, volatile=True)
+
+
+@triton.jit
 def _persistent_kernel(buf_ptr, sync_ptr, bad_ptr, HOPS: tl.constexpr, P: tl.constexpr, FLAGS: tl.constexpr,
-                       SPIN_LIMIT: tl.constexpr):
+                       ATOMIC: tl.constexpr, SPIN_LIMIT: tl.constexpr):
     p = tl.program_id(0)
     for hop in range(HOPS):
         v = tl.load(buf_ptr + hop * P + (p + 1) % P, cache_modifier=".cg")
@@ -60,12 +71,14 @@ def _persistent_kernel(buf_ptr, sync_ptr, bad_ptr, HOPS: tl.constexpr, P: tl.con
             tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
             flag = sync_ptr
             target = (hop + 1) * P
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        seen = _poll(flag, ATOMIC)
         spins = 0
         while (seen < target) & (spins < SPIN_LIMIT):
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            seen = _poll(flag, ATOMIC)
             spins += 1
-        if spins >= SPIN_LIMIT:
+        if not ATOMIC:  # the loads polled without ordering: one acquire read orders what follows
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        if (spins >= SPIN_LIMIT) | (seen < target):
             tl.atomic_xchg(bad_ptr, 1)
 
 
@@ -90,13 +103,14 @@ def main(out: str, hops: int) -> int:
             torch.cuda.synchronize()
             rows.append(dict(variant=name, programs=programs, us_per_hop=us,
                              correct=bool(torch.equal(buf[hops * programs:], want))))
-        for name, flags in (("grid_barrier", False), ("flags", True)):
+        for name, flags, atomic in (("grid_barrier", False, True), ("flags", True, True),
+                                    ("grid_barrier_ld", False, False), ("flags_ld", True, False)):
             sync = torch.zeros((hops + 1) * programs if flags else 1, dtype=torch.int32, device="cuda")
             bad = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def persistent(flags=flags, sync=sync, bad=bad, programs=programs, buf=buf):
+            def persistent(flags=flags, atomic=atomic, sync=sync, bad=bad, programs=programs, buf=buf):
                 sync.zero_()
-                _persistent_kernel[(programs,)](buf, sync, bad, HOPS=hops, P=programs, FLAGS=flags,
+                _persistent_kernel[(programs,)](buf, sync, bad, HOPS=hops, P=programs, FLAGS=flags, ATOMIC=atomic,
                                                 SPIN_LIMIT=SPIN_LIMIT, num_warps=4)
 
             buf.zero_()
