@@ -302,7 +302,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr,
-                 USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 AHEAD: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -314,24 +314,38 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     The later slots load inside the loop, which Triton pipelines (requesting the next expert's rows by hand,
     two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json).
     An expert's I columns are read in I_CHUNKS chunks of BLOCK_I: one loop over (slot, chunk), so the tile in
-    flight stays small and no padding past I is held (TP=2's I = 384 pads to 512 in one chunk)."""
+    flight stays small and no padding past I is held (TP=2's I = 384 pads to 512 in one chunk).
+    AHEAD (one token): every (slot, chunk) tile of the program is requested before the wait, none after it."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, BLOCK_I)
     rt = tl.arange(0, 16)
-    e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
-    wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
-    wait_previous(USE_PDL)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
-    acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
-    for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
-        d = sd + (it // I_CHUNKS) * SPLIT_D
-        rc = (it % I_CHUNKS) * BLOCK_I + ri
-        e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
-        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
-        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
+    if AHEAD:
+        tiles = ()
+        for it in tl.static_range(D_PER * I_CHUNKS):
+            d = sd + (it // I_CHUNKS) * SPLIT_D
+            e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
+            tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, (it % I_CHUNKS) * BLOCK_I + ri, rt, T,
+                                               H, E, I, I_S),)
+        wait_previous(USE_PDL)
+        for it in tl.static_range(D_PER * I_CHUNKS):
+            e, wt, w, inter = tiles[it]
+            acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd + (it // I_CHUNKS) * SPLIT_D, e, wt, w, inter,
+                                         (it % I_CHUNKS) * BLOCK_I + ri, rt, T, I_PAD, FMA, F32_DOT)
+    else:
+        e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
+        wait_previous(USE_PDL)
+        acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
+        for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
+            d = sd + (it // I_CHUNKS) * SPLIT_D
+            rc = (it % I_CHUNKS) * BLOCK_I + ri
+            e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
+            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
+            acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
     mask = (rt[:, None] < T) & (rh[None, :] < H)
@@ -493,8 +507,9 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
-        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET,
-        num_warps=k["dn_warps"], num_stages=3, **launch)
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
+        AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False),
+        USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out

@@ -83,7 +83,9 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
                                      (9, dict(router_block_k=32, router_split=3, router_warps=1)),
                                      (1, dict(block_h=8, split_d=1, dn_fma=True, dn_warps=2)),
                                      (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
-                                              gu_fma=True, gu_block_k=64, gu_warps=1))])
+                                              gu_fma=True, gu_block_k=64, gu_warps=1)),
+                                     (1, dict(dn_ahead=True, dn_fma=True, split_d=1, block_h=8, dn_warps=2)),
+                                     (1, dict(dn_ahead=True, dn_fma=True, split_d=3, block_h=16, dn_block_i=16))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
     """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
@@ -143,7 +145,7 @@ def test_kernels_compile_for_h200():
             build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
                   wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True,
+                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True,
                   divisible=("H", "E", "I", "I_S"))
     """)
     assert len(lines) == 8, lines
