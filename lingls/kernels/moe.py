@@ -403,17 +403,22 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
 # smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
 # a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path,
-# down rows per program, slot shares, FMA path and I columns per chunk (default all). Chosen by
+# down rows per program, slot shares, FMA path, I columns per chunk (default all) and, at one token, whether a
+# program requests all its (slot, chunk) tiles before the wait (dn_ahead). Chosen by
 # bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). At T=1
 # each gate-up program requests its rows of one expert over all of H at once (no partial sums to add up), and
 # so does the router: per MoE layer 18.6 -> 16.5 us at TP=4 with 4 rows and 2 warps per gate-up program
 # (tune_t1_preload.json), 26.5 -> 23.4 at TP=2 (12 layers, tune_t1_tp2_preload.json). TP=2 reads down
 # in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json; at TP=4 chunks were not
-# faster: tune_t9_down_tp4.json).
+# faster: tune_t9_down_tp4.json). At T=1 at TP=4 each down program takes 16 hidden rows of all 9 slots, every
+# tile requested before the wait: no partial sums and no arrival counter after it. Timed in the 42-layer step,
+# not alone (alone, in a chain of MoE layers, an earlier form lost: tune_t1_down_ahead_tp4.json): 1.464-1.467 ->
+# 1.431-1.444 ms in three alternations (fused_step_shard42_down_ahead*.json). TP=2 keeps its split (not timed).
 _ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route_warps=4)
 CONFIGS = {192: {
     1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
-            gu_block_k=256, gu_split=1, gu_warps=2, gu_fma=True, block_h=64, split_d=16, dn_warps=8, dn_fma=True),
+            gu_block_k=256, gu_split=1, gu_warps=2, gu_fma=True, block_h=16, split_d=1, dn_warps=4, dn_fma=True,
+            dn_ahead=True, dn_block_i=64),
     16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
              dn_warps=4, dn_fma=False),
 }, 384: {
