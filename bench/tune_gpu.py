@@ -61,18 +61,29 @@ GATE_UP = [dict(block_i=b, gu_split=s, gu_warps=w, gu_block_k=bk, gu_fma=f)
                                   (8, 1, 2, 256, True), (4, 1, 2, 256, True), (8, 1, 4, 512, True),  # T=1: no partials
                                   (8, 1, 8, 512, True), (4, 1, 4, 512, True), (4, 1, 2, 512, True),
                                   (16, 1, 8, 512, True), (8, 1, 8, 1024, True), (4, 1, 4, 256, True))]
-DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f)
-        for h, d, w, f in ((16, 4, 4, False), (32, 4, 4, False), (64, 8, 4, False), (32, 16, 4, False),
-                           (64, 16, 4, False), (128, 8, 8, False), (16, 16, 4, True), (32, 16, 4, True),
-                           (32, 8, 4, True), (64, 16, 8, True), (64, 4, 8, True), (64, 32, 4, False),
-                           (128, 16, 8, False), (32, 32, 4, False), (64, 16, 8, False), (128, 32, 8, False))] + \
-       [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=False, dn_block_i=bi)  # I in chunks (192 = 3 x 64, 384 = 3 x 128)
-        for h, d, w, bi in ((64, 8, 4, 64), (64, 16, 4, 64), (64, 16, 4, 128), (128, 16, 4, 64), (128, 8, 8, 128),
-                            (64, 8, 4, 128), (32, 16, 4, 128), (128, 16, 8, 128), (64, 32, 4, 64))] + \
-       [dict(block_h=h, split_d=16, dn_warps=w, dn_fma=True, dn_block_i=bi)  # one token: FMA over chunks of I
-        for h, w, bi in ((16, 4, 64), (16, 4, 128), (32, 4, 64), (32, 4, 128), (16, 2, 128), (64, 8, 64))] + \
-       [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=True)  # one token, few rows per program, all (or half) the
-        for h, d, w in ((8, 1, 2), (8, 2, 2), (16, 1, 4), (4, 1, 1), (8, 1, 1))]  # slots: no partials to sum
+# down: rows per program, slot shares, warps, FMA path (T=1 only), I columns per chunk (0: all), every tile
+# requested before the wait (T=1 only; the shipped TP=4 form: in the step it beat the 16-way split with partials,
+# alone it did not, so judge these in the step with bench/ab_session.sh)
+DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f, dn_block_i=bi, dn_ahead=a)
+        for h, d, w, f, bi, a in
+        ((16, 4, 4, False, 0, False), (32, 4, 4, False, 0, False), (64, 8, 4, False, 0, False),
+         (32, 16, 4, False, 0, False), (64, 16, 4, False, 0, False), (128, 8, 8, False, 0, False),
+         (16, 16, 4, True, 0, False), (32, 16, 4, True, 0, False), (32, 8, 4, True, 0, False),
+         (64, 16, 8, True, 0, False), (64, 4, 8, True, 0, False), (64, 32, 4, False, 0, False),
+         (128, 16, 8, False, 0, False), (32, 32, 4, False, 0, False), (64, 16, 8, False, 0, False),
+         (128, 32, 8, False, 0, False),
+         # I in chunks (192 = 3 x 64, 384 = 3 x 128)
+         (64, 8, 4, False, 64, False), (64, 16, 4, False, 64, False), (64, 16, 4, False, 128, False),
+         (128, 16, 4, False, 64, False), (128, 8, 8, False, 128, False), (64, 8, 4, False, 128, False),
+         (32, 16, 4, False, 128, False), (128, 16, 8, False, 128, False), (64, 32, 4, False, 64, False),
+         (16, 16, 4, True, 64, False), (16, 16, 4, True, 128, False), (32, 16, 4, True, 64, False),
+         (32, 16, 4, True, 128, False), (16, 16, 2, True, 128, False), (64, 16, 8, True, 64, False),
+         # one token, few rows per program, all (or half) the slots: no partials to sum
+         (8, 1, 2, True, 0, False), (8, 2, 2, True, 0, False), (16, 1, 4, True, 0, False), (4, 1, 1, True, 0, False),
+         (8, 1, 1, True, 0, False),
+         # the same with every tile requested before the wait
+         (16, 1, 4, True, 64, True), (32, 1, 8, True, 64, True), (16, 1, 8, True, 64, True), (16, 2, 4, True, 64, True),
+         (8, 1, 2, True, 64, True))]
 # (block_v, num_warps); 64 value columns (two programs per head) compile without spills at T=1 with 4 or 8 warps
 # and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill
 KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8)]

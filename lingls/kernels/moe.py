@@ -451,7 +451,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     (topk_w [T, top_k] fp32, topk_i [T, top_k] int32), the routing in selection order.
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
     route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, gu_fma, block_h, split_d,
-    dn_warps, dn_fma, dn_block_i (down's I columns per chunk, default all); the FMA paths apply at T=1 only),
+    dn_warps, dn_fma, dn_block_i (down's I columns per chunk, 0 or absent: all), dn_ahead; the FMA paths apply at
+    T=1 only),
     for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
@@ -505,7 +506,7 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     block_h = k["block_h"]
-    dn_block_i = min(max(k.get("dn_block_i", i_pad), 16), i_pad)  # columns of I per chunk (tl.dot: >= 16)
+    dn_block_i = min(max(k.get("dn_block_i") or i_pad, 16), i_pad)  # I columns per chunk (0: all; tl.dot: >= 16)
     h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
