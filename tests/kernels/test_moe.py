@@ -141,14 +141,18 @@ def test_kernels_compile_for_h200():
                   dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
                        EARLY_SHARED=True),
                   4, True, divisible=("H", "E", "I", "I_S", "K_PER"))
+        down = dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32", wt_ptr="*fp32",
+                    out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
         for d_per, fma in ((1, True), (10, False)):
-            build(moe._down_kernel, dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
-                  wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+            build(moe._down_kernel, down,
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, USE_PDL=True, F32_DOT=False), 8 if fma else 4, True,
-                  divisible=("H", "E", "I", "I_S"))
+                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, USE_PDL=True, F32_DOT=False),
+                  8 if fma else 4, True, divisible=("H", "E", "I", "I_S"))
+        build(moe._down_kernel, down,  # one token, all 9 slots' tiles before the wait (the TP=4 settings)
+              dict(D_PER=9, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False, FMA=True,
+                   AHEAD=True, USE_PDL=2, F32_DOT=False), 4, True, divisible=("H", "E", "I", "I_S"))
     """)
-    assert len(lines) == 8, lines
+    assert len(lines) == 9, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
 
