@@ -133,4 +133,5 @@ def main(out: str, hops: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "hop_probe.json", int(sys.argv[2]) if len(sys.argv) > 2 else 390))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "hop_probe.json",
+                  int(sys.argv[2]) if len(sys.argv) > 2 else 390))

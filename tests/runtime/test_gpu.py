@@ -54,4 +54,5 @@ def test_warmup_prefill_leaves_no_trace(gpu_model):
     warm = ModelRunner(gpu_model, capacity=512, prefill_chunk=32)
     warm.warmup(greedy_only=True)
     assert warm.cache.tokens == []
-    assert list(warm.generate(BASE, 12)) == list(ModelRunner(gpu_model, capacity=512, prefill_chunk=32).generate(BASE, 12))
+    fresh = ModelRunner(gpu_model, capacity=512, prefill_chunk=32)
+    assert list(warm.generate(BASE, 12)) == list(fresh.generate(BASE, 12))
