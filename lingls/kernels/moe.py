@@ -324,12 +324,13 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     if AHEAD:
-        tiles = ()
-        for it in tl.static_range(D_PER * I_CHUNKS):
-            d = sd + (it // I_CHUNKS) * SPLIT_D
+        tiles = ()  # (slot, chunk) tiles in slot-major order, each with its slot's expert id
+        for slot in tl.static_range(D_PER):
+            d = sd + slot * SPLIT_D
             e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
-            tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, (it % I_CHUNKS) * BLOCK_I + ri, rt, T,
-                                               H, E, I, I_S),)
+            for c in tl.static_range(I_CHUNKS):
+                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, I,
+                                                   I_S),)
         wait_previous(USE_PDL)
         for it in tl.static_range(D_PER * I_CHUNKS):
             e, wt, w, inter = tiles[it]
