@@ -208,7 +208,7 @@ def test_bad_shapes_are_named():
 
 
 SM90_PRELUDE = """
-import os, subprocess, tempfile, triton
+import os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -226,14 +226,18 @@ def build(fn, types, consts, num_warps=4, pdl=False, divisible=()):
     open(path, "wb").write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    print(fn.__name__, consts, [line.strip() for line in usage.splitlines() if "REG:" in line][0])
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    code = [line for line in sass.splitlines() if re.match(r"\\s+/\\*[0-9a-f]{4,}\\*/", line)]
+    print(fn.__name__, consts, [line.strip() for line in usage.splitlines() if "REG:" in line][0],
+          f"SASS:{len(code)} BAR:{sum(' BAR.' in line for line in code)}")
 """
 
 
 def compile_for_sm90(body: str) -> list[str]:
     """Compile kernels for the H200 (sm_90) without a GPU, in a process without TRITON_INTERPRET: the
     interpreter does not type-check, so this is what catches code only the GPU compiler rejects. Returns
-    one resource-usage line per kernel (registers, stack = spills)."""
+    one line per kernel: resource usage (registers, stack = spills), then its SASS instruction count and CTA
+    barriers (`pytest tests/kernels -k compile -s` prints them: a cheap screen before spending device time)."""
     ptxas = os.path.join(os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this Triton wheel has no ptxas")
@@ -241,6 +245,7 @@ def compile_for_sm90(body: str) -> list[str]:
     run = subprocess.run([sys.executable, "-c", SM90_PRELUDE + textwrap.dedent(body)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    print(run.stdout, end="")  # shown with -s
     return run.stdout.strip().splitlines()
 
 
