@@ -274,9 +274,8 @@ def router_probe(fused: FusedStep) -> dict:
     tw, ti = torch.empty(1, cfg["top_k"], device="cuda"), torch.empty(1, cfg["top_k"], device="cuda", dtype=torch.int32)
     slots = torch.empty(cfg["top_k"] + 1, device="cuda", dtype=torch.int32)
     wt = torch.empty(1, e, device="cuda")
-    cnt = moe.counters(x.device, 1 + e)
     routing = dict(TOP_K=cfg["top_k"], K_PAD=cfg["top_k"], G=cfg["n_group"], G_PAD=cfg["n_group"],
-                   EPG=e // cfg["n_group"], EPG_PAD=e // cfg["n_group"], E_PAD=e, D_PAD=16, TOPK_GROUP=cfg["topk_group"],
+                   EPG=e // cfg["n_group"], EPG_PAD=e // cfg["n_group"], E_PAD=e, TOPK_GROUP=cfg["topk_group"],
                    NORMALIZE=cfg["normalize"], HAS_SHARED=True, WRITE_TOPK=False)
 
     def launch(w, route: bool):
@@ -285,9 +284,8 @@ def router_probe(fused: FusedStep) -> dict:
             K_ITERS=k_per // knobs["router_block_k"], FMA=True, USE_PDL=True, F32_DOT=False,
             num_warps=knobs["router_warps"], launch_pdl=True)
         if route:
-            moe._route_token_kernel[(1,)](part, w.expert_bias, cnt, tw, ti, slots, wt, 1, e, cfg["top_k"] + 1,
-                                          float(cfg["scale"]), SPLIT=split, SOLO=True, USE_PDL=True,
-                                          num_warps=knobs["route_warps"], launch_pdl=True, **routing)
+            moe._route_token_kernel[(1,)](part, w.expert_bias, tw, ti, slots, wt, e, float(cfg["scale"]), SPLIT=split,
+                                          USE_PDL=True, num_warps=knobs["route_warps"], launch_pdl=True, **routing)
 
     return {f"route_{route}": graph_us([lambda w=w, r=route: launch(w, r) for w in entries], len(entries))
             for route in (False, True)}

@@ -10,20 +10,26 @@ torch.mm reaches ~0.9 TB/s on an H200). Here it is four launches, the last two s
 2. `_route_token_kernel`: one program per token sums the partials in a fixed order and routes on chip:
    sigmoid, group scores (sum of the top-2 of score + bias per group), the best `topk_group` groups, the top-k
    experts, weights from the unbiased scores (renormalised, scaled). It writes each token's weight per expert
-   wt[token, expert] (0 where the token did not choose it; the shared expert always weighs 1) and the
-   *alignment* the expert kernels need: the distinct experts chosen by any token, in ascending id order after
-   the shared expert (slot 0, id E), then -1 in the slots no token needs (several tokens: each marks a presence
-   table and the last to arrive aligns; one token aligns its own choice). Routing in the router's last
-   program instead (an atomic arrival counter, no launch of its own) was slower at every width on an H200:
-   under PDL a launch boundary costs less than the counter's fences (bench/results/tune_t1_moe_tp4_solo.json).
-3. `_gate_up_kernel`: programs over (distinct-expert slot, block of I). Each streams its expert's gate and up
-   rows once for all T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it.
-   A -1 slot exits at once: the grid is sized for the worst case, so nothing is read back to the host, and
-   a program's first dependent read is its own slot (no separate count to fetch first).
-4. `_down_kernel`: programs over blocks of the hidden dim; each walks the distinct experts, multiplies their
+   wt[token, expert] (0 where the token did not choose it; the shared expert always weighs 1) and the *slots*
+   the expert kernels walk: the shared expert (id E) in slot 0, then a row of k slots per token holding its
+   experts in ascending id order. Routing in the router's last program instead (an atomic arrival counter, no
+   launch of its own) was slower at every width on an H200: under PDL a launch boundary costs less than the
+   counter's fences (bench/results/tune_t1_moe_tp4_solo.json).
+3. `_gate_up_kernel`: programs over (slot, block of I). Each streams its expert's gate and up rows once for all
+   T tokens and writes SwiGLU(gate, up) (with the clamp) for the tokens that chose it. An expert several
+   tokens chose sits in several rows: only the lowest token's slot streams it (for every token that chose
+   it); the others exit at once, and the kernel writes the slots with them marked -1 for the down kernel
+   (`_lowest_holder`). The grid is sized for the worst case, so nothing is read back to the host, and a
+   program's first dependent reads are its own slot and the rows below it, side by side.
+4. `_down_kernel`: programs over blocks of the hidden dim; each walks the slots, multiplies their
    activations with its rows of the expert's down projection and accumulates wt[token, expert] * result in
    fp32, so the weighted sum over the k experts and the shared expert happens in registers, without atomics,
    and the output (optionally plus a residual) is written once.
+
+Why a row of slots per token, not one list of the distinct experts: that list needs every token's choice,
+so the tokens' programs had to meet (each marking a presence table, the last to arrive, after a release fence,
+reading it back and ranking it): ~3 us of every verify step's MoE layer on an H200, where the duplicate check
+in the gate-up kernel costs a comparison (its reads go out together with the slot's own).
 
 Why not fewer launches: the down projection needs a whole expert's activation (all of I), which no single
 program of the gate-up launch holds; splitting down over I instead (atomics into the output) costs
@@ -91,33 +97,19 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
 
 
 @triton.jit
-def _route_token_kernel(part_ptr, bias_ptr, cnt_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr, T, E, D_MAX, scale,
+def _route_token_kernel(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        D_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, WRITE_TOPK: tl.constexpr, SOLO: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        WRITE_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
-    program) and marks its experts in a presence table (cnt_ptr[1:1+E]); the last to arrive aligns them and
-    leaves the counter and the table at zero again. SOLO (one token, one program) aligns its own choice
-    directly: no table, no counter, no atomics."""
+    program) and writes its row of slots; the programs never meet (see the module note)."""
     t = tl.program_id(0)
     gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
     wait_previous(USE_PDL)
     mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
                         G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
-    if SOLO:
-        _align(mine, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
-    else:
-        re = tl.arange(0, E_PAD)
-        tl.atomic_or(cnt_ptr + 1 + re, mine, mask=mine > 0, sem="relaxed")
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if arrived == T - 1:
-            present = tl.load(cnt_ptr + 1 + re, mask=re < E, other=0, cache_modifier=".cg")
-            _align(present, experts_ptr, E, D_MAX, E_PAD, D_PAD, HAS_SHARED)
-            tl.store(cnt_ptr + 1 + re, tl.zeros_like(present), mask=re < E)
-            tl.atomic_xchg(cnt_ptr, 0)
+    _token_slots(mine, experts_ptr, t, E, TOP_K, E_PAD, HAS_SHARED)
 
 
 @triton.jit
@@ -221,26 +213,36 @@ def _pick_keys(left, ids, kc, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _align(present, experts_ptr, E, D_MAX, E_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """The slots the expert kernels walk: the shared expert (slot 0, id E), then the experts any token chose
-    (present [E_PAD]) in ascending id order, then -1 up to D_MAX (slots that exit at once)."""
+def _token_slots(chosen, experts_ptr, t, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Token t's row of slots: the TOP_K experts it chose (chosen [E_PAD], 0 or 1; `_route_token` always
+    chooses exactly TOP_K) in ascending id order, at slots HAS_SHARED + t * TOP_K + j; the shared expert
+    (id E) in slot 0."""
     re = tl.arange(0, E_PAD)
-    present = tl.where(re < E, present, 0)
-    slot = tl.cumsum(present, axis=0) - present + HAS_SHARED
-    tl.store(experts_ptr + slot, re, mask=present > 0)
+    chosen = tl.where(re < E, chosen, 0)
+    j = tl.cumsum(chosen, axis=0) - chosen
+    tl.store(experts_ptr + HAS_SHARED + t * TOP_K + j, re, mask=chosen > 0)
     if HAS_SHARED:
-        tl.store(experts_ptr, E)
-    count = tl.sum(present, axis=0) + HAS_SHARED
-    rd = tl.arange(0, D_PAD)
-    tl.store(experts_ptr + rd, tl.full((D_PAD,), -1, tl.int32), mask=(rd >= count) & (rd < D_MAX))
+        if t == 0:
+            tl.store(experts_ptr, E)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
+def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
+    """Slot d's expert e, or -1 where a lower token's row of slots (SLOT0 is the first row's first slot) holds
+    e too: each distinct expert is streamed once, by the lowest token that chose it. The rows below are read
+    with no dependence on e, so their load goes out with the slot's own."""
+    rd = tl.arange(0, D_PAD)
+    below = tl.load(experts_ptr + SLOT0 + rd, mask=rd < ((d - SLOT0) // TOP_K) * TOP_K, other=-1,
+                    cache_modifier=".cg")
+    return tl.where(tl.max((below == e).to(tl.int32), axis=0) > 0, -1, e)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
                     SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                    EARLY_SHARED: tl.constexpr):
+                    EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -250,7 +252,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
     written three launches back (complete once the router passed its own wait: the routing lets this kernel
     launch only after its own wait, `pdl.LATE`), so they run while the tokens are routed and wait only at the
     end. The programs let the down kernel launch only after their wait (LATE whatever USE_PDL says): it reads
-    the routing's slots before its own wait."""
+    the routing's slots before its own wait.
+
+    DEDUP (several tokens): a slot whose expert a lower token's row holds exits (`_lowest_holder`), and the
+    slot's first program writes what the slot became (its expert or -1) to owned_ptr, for the down kernel."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -261,7 +266,11 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, wt_ptr, act_ptr, part_p
     if EARLY_SHARED:
         e = tl.load(experts_ptr + d, mask=d != 0, other=E)
     else:
-        e = tl.load(experts_ptr + d)  # -1: a slot no token needs
+        e = tl.load(experts_ptr + d)
+    if DEDUP:
+        e = _lowest_holder(experts_ptr, d, e, 1 if EARLY_SHARED else 0, TOP_K, D_PAD)
+        if (ib == 0) & (ks == 0):
+            tl.store(owned_ptr + d, e)
     if e >= 0:
         shared = e == E
         inter = tl.where(shared, I_S, I)
@@ -321,11 +330,11 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 
 
 @triton.jit
-def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr,
-                 AHEAD: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -338,7 +347,10 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
     two tiles in registers, was 20-40% slower at T=9 on an H200: bench/results/tune_t9_moe_tp4.json).
     An expert's I columns are read in I_CHUNKS chunks of BLOCK_I: one loop over (slot, chunk), so the tile in
     flight stays small and no padding past I is held (TP=2's I = 384 pads to 512 in one chunk).
-    AHEAD (one token): every (slot, chunk) tile of the program is requested before the wait, none after it."""
+    AHEAD (one token): every (slot, chunk) tile of the program is requested before the wait, none after it.
+    DEDUP (several tokens): after the wait the slots are read from owned_ptr, where the gate-up kernel marked
+    the duplicates -1 (the first slot's rows, requested early for the routing's expert, then count only if the
+    slot kept it)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -363,11 +375,13 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, wt_ptr, out_ptr, res_ptr
         e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
         wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
         wait_previous(USE_PDL)
+        if DEDUP:
+            e = tl.load(owned_ptr + sd, mask=sd < D_MAX, other=-1)
         acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
         for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
             d = sd + (it // I_CHUNKS) * SPLIT_D
             rc = (it % I_CHUNKS) * BLOCK_I + ri
-            e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1)
+            e = tl.load(owned_ptr + d, mask=d < D_MAX, other=-1)
             wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
@@ -486,15 +500,18 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     e = router_w.shape[0]
     i = down.shape[2]
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0 and n_group <= 16  # groups as bits
+    assert top_k <= topk_group * (e // n_group), "top_k must fit in the kept groups (each token fills its k slots)"
     has_shared = shared_gate_up is not None
     i_s = shared_down.shape[1] if has_shared else 0
-    d_max = min(t * top_k, e) + int(has_shared)
+    d_max = t * top_k + int(has_shared)  # slot 0: the shared expert; then a row of top_k slots per token
     i_pad = triton.next_power_of_2(max(i, i_s))
     dev = x.device
     out = torch.empty_like(x)
     topk_w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     topk_i = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    experts = torch.empty(d_max, dtype=torch.int32, device=dev)  # the slots: expert ids, -1 where unused
+    experts = torch.empty(d_max, dtype=torch.int32, device=dev)  # the slots: expert ids, as routed
+    dedup = t > 1  # one token's experts are distinct
+    owned = torch.empty(d_max, dtype=torch.int32, device=dev) if dedup else experts  # duplicates marked -1
     wt = torch.empty(t, e, dtype=torch.float32, device=dev)  # each token's weight per expert (0: not chosen)
     act = torch.empty(d_max, 16, i_pad, dtype=x.dtype, device=dev)
 
@@ -506,39 +523,37 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     epg = e // n_group
     routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), G=n_group, G_PAD=triton.next_power_of_2(n_group),
                    EPG=epg, EPG_PAD=triton.next_power_of_2(epg), E_PAD=triton.next_power_of_2(e),
-                   D_PAD=triton.next_power_of_2(d_max), TOPK_GROUP=topk_group, NORMALIZE=normalize,
-                   HAS_SHARED=has_shared, WRITE_TOPK=return_routing)
-    cnt = counters(dev, 1 + e)
+                   TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, WRITE_TOPK=return_routing)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
         x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=router_block_k,
         K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl_mode(pdl, "router", t), F32_DOT=INTERPRET,
         num_warps=k["router_warps"], **launch)
-    _route_token_kernel[(t,)](part, expert_bias, cnt, topk_w, topk_i, experts, wt, t, e, d_max, float(scale),
-                              SPLIT=split, SOLO=t == 1, USE_PDL=pdl_mode(pdl, "route", t),
-                              num_warps=k["route_warps"], **routing, **launch)
+    _route_token_kernel[(t,)](part, expert_bias, topk_w, topk_i, experts, wt, e, float(scale), SPLIT=split,
+                              USE_PDL=pdl_mode(pdl, "route", t), num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = k["gu_block_k"]
     gu_k_per, gu_split = _h_ranges(h, k["gu_split"], gu_block_k)
     i_blocks = triton.cdiv(max(i, i_s), k["block_i"])
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
-    gu_cnt = counters(dev, 1 + e + d_max * i_blocks)[1 + e:]  # past the router's: slot 0 may run beside it
+    block_h = k["block_h"]
+    h_blocks = triton.cdiv(h, block_h)
+    gu_cnt = counters(dev, h_blocks + d_max * i_blocks)[h_blocks:]  # past the down kernel's, which may overlap
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
+        x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
         float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
-        F32_DOT=INTERPRET, EARLY_SHARED=has_shared, num_warps=k["gu_warps"], num_stages=3, **launch)
+        F32_DOT=INTERPRET, EARLY_SHARED=has_shared, DEDUP=dedup, TOP_K=top_k, D_PAD=triton.next_power_of_2(d_max),
+        num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
-    block_h = k["block_h"]
     dn_block_i = min(max(k.get("dn_block_i") or i_pad, 16), i_pad)  # I columns per chunk (0: all; tl.dot: >= 16)
-    h_blocks = triton.cdiv(h, block_h)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
-        act, down, sdn, experts, wt, out, residual if residual is not None else out, down_part,
+        act, down, sdn, experts, owned, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
         HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
-        AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False),
+        AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False), DEDUP=dedup,
         USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i

@@ -126,31 +126,31 @@ def test_kernels_compile_for_h200():
         from lingls.kernels import moe
         routing = dict(TOP_K=8, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4, NORMALIZE=True,
                        HAS_SHARED=True, WRITE_TOPK=False, USE_PDL=True)
-        tables = dict(bias_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", topk_w_ptr="*fp32", topk_i_ptr="*i32",
-                      experts_ptr="*i32", wt_ptr="*fp32", scale="fp32")
+        tables = dict(bias_ptr="*fp32", part_ptr="*fp32", topk_w_ptr="*fp32", topk_i_ptr="*i32", experts_ptr="*i32",
+                      wt_ptr="*fp32", scale="fp32")
         for fma in (True, False):
             build(moe._router_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32"),
                   dict(BLOCK_E=8, BLOCK_K=512, K_ITERS=1, FMA=fma, USE_PDL=True, F32_DOT=False), 4, True,
                   divisible=("E", "H", "K_PER"))
-        for solo in (False, True):
-            build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, D_PAD=128, WRITE_TOPK=True, SOLO=solo), 1,
-                  True)
-        for fma in (False, True):
+        for write_topk in (False, True):
+            build(moe._route_token_kernel, tables, dict(routing, SPLIT=5, WRITE_TOPK=write_topk), 4, True)
+        for fma in (False, True):  # several tokens (slots deduplicated), one
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
-                  wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32", shared_limit="fp32"),
+                  owned_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32",
+                  shared_limit="fp32"),
                   dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
-                       EARLY_SHARED=True),
+                       EARLY_SHARED=True, DEDUP=not fma, TOP_K=8, D_PAD=128),
                   4, True, divisible=("H", "E", "I", "I_S", "K_PER"))
-        down = dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32", wt_ptr="*fp32",
-                    out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
+        down = dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32", owned_ptr="*i32",
+                    wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, down,
                   dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, USE_PDL=True, F32_DOT=False),
+                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, DEDUP=not fma, USE_PDL=True, F32_DOT=False),
                   8 if fma else 4, True, divisible=("H", "E", "I", "I_S"))
         build(moe._down_kernel, down,  # one token, all 9 slots' tiles before the wait (the TP=4 settings)
               dict(D_PER=9, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False, FMA=True,
-                   AHEAD=True, USE_PDL=2, F32_DOT=False), 4, True, divisible=("H", "E", "I", "I_S"))
+                   AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False), 4, True, divisible=("H", "E", "I", "I_S"))
     """)
     assert len(lines) == 9, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
@@ -158,8 +158,9 @@ def test_kernels_compile_for_h200():
 
 
 def test_unused_slots_are_marked(monkeypatch):
-    """The slots no token needs must read -1. Here the scratch starts at 0 (an expert every token chooses,
-    through its bias) instead of the usual -1 poison, so a slot left unwritten would count expert 0 again."""
+    """Nine tokens choosing the same 8 experts: the 64 slots of tokens 1-8 hold duplicates, which the gate-up
+    kernel must mark -1 for the down kernel. Here the scratch starts at 0 (an expert every token chooses,
+    through its bias) instead of the usual -1 poison, so a slot left unmarked would count expert 0 again."""
     real = torch.empty
 
     def empty(*shape, dtype=None, device=None):
