@@ -14,9 +14,9 @@
 # (e.g. bench/fused_step_gpu.py @OUT 42, or bench/spec_flash_gpu.py --stub --out @OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-snapshot() {  # snapshot REV DIR: the code a benchmark imports, without the embedded model
-    rm -rf "$2" && mkdir -p "$2"
-    git archive "$1" lingls bench tests pyproject.toml | tar -x -C "$2" --exclude=lingls/assets
+snapshot() {  # snapshot REV DIR: the code a benchmark imports, without the embedded model or the results
+    rm -rf "$2" && mkdir -p "$2"  # (the results are most of a snapshot's size, and the tree travels in 64 MiB)
+    git archive "$1" lingls bench tests pyproject.toml | tar -x -C "$2" --exclude=lingls/assets --exclude=bench/results
 }
 if [ "${1:-}" = --prepare ]; then
     snapshot "${2:-HEAD}" .cache/before
