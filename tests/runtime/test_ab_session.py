@@ -5,8 +5,10 @@ benchmark importing its own tree's lingls."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +35,7 @@ def test_variants_alternate_with_the_code_before(tmp_path):
     made = run(["--variant", "mark", str(patch)], clone)
     assert made.returncode == 0, made.stderr
     assert "PATCHED" in (clone / ".cache" / "mark" / "lingls" / "kernels" / "pdl.py").read_text()
+    assert not (clone / ".cache" / "mark" / "bench" / "results").exists()  # results stay home: 64 MiB travel
     assert run(["--variant", "after", str(patch)], clone).returncode != 0  # the working tree's name
 
     out = tmp_path / "out"
@@ -44,3 +47,23 @@ def test_variants_alternate_with_the_code_before(tmp_path):
     for name, tree, patched in (("before", "before", False), ("mark_r2", "mark", True)):
         file, mark = (out / f"{name}.json").read_text().split()
         assert file == str(clone / ".cache" / tree / "lingls" / "kernels" / "pdl.py") and mark == str(patched)
+
+
+def test_summary_folds_the_sides_into_one_file(tmp_path):
+    """bench/ab_summary.py: the device returns at most 8 files, so a call with more sides folds them into one."""
+    def side(ms, routing_us):
+        return {"rows": [{"T": 9, "fused_graph_ms": ms,
+                          "kernels": [{"kernel": "_route_token_kernel", "us_per_step": routing_us}]}]}
+
+    (tmp_path / "before.json").write_text(json.dumps(side(4.33, 258.0)))
+    (tmp_path / "after.json").write_text(json.dumps(side(4.23, 158.0)))
+    (tmp_path / "broken.json").write_text("{")  # a side that died mid-write
+    done = subprocess.run([sys.executable, "bench/ab_summary.py", str(tmp_path), "_route_token_kernel", "_none"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "broken.json: not JSON, left out" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("before", "after"))]
+    assert rows == [["after", "9", "4.230", "158.0", "-"], ["before", "9", "4.330", "258.0", "-"]]
+    summary = json.loads((tmp_path / "ab_summary.json").read_text())
+    assert sorted(summary) == ["after", "before"] and summary["after"] == side(4.23, 158.0)
+

@@ -1,0 +1,43 @@
+"""One table and one file for the sides of an A/B call (bench/ab_session.sh with bench/fused_step_gpu.py).
+
+The device tool returns at most 8 files per call, so a call that times more trees than that folds their
+results here: every SIDE.json under DIR goes into DIR/ab_summary.json (the whole files, keyed by side),
+and the step time at each T and the device time of the kernels named below are printed, one row per side.
+
+    python bench/ab_summary.py DIR [KERNEL ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_KERNELS = ("_route_token_kernel", "_gate_up_kernel", "_down_kernel", "_gemv_tma_kernel", "_mla_split_kernel")
+
+
+def main(folder: str, kernels: list[str]) -> int:
+    out = Path(folder)
+    sides = {}
+    for path in sorted(out.glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except ValueError:  # a side that died mid-write: its log says why
+            print(f"{path.name}: not JSON, left out")
+            continue
+        if path.name != "ab_summary.json" and isinstance(result, dict) and "rows" in result:
+            sides[path.stem] = result
+    (out / "ab_summary.json").write_text(json.dumps(sides, indent=1))
+    print(f"{'side':<14} {'T':>2} {'step ms':>8} " + " ".join(f"{k.strip('_')[:14]:>14}" for k in kernels))
+    for side, result in sides.items():
+        for row in result["rows"]:
+            device = {k["kernel"]: k["us_per_step"] for k in row.get("kernels", [])}
+            cells = " ".join(f"{device[k]:>14.1f}" if k in device else f"{'-':>14}" for k in kernels)
+            print(f"{side:<14} {row['T']:>2} {row['fused_graph_ms']:>8.3f} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1], sys.argv[2:] or list(DEFAULT_KERNELS)))
