@@ -267,7 +267,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
         e = tl.load(experts_ptr + d, mask=d != 0, other=E)
     else:
         e = tl.load(experts_ptr + d)
-    if DEDUP:
+    if DEDUP:  # the rows start past slot 0 when the shared expert holds it (EARLY_SHARED says it does)
         e = _lowest_holder(experts_ptr, d, e, 1 if EARLY_SHARED else 0, TOP_K, D_PAD)
         if (ib == 0) & (ks == 0):
             tl.store(owned_ptr + d, e)
