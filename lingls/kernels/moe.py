@@ -150,8 +150,8 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     count of chosen experts shows it) they are redone on packed keys (value and lowest index at once), so ties
     go to the lower id either way. Without a tie the program runs ~70% of the instructions it ran with packed
     keys alone (1,016 against 1,424 SASS at flash's shapes, the fallback not counted), and the fp32 picks took
-    ~7 us off the 1.44 ms TP=4 step (docs/kernel-log.md). No reshape: one reshaped tile chose experts outside the top-k on the H200 (Triton 3.6;
-    its interpreter was right)."""
+    ~7 us off the 1.44 ms TP=4 step (docs/kernel-log.md). No reshape: one reshaped tile chose experts outside
+    the top-k on the H200 (Triton 3.6; its interpreter was right)."""
     rg = tl.arange(0, G_PAD)
     rc = tl.arange(0, EPG_PAD)
     gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
