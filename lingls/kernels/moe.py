@@ -332,9 +332,10 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
-                 D_PER: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr,
-                 AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
+                 FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr,
+                 F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -350,7 +351,9 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
     AHEAD (one token): every (slot, chunk) tile of the program is requested before the wait, none after it.
     DEDUP (several tokens): after the wait the slots are read from owned_ptr, where the gate-up kernel marked
     the duplicates -1 (the first slot's rows, requested early for the routing's expert, then count only if the
-    slot kept it)."""
+    slot kept it). All of a program's slot ids are read at once (D_PER_PAD lanes), so no weight load in the
+    loop waits on an id load: Triton's pipeliner then gives the loop two buffers, where an id read inside
+    it left one (the verify step's down kernel at TP=4 with 64-column chunks: 1,047 -> 1,029 us per step)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -375,13 +378,16 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
         e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
         wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
         wait_previous(USE_PDL)
+        rs = tl.arange(0, D_PER_PAD)
+        slots = sd + rs * SPLIT_D
+        owned = tl.load(owned_ptr + slots, mask=(rs < D_PER) & (slots < D_MAX), other=-1)
         if DEDUP:
-            e = tl.load(owned_ptr + sd, mask=sd < D_MAX, other=-1)
+            e = tl.sum(tl.where(rs == 0, owned, 0))
         acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
         for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
             d = sd + (it // I_CHUNKS) * SPLIT_D
             rc = (it % I_CHUNKS) * BLOCK_I + ri
-            e = tl.load(owned_ptr + d, mask=d < D_MAX, other=-1)
+            e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
             wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
@@ -447,18 +453,22 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # each gate-up program requests its rows of one expert over all of H at once (no partial sums to add up), and
 # so does the router: per MoE layer 18.6 -> 16.5 us at TP=4 with 4 rows and 2 warps per gate-up program
 # (tune_t1_preload.json), 26.5 -> 23.4 at TP=2 (12 layers, tune_t1_tp2_preload.json). TP=2 reads down
-# in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json; at TP=4 chunks were not
-# faster: tune_t9_down_tp4.json). At T=1 at TP=4 each down program takes 16 hidden rows of all 9 slots, every
-# tile requested before the wait: no partial sums and no arrival counter after it. Timed in the 42-layer step,
-# not alone (alone, in a chain of MoE layers, an earlier form lost: tune_t1_down_ahead_tp4.json): 1.464-1.467 ->
-# 1.431-1.444 ms in three alternations (fused_step_shard42_down_ahead*.json). TP=2 keeps its split (not timed).
+# in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json). At TP=4 chunks were not
+# faster (tune_t9_down_tp4.json) until the down kernel read its slot ids before its loop, which gives the loop
+# two buffers: then 64-column chunks took its device time 1,047 -> 1,029 us per 42-layer T=9 step (all 192
+# columns in two buffers need 82 KB of shared memory: 1,365 us; fused_step_shard42_dnids_*.json), and TP=2's
+# verify step 6.69 -> 6.60 ms (spec_flash_tp2_shard_dnids_*.json). At T=1 at TP=4 each down program takes 16
+# hidden rows of all 9 slots, every tile requested before the wait: no partial sums and no arrival counter
+# after it. Timed in the 42-layer step, not alone (alone, in a chain of MoE layers, an earlier form lost:
+# tune_t1_down_ahead_tp4.json): 1.464-1.467 -> 1.431-1.444 ms in three alternations
+# (fused_step_shard42_down_ahead*.json). TP=2 keeps its split (not timed).
 _ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route_warps=4)
 CONFIGS = {192: {
     1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
             gu_block_k=256, gu_split=1, gu_warps=2, gu_fma=True, block_h=16, split_d=1, dn_warps=4, dn_fma=True,
             dn_ahead=True, dn_block_i=64),
     16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
-             dn_warps=4, dn_fma=False),
+             dn_warps=4, dn_fma=False, dn_block_i=64),
 }, 384: {
     1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
             gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=True, block_h=32, split_d=16, dn_warps=4, dn_fma=True,
@@ -550,7 +560,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, owned, wt, out, residual if residual is not None else out, down_part,
-        counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d), SPLIT_D=split_d,
+        counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d),
+        D_PER_PAD=triton.next_power_of_2(triton.cdiv(d_max, split_d)), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
         HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
         AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False), DEDUP=dedup,

@@ -229,15 +229,15 @@ def build(fn, types, consts, num_warps=4, pdl=False, divisible=()):
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
     code = [line for line in sass.splitlines() if re.match(r"\\s+/\\*[0-9a-f]{4,}\\*/", line)]
     print(fn.__name__, consts, [line.strip() for line in usage.splitlines() if "REG:" in line][0],
-          f"SASS:{len(code)} BAR:{sum(' BAR.' in line for line in code)}")
+          f"SASS:{len(code)} BAR:{sum(' BAR.' in line for line in code)} SMEM:{k.metadata.shared}")
 """
 
 
 def compile_for_sm90(body: str) -> list[str]:
     """Compile kernels for the H200 (sm_90) without a GPU, in a process without TRITON_INTERPRET: the
     interpreter does not type-check, so this is what catches code only the GPU compiler rejects. Returns
-    one line per kernel: resource usage (registers, stack = spills), then its SASS instruction count and CTA
-    barriers (`pytest tests/kernels -k compile -s` prints them: a cheap screen before spending device time)."""
+    one line per kernel: resource usage (registers, stack = spills), then its SASS instruction count, CTA
+    barriers and shared memory in bytes (`pytest tests/kernels -k compile -s` prints them: a cheap screen before spending device time)."""
     ptxas = os.path.join(os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this Triton wheel has no ptxas")

@@ -145,16 +145,21 @@ def test_kernels_compile_for_h200():
                     wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, down,
-                  dict(D_PER=d_per, SPLIT_D=8, BLOCK_H=64, BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3,
-                       I_PAD=256, HAS_RES=False, FMA=fma, AHEAD=False, DEDUP=not fma, USE_PDL=True, F32_DOT=False),
+                  dict(D_PER=d_per, D_PER_PAD=triton.next_power_of_2(d_per), SPLIT_D=8, BLOCK_H=64,
+                       BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3, I_PAD=256, HAS_RES=False, FMA=fma,
+                       AHEAD=False, DEDUP=not fma, USE_PDL=True, F32_DOT=False),
                   8 if fma else 4, True, divisible=("H", "E", "I", "I_S"))
         build(moe._down_kernel, down,  # one token, all 9 slots' tiles before the wait (the TP=4 settings)
-              dict(D_PER=9, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False, FMA=True,
-                   AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False), 4, True, divisible=("H", "E", "I", "I_S"))
+              dict(D_PER=9, D_PER_PAD=16, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False,
+                   FMA=True, AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False), 4, True,
+              divisible=("H", "E", "I", "I_S"))
     """)
     assert len(lines) == 9, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
+    # the verify step's down loop keeps two (slot, chunk) tiles in flight: weights [64, 64] and activations
+    # [16, 64], bf16 (one buffer each when a slot id was read inside the loop)
+    assert int(lines[7].rsplit("SMEM:", 1)[1]) >= 2 * (64 * 64 + 16 * 64) * 2, lines[7]
 
 
 def test_unused_slots_are_marked(monkeypatch):
