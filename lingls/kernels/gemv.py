@@ -288,7 +288,11 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # bench/results/tune_t1_tp2_preload.json, at T=16 bench/results/tune_tp2.log). The TP=4 verify shapes take the
 # descriptor path with K split so every SM gets programs: the GEMVs' device time per 42-layer T=9 step 742 -> 677
 # us, the step 4.399 -> 4.346 ms (bench/results/fused_step_shard42_tma.json); the settings fastest shape by shape
-# alone (fewer K ranges, bench/results/tune_gemv_tma_t9.json) made the step slower.
+# alone (fewer K ranges, bench/results/tune_gemv_tma_t9.json) made the step slower. Changed one shape at a time,
+# the KDA input projection unsplit (81 programs over all of K, no meeting) took the GEMVs 676 -> 665 us and the
+# step 11 us less on average over seven alternations in three calls (fused_step_shard42_gemvkda_ab.json and
+# the gemvkda sides of fused_step_shard42_lanes_ab.json, fused_step_shard42_dnids_ab.json); the output
+# projection unsplit did not move the step.
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
@@ -299,7 +303,7 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
     (1536, 2560, True, 16): dict(block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=3, tma=True),
     (2120, 2560, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, tma=True),
-    (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4, tma=True),
+    (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
     # TP=2
     (10256, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),
     (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
