@@ -353,7 +353,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
     the duplicates -1 (the first slot's rows, requested early for the routing's expert, then count only if the
     slot kept it). All of a program's slot ids are read at once (D_PER_PAD lanes), so no weight load in the
     loop waits on an id load: Triton's pipeliner then gives the loop two buffers, where an id read inside
-    it left one (the verify step's down kernel at TP=4 with 64-column chunks: 1,047 -> 1,029 us per step)."""
+    it left one (the verify step's down kernel at TP=4 with 64-column chunks: ~1,048 -> ~1,031 us per step)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -455,7 +455,7 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 # (tune_t1_preload.json), 26.5 -> 23.4 at TP=2 (12 layers, tune_t1_tp2_preload.json). TP=2 reads down
 # in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json). At TP=4 chunks were not
 # faster (tune_t9_down_tp4.json) until the down kernel read its slot ids before its loop, which gives the loop
-# two buffers: then 64-column chunks took its device time 1,047 -> 1,029 us per 42-layer T=9 step (all 192
+# two buffers: then 64-column chunks took its device time ~1,048 -> ~1,031 us per 42-layer T=9 step (all 192
 # columns in two buffers need 82 KB of shared memory: 1,365 us; fused_step_shard42_dnids_*.json), and TP=2's
 # verify step 6.69 -> 6.60 ms (spec_flash_tp2_shard_dnids_*.json). At T=1 at TP=4 each down program takes 16
 # hidden rows of all 9 slots, every tile requested before the wait: no partial sums and no arrival counter
