@@ -101,7 +101,8 @@ GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
 # pipeline stages
 GEMV_TMA = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st, tma=True)
             for bn, bk, sk, st in ((64, 128, 2, 4), (64, 128, 4, 3), (64, 128, 1, 4), (128, 128, 2, 3),
-                                   (64, 256, 2, 3), (64, 64, 4, 4), (128, 64, 4, 4))]
+                                   (64, 256, 2, 3), (64, 64, 4, 4), (128, 64, 4, 4),
+                                   (64, 128, 1, 6), (64, 128, 1, 8), (64, 256, 1, 4))]  # unsplit, deeper
 GEMV += GEMV_TMA
 
 
