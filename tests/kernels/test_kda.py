@@ -237,7 +237,8 @@ def compile_for_sm90(body: str) -> list[str]:
     """Compile kernels for the H200 (sm_90) without a GPU, in a process without TRITON_INTERPRET: the
     interpreter does not type-check, so this is what catches code only the GPU compiler rejects. Returns
     one line per kernel: resource usage (registers, stack = spills), then its SASS instruction count, CTA
-    barriers and shared memory in bytes (`pytest tests/kernels -k compile -s` prints them: a cheap screen before spending device time)."""
+    barriers and shared memory in bytes (`pytest tests/kernels -k compile -s` prints them: a cheap screen
+    before spending device time)."""
     ptxas = os.path.join(os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this Triton wheel has no ptxas")
