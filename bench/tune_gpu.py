@@ -85,8 +85,8 @@ DOWN = [dict(block_h=h, split_d=d, dn_warps=w, dn_fma=f, dn_block_i=bi, dn_ahead
          (16, 1, 4, True, 64, True), (32, 1, 8, True, 64, True), (16, 1, 8, True, 64, True), (16, 2, 4, True, 64, True),
          (8, 1, 2, True, 64, True))]
 # (block_v, num_warps); 64 value columns (two programs per head) compile without spills at T=1 with 4 or 8 warps
-# and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill
-KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8)]
+# and at T=9 with 4 (ptxas, sm_90; 8 warps spill 88 bytes there), 128 spill; one warp up to 16 columns at T=16
+KDA_CANDIDATES = [(bv, w) for bv in (8, 16, 32) for w in (2, 4, 8)] + [(64, 4), (64, 8), (4, 1), (8, 1), (16, 1)]
 GEMV = [{}] + [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, fma=f)
                for bn, bk, w, st, f in ((16, 128, 4, 3, False), (32, 128, 4, 3, False), (32, 256, 4, 3, False),
                                         (64, 256, 4, 3, False), (64, 128, 8, 4, False), (32, 512, 4, 2, False),

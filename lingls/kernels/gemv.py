@@ -292,17 +292,22 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # the KDA input projection unsplit (81 programs over all of K, no meeting) took the GEMVs 676 -> 665 us and the
 # step 11 us less on average over seven alternations in three calls (fused_step_shard42_gemvkda_ab.json and
 # the gemvkda sides of fused_step_shard42_lanes_ab.json, fused_step_shard42_dnids_ab.json); the output
-# projection unsplit did not move the step.
+# projection unsplit did not move the step. Then the other four shapes took the tuner's choice among deeper
+# pipelines and 256-column K tiles (tune_gemv_tma_deep_t9.json): GEMVs 665 -> 600 us, and with the one-warp KDA
+# verify step the step 4.218-4.360 -> 4.154-4.260 ms over four alternations in two calls (alone, beside the
+# old KDA setting, it did not move the step: fused_step_shard42_kg_ab.json). The TP=2 verify shapes moved to the
+# descriptor path with the tuner's choice (tune_tp2_kda1warp_gemv_tma.json; in the step, with the KDA setting,
+# spec_flash_tp2_shard_t2_ab.json).
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
     (2560, 1536, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # dense MLP down
     (1536, 2560, True, 1): dict(block_n=8, block_k=256, split_k=2, num_warps=4, num_stages=3, fma=True),  # gate-up
     (2120, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
-    (2560, 1024, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
-    (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
-    (1536, 2560, True, 16): dict(block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=3, tma=True),
-    (2120, 2560, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, tma=True),
+    (2560, 1024, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
+    (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
+    (1536, 2560, True, 16): dict(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=3, tma=True),
+    (2120, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
     (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
     # TP=2
     (10256, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),
@@ -310,11 +315,11 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (2560, 3072, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
     (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
     (3664, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
-    (10256, 2560, False, 16): dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (2560, 2048, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    (2560, 3072, False, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    (3072, 2560, True, 16): dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    (3664, 2560, False, 16): dict(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=3),
+    (10256, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
+    (2560, 2048, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
+    (2560, 3072, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
+    (3072, 2560, True, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6, tma=True),
+    (3664, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
 }
 
 

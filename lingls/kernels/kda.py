@@ -247,10 +247,15 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 
 
 # (block_v, num_warps) by heads per rank, then by the step's token count (the smallest key >= T applies), timed
-# by bench/tune_gpu.py at Ling-3.0-flash rank shapes on an H200 (8 heads: TP=4, bench/results/kernels_kda.json:
-# at T=9, staged, 32 value columns per program 14.4 us per layer, 16 columns 14.6; at T=1 within 5%; 16 heads:
-# TP=2, tune_kda_tp2_rows_ahead.json, 12 layers: T=1 32/4 4.50 us against 16/4 5.02, T=9 32/4 best).
-CONFIGS = {8: {1: (16, 4), 16: (32, 4)}, 16: {1: (32, 4), 16: (32, 4)}}
+# on an H200 at Ling-3.0-flash rank shapes. T=1 by bench/tune_gpu.py (8 heads: TP=4, bench/results/kernels_kda.json,
+# settings within 5%; 16 heads: TP=2, tune_kda_tp2_rows_ahead.json, 12 layers: 32/4 4.50 us against 16/4 5.02).
+# Verify steps (T > 1) run one warp per program, so every reduction over D stays inside a warp: chosen in the
+# step, not alone (alone the tuner prefers 4 columns, tune_kda_1warp_tp4.json). In the TP=4 step, 8 columns took
+# the KDA's device time per T=9 step 450 -> 400 us and the step 60-100 us lower, in every alternation of three
+# calls (fused_step_shard42_kda1warp_ab.json, fused_step_shard42_kg_ab*.json); 4 columns 455 us, 16 columns
+# 474 us. At T=1 one warp lost in the step (1.458 ms against 1.402), though it wins alone. TP=2: 8 columns, verify
+# 6.68 -> 6.51 ms with the GEMV settings beside it (spec_flash_tp2_shard_t2_ab.json).
+CONFIGS = {8: {1: (16, 4), 16: (8, 1)}, 16: {1: (32, 4), 16: (8, 1)}}
 
 
 def config_for(t: int, heads: int = 8) -> tuple[int, int]:

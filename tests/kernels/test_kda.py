@@ -260,14 +260,17 @@ def test_kernels_compile_for_h200_without_spills():
         for t, stage, norm, pdl in ((1, False, True, True), (9, True, True, True), (16, True, True, False),
                                     (4, False, False, False)):
             types = dict(ptrs, out_ptr="*bf16" if norm else "*fp32", stage_conv_ptr="*bf16" if stage else "*fp32")
-            consts = dict(T=t, H=8, D=128, BV=16, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm, USE_PDL=pdl)
-            build(kda._kda_step_kernel, types, consts, 4, pdl, divisible=("s_out",))
+            for heads in (8, 16):  # the shipped settings of the TP=4 and TP=2 shards
+                bv, warps = kda.config_for(t, heads)
+                consts = dict(T=t, H=heads, D=128, BV=bv, BT=triton.next_power_of_2(t), STAGE=stage, NORM=norm,
+                              USE_PDL=pdl)
+                build(kda._kda_step_kernel, types, consts, warps, pdl, divisible=("s_out",))
         build(kda._commit_kernel, dict(index_ptr="*i64", state_ptr="*fp32", stage_ptr="*fp32", live_conv="*bf16",
               staged_conv="*bf16"), dict(H=8, D=128, BV=16, T_STAGE=9, BLOCK=4096, USE_PDL=True), 4, True)
     """)
-    assert len(lines) == 5
+    assert len(lines) == 9
     for line in lines:
-        assert "STACK:0 " in line and "LOCAL:0 " in line, line  # the default block_v=16, 4 warps must not spill
+        assert "STACK:0 " in line and "LOCAL:0 " in line, line  # the shipped settings must not spill
 
 
 def test_launch_settings_are_kept_per_width():
