@@ -67,3 +67,20 @@ def test_summary_folds_the_sides_into_one_file(tmp_path):
     summary = json.loads((tmp_path / "ab_summary.json").read_text())
     assert sorted(summary) == ["after", "before"] and summary["after"] == side(4.23, 158.0)
 
+
+
+def test_summary_reads_speculative_rounds_too(tmp_path):
+    """A spec_flash_gpu side prints its plain step, its K+1-token step and, per draft head, the verify time and
+    TPOT at the README's acceptance; fused-step sides in the same folder keep their own table."""
+    rows = [{"k": 8, "a": a, "draft_vocab": vocab, "verify_ms": 6.7 + a / 100, "tpot_ms": 1.0 + a / 100}
+            for a in (5, 6) for vocab in (None, 32768)]
+    (tmp_path / "spec.json").write_text(json.dumps({"rows": rows, "plain_decode_ms": 2.13,
+                                                    "target_step_ms": {"8": 6.5}}))
+    (tmp_path / "step.json").write_text(json.dumps({"rows": [{"T": 1, "fused_graph_ms": 1.4}]}))
+    done = subprocess.run([sys.executable, "bench/ab_summary.py", str(tmp_path), "_none"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert ["step", "1", "1.400", "-"] in lines
+    assert [line for line in lines if line[0] == "spec"] == [["spec", "2.130", "6.500", "whole", "6.760", "1.060"],
+                                                             ["spec", "2.130", "6.500", "32k", "6.760", "1.060"]]
