@@ -251,10 +251,11 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
 # settings within 5%; 16 heads: TP=2, tune_kda_tp2_rows_ahead.json, 12 layers: 32/4 4.50 us against 16/4 5.02).
 # Verify steps (T > 1) run one warp per program, so every reduction over D stays inside a warp: chosen in the
 # step, not alone (alone the tuner prefers 4 columns, tune_kda_1warp_tp4.json). In the TP=4 step, 8 columns took
-# the KDA's device time per T=9 step 450 -> 400 us and the step 60-100 us lower, in every alternation of three
-# calls (fused_step_shard42_kda1warp_ab.json, fused_step_shard42_kg_ab*.json); 4 columns 455 us, 16 columns
-# 474 us. At T=1 one warp lost in the step (1.458 ms against 1.402), though it wins alone. TP=2: 8 columns, verify
-# 6.68 -> 6.51 ms with the GEMV settings beside it (spec_flash_tp2_shard_t2_ab.json).
+# the KDA's device time per T=9 step 450 -> 400 us and the step 19-86 us lower in each of four alternations in two
+# calls (fused_step_shard42_kda1warp_ab.json, fused_step_shard42_kg_ab.json), 62-104 us with the verify GEMV
+# settings beside it (four more); 4 columns 455 us, 16 columns 474 us. At T=1 one warp lost in the step (1.458 ms
+# against 1.402), though it wins alone. TP=2: 8 columns, with the GEMV settings beside it the speculative round's
+# verify 6.82 -> 6.71 ms (spec_flash_tp2_shard_t2_ab.json).
 CONFIGS = {8: {1: (16, 4), 16: (8, 1)}, 16: {1: (32, 4), 16: (8, 1)}}
 
 

@@ -68,7 +68,6 @@ def test_summary_folds_the_sides_into_one_file(tmp_path):
     assert sorted(summary) == ["after", "before"] and summary["after"] == side(4.23, 158.0)
 
 
-
 def test_summary_reads_speculative_rounds_too(tmp_path):
     """A spec_flash_gpu side prints its plain step, its K+1-token step and, per draft head, the verify time and
     TPOT at the README's acceptance; fused-step sides in the same folder keep their own table."""
