@@ -54,8 +54,9 @@ def main(folder: str, kernels: list[str]) -> int:
             sides[path.stem] = result
     (out / "ab_summary.json").write_text(json.dumps(sides, indent=1))
     spec = {side: result for side, result in sides.items() if "target_step_ms" in result}
-    if len(spec) < len(sides):
-        step_table({side: result for side, result in sides.items() if side not in spec}, kernels)
+    step = {side: result for side, result in sides.items() if side not in spec}
+    if step:
+        step_table(step, kernels)
     if spec:
         spec_table(spec)
     return 0
