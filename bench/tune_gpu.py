@@ -195,7 +195,7 @@ def tune_kda(fused: FusedStep, t: int) -> list[dict]:
                    conv_weight=entry["conv"], a_log=attn.A_log, dt_bias=attn.dt_bias, norm_weight=attn.o_norm.weight,
                    state=torch.randn(h, d, d, device="cuda") * 0.01)
         stage = (torch.empty(t, h, kda.STAGE_ROWS, d, device="cuda"),
-                 torch.empty(t, 3, c, 3, device="cuda", dtype=torch.bfloat16))
+                 torch.empty(t, 3, c, device="cuda", dtype=torch.bfloat16))
         calls.append((inp, stage if t > 1 else None, dict(lower_bound=attn.lower_bound, eps=attn.eps)))
     first, _, kw = calls[0]
     pristine = first["conv_state"].clone(), first["state"].clone()  # the timed calls update the live state

@@ -23,12 +23,15 @@ therefore lives inside this kernel (not in norm.py): a separate launch per layer
 per step, more than the norm's work; pass `norm_weight=None` to get the raw fp32 o instead (e.g. to fold the
 norm into the next GEMV's prologue).
 
-Speculative verification: with `stage=(stage_state [>=T, H, 4, D] fp32, stage_conv [>=T, 3, C, K-1])` the
-live state and conv state are only read; what the recurrence consumed at every position t (STAGE_ROWS: the
-normalised key, the log decay, the value, beta) goes to stage_state[t] and the conv windows after it to
-stage_conv[t]. `commit(index, ...)` then replays the recurrence over positions 0..index from the live state and
-copies stage_conv[index], reading `index` on device, so the host never waits for the accepted count; it takes a
-leading layer dim, so one launch commits all layers. Why inputs and a replay rather than the state after every
+Speculative verification: with `stage=(stage_state [>=T, H, 4, D] fp32, stage_conv [>=T, 3, C])` the live
+state and conv state are only read; what the recurrence consumed at every position t (STAGE_ROWS: the
+normalised key, the log decay, the value, beta) goes to stage_state[t] and the conv's input at t (the projected
+q, k, v row) to stage_conv[t]. `commit(index, ...)` then replays the recurrence over positions 0..index from the
+live state and rebuilds the conv windows after position index from the live windows and the staged inputs,
+reading `index` on device, so the host never waits for the accepted count; it takes a leading layer dim, so one
+launch commits all layers. Staging the inputs rather than the windows after every position stores a third of
+the bytes, and lets each store take the layout its row was loaded in (a window's stride-3 slots needed a
+shuffle of the row through shared memory per slot and position). Why inputs and a replay rather than the state after every
 position: that state is H*D*D fp32 per position (9 MB per layer at TP=2 for a 9-token verify) against 4*H*D
 here, and writing it cost ~0.19 ms of a 5 ms verify step on one H200 (TP=4 shard); the replay reads the
 state once, as the copy did, and adds T dependent updates.
@@ -69,10 +72,17 @@ CONV_KERNEL = 4  # Ling's short_conv_kernel_size; the kernel keeps the last 3 in
 
 
 @_jit
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) with the approximate division (div.full, 2 ulp): the IEEE one Triton's tl.sigmoid emits
+    costs a range check and a slow path per element, and the token loop is a chain of such instructions."""
+    return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
+
+
+@_jit
 def _conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
     """One causal-conv output (taps w0..w3 over inputs x0, x1, x2, x oldest first) then SiLU, fp32."""
     y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x
-    return y * tl.sigmoid(y)
+    return y * _sigmoid(y)
 
 
 STAGE_ROWS = 4  # per position and head: normalised key, log decay, value, beta (broadcast over D)
@@ -167,11 +177,11 @@ def _kda_step_kernel(
         xq0, xq1, xq2 = xq1, xq2, xq
         xk0, xk1, xk2 = xk1, xk2, xk
         xv0, xv1, xv2 = xv1, xv2, xv
-        qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale
-        kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + 1e-6)
-        gate = lower_bound * tl.sigmoid(rate * (f + dt_bias))  # log decay
+        qt = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale)
+        kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+        gate = lower_bound * _sigmoid(rate * (f + dt_bias))  # log decay
         decay = tl.exp(gate)
-        beta = tl.sigmoid(b.to(tl.float32))
+        beta = _sigmoid(b.to(tl.float32))
         # o = S'^T q = P^T q + (k.q) err: its reduction reads the decayed state P, as the update's does, so the
         # two are independent and their latencies overlap
         P, err, S = _delta_rule(S, kt, decay, vt, beta)
@@ -182,18 +192,12 @@ def _kda_step_kernel(
             tl.store(out_ptr + t * s_out + cv, o.to(out_ptr.dtype.element_ty))
         if STAGE:
             _stage_inputs(stage_state_ptr + (t * H + h) * _ROWS * D, dk, dv, kt, gate, vt, beta, j, D)
-            sc = stage_conv_ptr + t * 3 * C * 3
+            sc = stage_conv_ptr + t * 3 * C
             sty = stage_conv_ptr.dtype.element_ty
-            tl.store(sc + (2 * C + cv) * 3 + 0, xv0.to(sty))
-            tl.store(sc + (2 * C + cv) * 3 + 1, xv1.to(sty))
-            tl.store(sc + (2 * C + cv) * 3 + 2, xv2.to(sty))
-            first = (dk < D) & (j == 0)  # one program per head writes the q/k windows
-            tl.store(sc + ck * 3 + 0, xq0.to(sty), mask=first)
-            tl.store(sc + ck * 3 + 1, xq1.to(sty), mask=first)
-            tl.store(sc + ck * 3 + 2, xq2.to(sty), mask=first)
-            tl.store(sc + (C + ck) * 3 + 0, xk0.to(sty), mask=first)
-            tl.store(sc + (C + ck) * 3 + 1, xk1.to(sty), mask=first)
-            tl.store(sc + (C + ck) * 3 + 2, xk2.to(sty), mask=first)
+            tl.store(sc + 2 * C + cv, xv.to(sty))
+            first = (dk < D) & (j == 0)  # one program per head writes the q/k inputs
+            tl.store(sc + ck, xq.to(sty), mask=first)
+            tl.store(sc + C + ck, xk.to(sty), mask=first)
 
     ety = conv_ptr.dtype.element_ty
     if not STAGE:  # this program's own columns: nobody else reads them
@@ -297,8 +301,8 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         if (stage_state.shape[0] < t or stage_state.shape[1:] != (h, STAGE_ROWS, d)
                 or stage_state.dtype != torch.float32):
             raise ValueError(f"stage state must be fp32 [>=T, H, {STAGE_ROWS}, D], got {tuple(stage_state.shape)}")
-        if stage_conv.shape[0] < t or stage_conv.shape[1:] != conv_state.shape:
-            raise ValueError(f"stage conv must be [>=T, 3, C, 3], got {tuple(stage_conv.shape)}")
+        if stage_conv.shape[0] < t or stage_conv.shape[1:] != conv_state.shape[:2]:
+            raise ValueError(f"stage conv must be [>=T, 3, C], got {tuple(stage_conv.shape)}")
         if not (stage_state.is_contiguous() and stage_conv.is_contiguous()):
             raise ValueError("stage buffers must be contiguous")
     kwargs = {"launch_pdl": True} if pdl and q.is_cuda else {}
@@ -321,12 +325,11 @@ def kda_step_reference(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias
     """The same step from lingls.kernels.reference (the model's own math), with the same in-place contract."""
     t, c = q.shape
     h, d = state.shape[0], state.shape[-1]
-    ys, convs = [], []
+    ys, windows = [], []
     for i, x in enumerate((q, k, v)):
-        y, _ = ref.causal_conv_silu(x[None], conv_weight[i], conv_state[i][None])
+        y, window = ref.causal_conv_silu(x[None], conv_weight[i], conv_state[i][None])
         ys.append(y[0].view(t, h, d))
-        ext = torch.cat([conv_state[i], x.t().to(conv_state.dtype)], dim=-1)  # [C, 3 + T]
-        convs.append(torch.stack([ext[:, s + 1: s + CONV_KERNEL] for s in range(t)]))  # window after each token
+        windows.append(window[0])  # [C, 3]: the inputs after the last token
     qn = ref.l2_normalize(ys[0].float()) * d ** -0.5
     kn = ref.l2_normalize(ys[1].float())
     g = ref.kda_gate(f.view(t, h, d), a_log, dt_bias, lower_bound)
@@ -340,13 +343,12 @@ def kda_step_reference(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias
     if norm_weight is not None:
         o = ref.gated_rms_norm(o, norm_weight, z.view(t, h, d), eps).to(q.dtype)
     o = o.reshape(t, c)
-    conv_after = torch.stack(convs, dim=1)  # [T, 3, C, 3]
     if stage is None:
         state.copy_(s[0])
-        conv_state.copy_(conv_after[-1])
+        conv_state.copy_(torch.stack(windows))
     else:
         stage[0][:t].copy_(torch.stack([kn, g, ys[2].float(), beta[..., None].expand(t, h, d)], dim=2))
-        stage[1][:t].copy_(conv_after)
+        stage[1][:t].copy_(torch.stack([q, k, v], dim=1))  # [T, 3, C]: the conv's inputs
     if out is None:
         return o
     return out.copy_(o)
@@ -364,9 +366,9 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
     a_log: [H] fp32; dt_bias: [C] fp32; norm_weight: [D] (o_norm, shared by heads), or None for raw o.
     state: [H, D, D] fp32 (key rows, value columns), updated in place unless staged.
     lower_bound: the safe gate's bound (kda_lower_bound, -5.0); eps: o_norm's eps (rms_norm_eps).
-    stage: None, or (stage_state [>=T, H, STAGE_ROWS, D] fp32, stage_conv [>=T, 3, C, 3]) to receive the
-    recurrence's inputs and the conv windows of every token instead of updating the live states (speculative
-    verify; then `commit`).
+    stage: None, or (stage_state [>=T, H, STAGE_ROWS, D] fp32, stage_conv [>=T, 3, C] conv_state's dtype) to
+    receive the recurrence's and the conv's inputs of every token instead of updating the live states
+    (speculative verify; then `commit`).
     Returns out [T, C]: RMSNorm_D(o) * norm_weight * sigmoid(z) per head in q's dtype, or o in fp32 when
     norm_weight is None. T = 1..MAX_TOKENS. pdl: launch with programmatic dependent launch (CUDA graphs too).
     """
@@ -385,8 +387,10 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
 def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, H: tl.constexpr, D: tl.constexpr,
                    BV: tl.constexpr, T_STAGE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (layer, p): for p < H * D/BV, replays positions 0..index of head p // (D/BV) on its BV value
-    columns of the live state (the step kernel's `_delta_rule` on the staged inputs); the other programs copy
-    blocks of staged_conv[layer, index] to the live conv state."""
+    columns of the live state (the step kernel's `_delta_rule` on the staged inputs); the other programs each
+    take BLOCK of the layer's NB = 3 * C conv channels and write their windows after position index: inputs
+    index-2, index-1, index, from staged_conv [L, T, 3, C], or for positions before the step the live window's
+    newer slots (each thread reads a channel's slots before it writes them)."""
     layer = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     NV: tl.constexpr = D // BV
@@ -410,8 +414,12 @@ def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, 
     else:
         offs = (pid - H * NV) * BLOCK + tl.arange(0, BLOCK)
         m = offs < NB
-        row = (layer * T_STAGE + idx.to(tl.int64)) * NB
-        tl.store(live_conv + layer * NB + offs, tl.load(staged_conv + row + offs, mask=m), mask=m)
+        live = live_conv + (layer * NB + offs) * 3
+        before = (tl.load(live + 1, mask=m), tl.load(live + 2, mask=m))  # inputs -2 and -1 of the step
+        for s in tl.static_range(3):
+            pos = idx - 2 + s  # >= -2, since idx >= 0
+            staged = tl.load(staged_conv + (layer * T_STAGE + pos) * NB + offs, mask=m & (pos >= 0))
+            tl.store(live + s, tl.where(pos >= 0, staged, tl.where(pos == -2, before[0], before[1])), mask=m)
 
 
 def _check_staged(state, stage_state, conv_state, stage_conv):
@@ -422,23 +430,23 @@ def _check_staged(state, stage_state, conv_state, stage_conv):
             or stage_state.dtype != torch.float32:
         raise ValueError(f"stage_state must be fp32 [L, T, H, {STAGE_ROWS}, D] over the state {tuple(state.shape)}, "
                          f"got {tuple(stage_state.shape)}")
-    if stage_conv.dim() != conv_state.dim() + 1 or layers != conv_state.shape[0] or layers != stage_conv.shape[0] \
-            or stage_conv.shape[2:] != conv_state.shape[1:] or stage_conv.shape[1] != stage_state.shape[1] \
+    if stage_conv.dim() != conv_state.dim() or layers != conv_state.shape[0] or layers != stage_conv.shape[0] \
+            or stage_conv.shape[2:] != conv_state.shape[1:3] or stage_conv.shape[1] != stage_state.shape[1] \
             or stage_conv.dtype != conv_state.dtype:
-        raise ValueError(f"stage_conv must be [L, T, ...] over the conv state {tuple(conv_state.shape)} with the "
+        raise ValueError(f"stage_conv must be [L, T, 3, C] over the conv state {tuple(conv_state.shape)} with the "
                          f"stage's T, got {tuple(stage_conv.shape)}")
     if not all(x.is_contiguous() for x in (state, stage_state, conv_state, stage_conv)):
         raise ValueError("the states and the stage buffers must be contiguous")
 
 
 def fused_commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool = False, block_v: int = 16) -> None:
-    """The Triton commit: one launch replays every layer's accepted prefix and copies its conv windows.
+    """The Triton commit: one launch replays every layer's accepted prefix and rebuilds its conv windows.
     Arguments as `commit`; block_v value columns per replaying program."""
     _check_staged(state, stage_state, conv_state, stage_conv)
     layers, heads, d = state.shape[0], state.shape[1], state.shape[-1]
     block_v = min(block_v, d)
-    nb = conv_state[0].numel()
-    block = 4096
+    nb = conv_state[0].numel() // conv_state.shape[-1]  # the layer's conv channels, 3 * C
+    block = 1024
     kwargs = {"launch_pdl": True} if pdl and state.is_cuda else {}
     _commit_kernel[(layers, heads * (d // block_v) + triton.cdiv(nb, block))](
         index, state, stage_state, conv_state, stage_conv, nb, H=heads, D=d, BV=block_v, T_STAGE=stage_state.shape[1],
@@ -459,16 +467,18 @@ def commit_reference(index, state, stage_state, conv_state, stage_conv) -> None:
                                      beta[None, t:t + 1, :, 0], s)
             after.append(s[0])
         state[layer].copy_(torch.stack(after).index_select(0, pick).squeeze(0))
-    conv_state.copy_(stage_conv.index_select(1, pick).squeeze(1))
+    inputs = torch.cat([conv_state, stage_conv.permute(0, 2, 3, 1)], dim=-1)  # [L, 3, C, 3 + T]: -3 .. T-1
+    conv_state.copy_(inputs.index_select(-1, pick + 1 + torch.arange(3, device=pick.device)))
 
 
 def commit(index, state, stage_state, conv_state, stage_conv, *, pdl: bool = False) -> None:
     """Make the staged position `index` live: the state becomes the live state advanced through positions
-    0..index with the staged inputs (the state the step would have left after them), conv_state <- stage_conv[index].
+    0..index with the staged inputs (the state the step would have left after them), and conv_state the windows
+    after position index (its newer slots and the staged inputs up to index).
 
     index: int tensor with one element on the states' device, the accepted position in [0, T) (accepted tokens
     minus one); never read on the host. state: [L, H, D, D] fp32 with stage_state [L, T, H, STAGE_ROWS, D];
-    conv_state: [L, 3, C, 3] with stage_conv [L, T, 3, C, 3]; L is the number of layers (index one layer with
+    conv_state: [L, 3, C, 3] with stage_conv [L, T, 3, C]; L is the number of layers (index one layer with
     [None]).
     """
     if state.is_cuda:

@@ -105,7 +105,7 @@ class FusedStep:
         """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm).
 
         Speculative verify: `stage` = (stage_kda [n_kda, >=T, H, kda.STAGE_ROWS, D], stage_conv [n_kda, >=T, 3,
-        C, K-1]) receives every layer's KDA recurrence inputs and conv windows at each position instead of the live
+        C]) receives every layer's KDA recurrence inputs and conv inputs at each position instead of the live
         states being updated (see `kda.commit`), and
         `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
         if input_ids.shape[0] > MAX_TOKENS:

@@ -122,11 +122,11 @@ def test_staged_verify_then_commit_equals_accepted_prefix():
     inp = make(t, h, d, torch.bfloat16, gen)
     c = h * d
     stage = (torch.full((t, h, kda.STAGE_ROWS, d), float("nan"), device=DEV),
-             torch.full((t, 3, c, 3), float("nan"), device=DEV, dtype=torch.bfloat16))
+             torch.full((t, 3, c), float("nan"), device=DEV, dtype=torch.bfloat16))
     out, live = run_kernel(inp, block_v=16, stage=stage)
     assert torch.equal(live["state"], inp["state"]) and torch.equal(live["conv_state"], inp["conv_state"])
     ref_in = upcast(inp)
-    ref_stage = (torch.empty(t, h, kda.STAGE_ROWS, d, device=DEV), torch.empty(t, 3, c, 3, device=DEV))
+    ref_stage = (torch.empty(t, h, kda.STAGE_ROWS, d, device=DEV), torch.empty(t, 3, c, device=DEV))
     ref_out = kda.kda_step_reference(**ref_in, lower_bound=LB, stage=ref_stage)
     assert rel(out, ref_out) < 1e-2
     assert torch.isfinite(stage[0]).all()  # every input row written, beta's row too
@@ -154,20 +154,24 @@ def staged_inputs(gen, layers, t, h, d):
 
 def test_commit_replays_every_layer_in_one_launch():
     """The commit's replay (kernel and reference) is the recurrence over the accepted prefix, for every layer
-    at once; the conv windows are the accepted position's."""
+    at once; the conv windows are the inputs up to the accepted position, the live window's newer slots where
+    it reaches back before the step."""
     layers, t, h, d = 3, 5, 2, 32
     gen = torch.Generator().manual_seed(31)
     staged = staged_inputs(gen, layers, t, h, d).to(DEV)
-    staged_conv = torch.randn(layers, t, 3, h * d, 3, generator=gen).to(DEV, torch.bfloat16)
+    staged_conv = torch.randn(layers, t, 3, h * d, generator=gen).to(DEV, torch.bfloat16)
     start = (torch.randn(layers, h, d, d, generator=gen) * 0.3).to(DEV)
-    index = torch.tensor(3, device=DEV)
-    live, live_conv = start.clone(), torch.full((layers, 3, h * d, 3), float("nan"), device=DEV, dtype=torch.bfloat16)
-    kda.fused_commit(index, live, staged, live_conv, staged_conv, block_v=16)
-    assert torch.equal(live_conv, staged_conv[:, 3])
-    ref_live, ref_conv = start.clone(), torch.zeros_like(live_conv)
-    kda.commit_reference(index, ref_live, staged, ref_conv, staged_conv)
-    assert rel(live, ref_live) < 1e-5 and torch.equal(ref_conv, live_conv)
-    want = start.clone()  # the definition, position by position
+    start_conv = torch.randn(layers, 3, h * d, 3, generator=gen).to(DEV, torch.bfloat16)
+    inputs = torch.cat([start_conv, staged_conv.permute(0, 2, 3, 1)], dim=-1)  # inputs -3 .. t-1 per channel
+    for accepted in (0, 1, 3):
+        index = torch.tensor(accepted, device=DEV)
+        live, live_conv = start.clone(), start_conv.clone()
+        kda.fused_commit(index, live, staged, live_conv, staged_conv, block_v=16)
+        assert torch.equal(live_conv, inputs[..., accepted + 1: accepted + 4])
+        ref_live, ref_conv = start.clone(), start_conv.clone()
+        kda.commit_reference(index, ref_live, staged, ref_conv, staged_conv)
+        assert rel(live, ref_live) < 1e-5 and torch.equal(ref_conv, live_conv)
+    want = start.clone()  # the definition of the last (3 accepted), position by position
     for i in range(4):
         k, g, v, beta = staged[:, i].unbind(2)
         want = want * g.exp()[..., None]
@@ -179,10 +183,10 @@ def test_commit_replays_every_layer_in_one_launch():
 def test_commit_refuses_a_stage_of_the_wrong_layout():
     state, conv = torch.zeros(2, 2, 8, 8), torch.zeros(2, 3, 16, 3)
     with pytest.raises(ValueError, match="stage_state"):
-        kda.commit_reference(torch.tensor(0), state, torch.zeros(2, 3, 2, 8, 8), conv, torch.zeros(2, 3, 3, 16, 3))
+        kda.commit_reference(torch.tensor(0), state, torch.zeros(2, 3, 2, 8, 8), conv, torch.zeros(2, 3, 3, 16))
     with pytest.raises(ValueError, match="stage_conv"):
         kda.commit_reference(torch.tensor(0), state, torch.zeros(2, 3, 2, kda.STAGE_ROWS, 8), conv,
-                             torch.zeros(2, 4, 3, 16, 3))
+                             torch.zeros(2, 4, 3, 16))
 
 
 def test_dispatch_uses_reference_off_gpu():
@@ -266,7 +270,7 @@ def test_kernels_compile_for_h200_without_spills():
                               USE_PDL=pdl)
                 build(kda._kda_step_kernel, types, consts, warps, pdl, divisible=("s_out",))
         build(kda._commit_kernel, dict(index_ptr="*i64", state_ptr="*fp32", stage_ptr="*fp32", live_conv="*bf16",
-              staged_conv="*bf16"), dict(H=8, D=128, BV=16, T_STAGE=9, BLOCK=4096, USE_PDL=True), 4, True)
+              staged_conv="*bf16"), dict(H=8, D=128, BV=16, T_STAGE=9, BLOCK=1024, USE_PDL=True), 4, True)
     """)
     assert len(lines) == 9
     for line in lines:

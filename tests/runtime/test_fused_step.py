@@ -67,7 +67,7 @@ def test_staged_verify_and_kept_layers(model, kernels):
         n_kda = state.kda.shape[0]
         heads, d = state.kda.shape[1], state.kda.shape[-1]
         stage = (torch.zeros(n_kda, 5, heads, kda.STAGE_ROWS, d, device=DEV),
-                 torch.zeros(n_kda, 5, *state.conv.shape[1:], device=DEV))
+                 torch.zeros(n_kda, 5, *state.conv.shape[1:3], device=DEV))
         live = state.clone()
         fused = FusedStep(model, kernels=kernels)
         h, kept = fused.step(ids[20:25], live, pos[20:25], stage=stage, keep=(1, 2))
