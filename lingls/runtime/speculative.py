@@ -4,17 +4,17 @@ A round, all on the device (the host only launches it, and reads its result one 
 1. draft: the drafter writes K tokens after the current token `cur` (at position P, sampled, not yet consumed).
 2. verify: the target consumes [cur, d_1..d_K] at P..P+K in one forward and chooses a token after each. The KDA
    layers run `kernels.kda.kda_step` in staged mode: the live recurrent and conv states are only read, and what
-   the recurrence consumed at every position (key, decay, value, beta) and the conv windows go to a stage
+   the recurrence consumed at every position (key, decay, value, beta) and the conv's inputs go to a stage
    buffer. MLA layers write their latent rows at P..P+K as usual: rows past the accepted ones hold rejected
    tokens, but a query at position x only sees rows <= x and every row a later query sees is rewritten (by the
    next round's forward) before it is read.
 3. accept: n = the accepted drafts (greedy: the leading drafts equal to the target's argmax; sampling: the
    standard rejection rule, `rejection_sample`), the round's tokens are d_1..d_n plus one token of the target's
    own (the correction, or the bonus when all K pass), so every round yields n + 1 >= 1 tokens.
-4. commit: `kda.commit(n, ...)` replays the recurrence over positions P..P+n from the live state (and copies
-   the conv windows after P+n), reading n on the device; the drafter absorbs what the target computed (MTP
-   rows, block-drafter context KV, lookup history), the last token becomes `cur` and the position advances by
-   n + 1, all indexed by n on the device.
+4. commit: `kda.commit(n, ...)` replays the recurrence over positions P..P+n from the live state (and rebuilds
+   the conv windows after P+n from the staged conv inputs), reading n on the device; the drafter absorbs what
+   the target computed (MTP rows, block-drafter context KV, lookup history), the last token becomes `cur` and
+   the position advances by n + 1, all indexed by n on the device.
 The host posts [n, tokens] to a pinned buffer and reads round r while round r+1 runs (on CPU, synchronously).
 On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a CUDA graph.
 
