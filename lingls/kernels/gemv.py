@@ -298,6 +298,12 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # old KDA setting, it did not move the step: fused_step_shard42_kg_ab.json). The TP=2 verify shapes moved to the
 # descriptor path with the tuner's choice (tune_tp2_kda1warp_gemv_tma.json; in the step, with the KDA setting,
 # spec_flash_tp2_shard_t2_ab.json).
+# One row through a shape not in CONFIGS (a head over the lm_head's vocabulary shard or over a drafter's reduced
+# vocabulary, whose rows per rank the vocabulary list decides) takes the form every tuned one-token shape took: 8
+# rows per program on the FMA path, the whole slice requested at once, for K up to the 3,072 the tuned shapes span
+# (K / 256 tiles in flight per program). `_plan`'s default is the tensor-core path, for more rows.
+ONE_ROW = dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True)
+ONE_ROW_MAX_K = 3072
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
     (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
@@ -341,7 +347,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     n = w.shape[0] // 2 if swiglu else w.shape[0]
-    tuned = CONFIGS.get((n, k, swiglu, 1 if t == 1 else 16), {})
+    tuned = CONFIGS.get((n, k, swiglu, 1 if t == 1 else 16)) or (ONE_ROW if t == 1 and k <= ONE_ROW_MAX_K else {})
     block_n, split_k = block_n or tuned.get("block_n"), split_k or tuned.get("split_k")
     block_k = block_k or tuned.get("block_k", 256)
     num_warps, num_stages = num_warps or tuned.get("num_warps", 4), num_stages or tuned.get("num_stages", 3)

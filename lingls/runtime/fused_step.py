@@ -17,7 +17,8 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 The MTP drafter's layer runs the same way after its input mix (three norm launches writing straight into the
-halves of eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head.
+halves of eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head
+(the drafter's head as a GEMV).
 
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
 """
@@ -144,10 +145,14 @@ class FusedStep:
         return self.model.lm_head(x)
 
     def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch."""
+        """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch, and the head (the lm_head's
+        shard, or `weight`: a drafter's reduced vocabulary) as one of this step's GEMVs. A draft step has one
+        row; cuBLAS's kernel for the whole head's shard streamed as fast, but came after a workspace memset and
+        a gap each draft step: the GEMV took TP=4's K=8 drafts 0.913-0.915 -> 0.873-0.877 ms per round (one H200,
+        bench/results/spec_tp4_draft_head_ab.json)."""
         y, _ = self.ops.add_rms_norm(x, None, self.model.mtp_layers[depth].final_layernorm.weight,
                                      self.cfg.rms_norm_eps)
-        return self.model.lm_head(y) if weight is None else torch.nn.functional.linear(y, weight)
+        return self.ops.linear(y, self.model.lm_head.weight if weight is None else weight)
 
     def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
              only=None):

@@ -106,6 +106,26 @@ def test_tuned_launch_settings_compute_the_same_product(t, monkeypatch):
     assert rel(G.gemv(x, w), G.gemv_reference(x, w)) < 1e-2
 
 
+def test_one_row_through_an_untuned_shape_takes_the_fma_form(monkeypatch):
+    """A head over a vocabulary shard (its rows set by the draft vocabulary, so never in CONFIGS) at one token
+    launches as ONE_ROW says, the FMA form with 8 rows per program, and a ragged row count is masked."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 384, generator=gen).to(DEV, torch.bfloat16)
+    w = (torch.randn(1003, 384, generator=gen) * 0.05).to(DEV, torch.bfloat16)
+    seen, real = {}, G._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(kwargs, grid=grid)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(G, "_gemv_kernel", Spy())
+    assert rel(G.gemv(x, w), G.gemv_reference(x, w)) < 1e-2
+    assert seen["FMA"] and seen["BLOCK_N"] == 8 and seen["grid"] == (126, 1)
+
+
 def test_kernel_compiles_for_h200():
     """Both paths (MMA, FMA), split-K, the SwiGLU epilogue and PDL through the GPU compiler and ptxas for sm_90
     (no GPU needed)."""
