@@ -31,10 +31,10 @@ live state and rebuilds the conv windows after position index from the live wind
 reading `index` on device, so the host never waits for the accepted count; it takes a leading layer dim, so one
 launch commits all layers. Staging the inputs rather than the windows after every position stores a third of
 the bytes, and lets each store take the layout its row was loaded in (a window's stride-3 slots needed a
-shuffle of the row through shared memory per slot and position). Why inputs and a replay rather than the state after every
-position: that state is H*D*D fp32 per position (9 MB per layer at TP=2 for a 9-token verify) against 4*H*D
-here, and writing it cost ~0.19 ms of a 5 ms verify step on one H200 (TP=4 shard); the replay reads the
-state once, as the copy did, and adds T dependent updates.
+shuffle of the row through shared memory per slot and position). Why inputs and a replay rather than the state
+after every position: that state is H*D*D fp32 per position (9 MB per layer at TP=2 for a 9-token verify)
+against 4*H*D here, and writing it cost ~0.19 ms of a 5 ms verify step on one H200 (TP=4 shard); the replay
+reads the state once, as the copy did, and adds T dependent updates.
 
 Programmatic dependent launch (pdl=True, CUDA only): a kernel loads its weights (conv taps, A_log, dt_bias)
 and its layer's recurrent and conv states, then `gdc_wait`s for the previous kernel before touching what that

@@ -397,7 +397,8 @@ class Speculator:
         state, dev = runner.state, runner.device
         n_kda, heads, d = state.kda.shape[0], state.kda.shape[1], state.kda.shape[-1]
         self.stage_kda = torch.zeros(n_kda, k + 1, heads, kda.STAGE_ROWS, d, device=dev, dtype=state.kda.dtype)
-        self.stage_conv = torch.zeros(state.conv.shape[0], k + 1, *state.conv.shape[1:3], device=dev, dtype=state.conv.dtype)
+        self.stage_conv = torch.zeros(state.conv.shape[0], k + 1, *state.conv.shape[1:3], device=dev,
+                                      dtype=state.conv.dtype)  # [n_kda, K+1, 3, C]: the conv's inputs
         self.conv_w = {i: torch.stack([c.weight.detach().squeeze(1) for c in (layer.attention.q_conv1d,
                                        layer.attention.k_conv1d, layer.attention.v_conv1d)]).contiguous()
                        for i, layer in enumerate(model.decoder_layers) if layer.kind == KDA}
