@@ -299,24 +299,24 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
 # descriptor path with the tuner's choice (tune_tp2_kda1warp_gemv_tma.json; in the step, with the KDA setting,
 # spec_flash_tp2_shard_t2_ab.json).
 # One row through a shape not in CONFIGS (a head over the lm_head's vocabulary shard or over a drafter's reduced
-# vocabulary, whose rows per rank the vocabulary list decides) takes the form every tuned one-token shape took: 8
-# rows per program on the FMA path, the whole slice requested at once, for K up to the 3,072 the tuned shapes span
-# (K / 256 tiles in flight per program). `_plan`'s default is the tensor-core path, for more rows.
+# vocabulary, whose rows per rank the vocabulary list decides) takes the setting five tuned one-token shapes below
+# took (and 8 rows per program on the FMA path, the whole slice requested at once, as all of them), for K up to the
+# 3,072 the tuned shapes span (K / 256 tiles in flight per program). `_plan`'s default is the tensor-core path.
 ONE_ROW = dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True)
 ONE_ROW_MAX_K = 3072
 CONFIGS: dict[tuple[int, int, bool, int], dict] = {
-    (5128, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # KDA q|k|v|f|g|b
-    (2560, 1024, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # o_proj / dense
-    (2560, 1536, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # dense MLP down
+    (5128, 2560, False, 1): ONE_ROW,  # KDA q|k|v|f|g|b
+    (2560, 1024, False, 1): ONE_ROW,  # o_proj / dense
+    (2560, 1536, False, 1): ONE_ROW,  # dense MLP down
     (1536, 2560, True, 1): dict(block_n=8, block_k=256, split_k=2, num_warps=4, num_stages=3, fma=True),  # gate-up
-    (2120, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),  # MLA q | kv_a | gate
+    (2120, 2560, False, 1): ONE_ROW,  # MLA q | kv_a | gate
     (2560, 1024, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
     (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
     (1536, 2560, True, 16): dict(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=3, tma=True),
     (2120, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
     (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
     # TP=2
-    (10256, 2560, False, 1): dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True),
+    (10256, 2560, False, 1): ONE_ROW,
     (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
     (2560, 3072, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
     (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
