@@ -1,11 +1,17 @@
-"""On a GPU (skipped elsewhere): the graph-replayed loop never synchronises and gives the eager loop's tokens."""
+"""On a GPU (skipped elsewhere): the graph-replayed loop never synchronises and gives the eager loop's tokens;
+speculative rounds in their captured graphs give plain greedy decoding's tokens and their eager rounds' tokens."""
 
 import pytest
 import torch
 
 from lingls.model import load_model
+from lingls.runtime.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
+from lingls.runtime.speculative import Speculator, attach
+from lingls.runtime.tokenizer import Tokenizer
 
+from ..spec.conftest import ScriptedDrafter
+from ..spec.test_greedy import CODE
 from .conftest import reference_greedy
 from .test_cache import BASE
 
@@ -56,3 +62,28 @@ def test_warmup_prefill_leaves_no_trace(gpu_model):
     assert warm.cache.tokens == []
     fresh = ModelRunner(gpu_model, capacity=512, prefill_chunk=32)
     assert list(warm.generate(BASE, 12)) == list(fresh.generate(BASE, 12))
+
+
+@pytest.mark.parametrize("miss", [False, True])
+def test_graphed_speculation_equals_plain_greedy(gpu_model, miss):
+    """Rounds that accept every draft or none, on the fused kernels in captured graphs: the verify step's staging
+    and the commit leave exactly the states that plain greedy decoding reaches."""
+    want = list(ModelRunner(gpu_model, capacity=512).generate(BASE, 40))
+    runner = ModelRunner(gpu_model, capacity=512)
+    k = 5
+    spec = Speculator(runner, ScriptedDrafter(k, want, len(BASE), miss, gpu_model.config.vocab_size, device="cuda"))
+    assert list(runner.generate(BASE, 28)) == want[:28]
+    assert spec.stats.accepted == (0 if miss else spec.stats.rounds * k)
+
+
+def test_graphed_mtp_rounds_equal_eager_rounds():
+    """The MTP drafter on the fused kernels: the captured draft and verify graphs give the tokens of the same
+    rounds run eagerly."""
+    nano = load_model(EMBEDDED, device="cuda", dtype=torch.float32)
+    prompt = Tokenizer(EMBEDDED).encode(CODE)
+    got = {}
+    for graphs in (True, False):
+        runner = ModelRunner(nano, capacity=512, use_graphs=graphs)
+        attach(runner, "mtp", k=4)
+        got[graphs] = list(runner.generate(prompt, 40))
+    assert got[True] == got[False]
