@@ -42,10 +42,16 @@ def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.co
         r = tl.load(r_ptr + offs, mask=m, other=0.0)
         h = (x.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
         tl.store(r_ptr + offs, h, mask=m)
+    tl.store(out_ptr + offs, _rms_norm_row(h, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@_jit
+def _rms_norm_row(h, w, N, eps):
+    """w * h / rms(h) in fp32 (w fp32; h's lanes past N are 0), the normed row rounded to h's dtype before the
+    weight multiply, as the reference rounds it."""
     hf = h.to(tl.float32)
     rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    y = (hf * rms).to(h.dtype).to(tl.float32)  # the reference rounds the normed row before the weight multiply
-    tl.store(out_ptr + offs, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+    return w * (hf * rms).to(h.dtype).to(tl.float32)
 
 
 @_jit
@@ -78,6 +84,57 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
                                BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
                                USE_PDL=pdl_mode(bool(kwargs), "norm", t), num_warps=num_warps, **kwargs)
     return out, r
+
+
+@_jit
+def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr, sh, so, N, eps,
+                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, half): half 0 writes enorm(table[ids[row]]) to out[row, :N], half 1 hnorm(norm(h[row])) to
+    out[row, N:], each norm's output rounded to out's dtype as a norm launch would write it."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    dtype = out_ptr.dtype.element_ty
+    if tl.program_id(1) == 0:
+        w = tl.load(we_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        wait_previous(USE_PDL)
+        token = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(table_ptr + token * N + offs, mask=m, other=0.0)
+        tl.store(out_ptr + row * so + offs, _rms_norm_row(x, w, N, eps).to(dtype), mask=m)
+    else:
+        wf = tl.load(wf_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        wh = tl.load(wh_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        wait_previous(USE_PDL)
+        x = tl.load(h_ptr + row * sh + offs, mask=m, other=0.0)
+        y = _rms_norm_row(x, wf, N, eps).to(dtype)
+        tl.store(out_ptr + row * so + N + offs, _rms_norm_row(y, wh, N, eps).to(dtype), mask=m)
+
+
+def fused_mtp_input(ids, table, h, enorm, final_norm, hnorm, eps: float, *, pdl: bool = False,
+                    num_warps: int = NUM_WARPS):
+    """The Triton form of `mtp_input_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1): one launch for
+    the embedding rows and the three norms, where the launches one after another were four (each a hop of the
+    draft step's chain)."""
+    t, n = h.shape
+    ids = ids.contiguous()
+    if ids.shape != (t,) or table.shape[1] != n or h.stride(1) != 1 or not table.is_contiguous():
+        raise ValueError(f"ids [{t}] into a contiguous table [V, {n}] and h [{t}, {n}], got {tuple(ids.shape)}, "
+                         f"{tuple(table.shape)}, {tuple(h.shape)}")
+    if len({table.dtype, h.dtype, enorm.dtype, final_norm.dtype, hnorm.dtype}) != 1:
+        raise ValueError("the MTP input's table, hidden states and norm weights must share one dtype")
+    out = torch.empty(t, 2 * n, device=h.device, dtype=h.dtype)
+    kwargs = {"launch_pdl": True} if pdl and h.is_cuda else {}
+    _mtp_input_kernel[(t, 2)](ids, table, h, enorm, final_norm, hnorm, out, h.stride(0), out.stride(0), n,
+                              float(eps), BLOCK=triton.next_power_of_2(n), USE_PDL=pdl_mode(bool(kwargs), "norm", t),
+                              num_warps=num_warps, **kwargs)
+    return out
+
+
+def mtp_input_reference(ids, table, h, enorm, final_norm, hnorm, eps: float):
+    """The MTP layer's input [T, 2N] before eh_proj: [enorm(table[ids]); hnorm(final_norm(h))], each norm as the
+    model computes it (`reference.rms_norm`)."""
+    emb = ref.rms_norm(table.index_select(0, ids), enorm, eps)
+    return torch.cat([emb, ref.rms_norm(ref.rms_norm(h, final_norm, eps), hnorm, eps)], dim=-1)
 
 
 def add_rms_norm_reference(x, residual, weight, eps: float, *, out=None):

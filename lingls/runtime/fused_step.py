@@ -16,8 +16,8 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
   q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
-The MTP drafter's layer runs the same way after its input mix (three norm launches writing straight into the
-halves of eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head
+The MTP drafter's layer runs the same way after its input mix (the embedding rows and three norms in one launch
+writing eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head
 (the drafter's head as a GEMV).
 
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
@@ -58,6 +58,7 @@ class _Ops:
         self.linear = partial(gemv.gemv, pdl=pdl) if kernels else gemv.gemv_reference
         self.kda_step = partial(kda.fused_kda_step, pdl=pdl) if kernels else kda.kda_step_reference
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
+        self.mtp_input = partial(norm.fused_mtp_input, pdl=pdl) if kernels else norm.mtp_input_reference
         self.moe = partial(moe.fused_moe, pdl=pdl) if kernels else moe.fused_moe_reference
         self.prepare_moe = moe.prepare_moe_weights
         self.mla_prologue = partial(mla.mla_prologue, pdl=pdl) if kernels else mla.mla_prologue_reference
@@ -130,13 +131,10 @@ class FusedStep:
                          state, positions, kv_len, only=only)
 
     def _mix(self, layer, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in five launches: the norms write
-        straight into the halves of eh_proj's input, which one GEMV reads."""
-        norm, eps, width = self.ops.add_rms_norm, self.cfg.rms_norm_eps, self.cfg.hidden_size
-        both = torch.empty(h.shape[0], 2 * width, dtype=h.dtype, device=h.device)
-        norm(self.model.model.word_embeddings(next_ids), None, layer.enorm.weight, eps, out=both[:, :width])
-        h_final, _ = norm(h, None, self.model.model.norm.weight, eps)
-        norm(h_final, None, layer.hnorm.weight, eps, out=both[:, width:])
+        """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in two launches: the embedding rows
+        and the three norms in one (`norm.fused_mtp_input`), then one GEMV."""
+        both = self.ops.mtp_input(next_ids, self.model.model.word_embeddings.weight, h, layer.enorm.weight,
+                                  self.model.model.norm.weight, layer.hnorm.weight, self.cfg.rms_norm_eps)
         return self.ops.linear(both, layer.eh_proj.weight)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,7 @@ class MTPDrafter(Drafter):
         self.h_last = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # target hidden, last prefilled
         self.last_at: int | None = None  # its position (host)
         self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
+        self.steps = torch.arange(k, device=dev)
 
     def _argmax(self, x):
         weight, ids = (None, None) if self.vocab is None else (self.vocab.weight, self.vocab.ids)
@@ -214,8 +215,9 @@ class MTPDrafter(Drafter):
     def propose(self, cur, pos, kv_len):
         x, tok = self.x, self._argmax(self.x)
         drafts = [tok]
+        at = pos + self.steps  # every draft step's position in one launch, not one add per step
         for i in range(1, self.k):
-            x = self.mtp_step(x, tok, self.state, pos + (i - 1), kv_len=kv_len)
+            x = self.mtp_step(x, tok, self.state, at[i - 1:i], kv_len=kv_len)
             tok = self._argmax(x)
             drafts.append(tok)
         return torch.cat(drafts), None

@@ -59,6 +59,30 @@ def test_strided_rows_and_default_output():
     assert rel(normed, ref_normed) < 1e-5 and torch.equal(new_res, ref_res)
 
 
+@pytest.mark.parametrize("t,n,dtype", [(1, 64, torch.float32), (9, 160, torch.bfloat16), (2, 2560, torch.bfloat16)])
+def test_mtp_input_is_the_three_norm_launches(t, n, dtype, poisoned):
+    """One launch gives the bits of the embedding lookup and three norm launches (enorm; norm, then hnorm)."""
+    gen = torch.Generator().manual_seed(t + n)
+    table = torch.randn(50, n, generator=gen).to(DEV, dtype)
+    ids = torch.randint(0, 50, (t,), generator=gen).to(DEV)
+    h = (torch.randn(t, 2 * n, generator=gen) * 4).to(DEV, dtype)[:, :n]  # rows strided like a slice of a wider row
+    enorm, final, hnorm = ((torch.randn(n, generator=gen) * 0.3 + 1).to(DEV, dtype) for _ in range(3))
+    got = norm.fused_mtp_input(ids, table, h, enorm, final, hnorm, 1e-6)
+    want = torch.empty(t, 2 * n, device=DEV, dtype=dtype)
+    norm.fused_add_rms_norm(table[ids], None, enorm, 1e-6, out=want[:, :n])
+    norm.fused_add_rms_norm(norm.fused_add_rms_norm(h, None, final, 1e-6)[0], None, hnorm, 1e-6, out=want[:, n:])
+    assert torch.equal(got, want)
+    assert rel(got, norm.mtp_input_reference(ids, table, h, enorm, final, hnorm, 1e-6)) < (
+        1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_mtp_input_refuses_mixed_dtypes():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="one dtype"):
+        norm.fused_mtp_input(torch.zeros(1, dtype=torch.long), torch.zeros(4, 8), torch.zeros(1, 8, dtype=torch.bfloat16),
+                             w, w, w, 1e-6)
+
+
 def test_dispatch_off_gpu_is_the_reference():
     x, r, w = torch.randn(2, 32), torch.randn(2, 32), torch.randn(32)
     normed, new_res = norm.add_rms_norm(x, r.clone(), w, 1e-6)
@@ -72,5 +96,7 @@ def test_kernel_compiles_for_h200_without_spills():
         for residual in (True, False):
             build(norm._add_rms_norm_kernel, dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                   eps="fp32"), dict(BLOCK=4096, HAS_RESIDUAL=residual, USE_PDL=True), 8, True)
+        build(norm._mtp_input_kernel, dict(ids_ptr="*i64", table_ptr="*bf16", h_ptr="*bf16", we_ptr="*bf16",
+              wf_ptr="*bf16", wh_ptr="*bf16", out_ptr="*bf16", eps="fp32"), dict(BLOCK=4096, USE_PDL=True), 8, True)
     """)
-    assert len(lines) == 2 and all("STACK:0 " in line for line in lines), lines
+    assert len(lines) == 3 and all("STACK:0 " in line for line in lines), lines
