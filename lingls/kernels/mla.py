@@ -168,11 +168,12 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _mla_split_kernel(q_lat, q_rope, cache, positions, part_acc, part_ml, scale, T, H: tl.constexpr,
+    def _mla_split_kernel(q_lat, q_rope, cache, positions, row_ptr, part_acc, part_ml, scale, T, H: tl.constexpr,
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                          COUNTED: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, HAS_ROW: tl.constexpr, USE_PDL: tl.constexpr,
+                          F32_DOT: tl.constexpr, COUNTED: tl.constexpr):
         """Program (split, head group): rows i < T*G of its tile are (query i // G, head group*G + i % G).
+        HAS_ROW: the T queries are the inputs' rows from row_ptr[0] on (read on the device), not from 0.
 
         COUNTED (on a GPU): the blocks are walked by a for loop over a run-time count, which Triton's pipeliner
         prefetches (the next blocks' rows stream into shared memory while one is multiplied); Triton's
@@ -183,15 +184,17 @@ if triton is not None:
         t = i // G
         head = tl.program_id(1) * G + i % G
         ok = i < T * G
-        pos = tl.load(positions + t, mask=ok, other=-1)
-        n_rows = tl.load(positions + T - 1) + 1  # rows to read: the last query sees the most
+        first_query = tl.load(row_ptr).to(tl.int32) if HAS_ROW else 0
+        pos = tl.load(positions + first_query + t, mask=ok, other=-1)
+        n_rows = tl.load(positions + first_query + T - 1) + 1  # rows to read: the last query sees the most
         n_blocks = tl.cdiv(n_rows, BN)
         per_split = tl.cdiv(n_blocks, NUM_SPLITS)
         r = tl.arange(0, R)
         p = tl.arange(0, P)
         row = t * H + head
-        ql = tl.load(q_lat + row[:, None] * R + r[None, :], mask=ok[:, None], other=0.0)
-        qr = tl.load(q_rope + row[:, None] * P + p[None, :], mask=ok[:, None], other=0.0)
+        src = (first_query + t) * H + head
+        ql = tl.load(q_lat + src[:, None] * R + r[None, :], mask=ok[:, None], other=0.0)
+        qr = tl.load(q_rope + src[:, None] * P + p[None, :], mask=ok[:, None], other=0.0)
         m = tl.full([BT], float("-inf"), tl.float32)
         l = tl.zeros([BT], tl.float32)
         acc = tl.zeros([BT, R], tl.float32)
@@ -211,10 +214,10 @@ if triton is not None:
         tl.store(part_ml + base * 2 + 1, l, mask=ok)
 
     @triton.jit
-    def _mla_merge_kernel(part_acc, part_ml, out, wv_ptr, g_ptr, part_o, cnt_ptr, T, swv_h, swv_v, sg,
+    def _mla_merge_kernel(part_acc, part_ml, out, wv_ptr, g_ptr, row_ptr, part_o, cnt_ptr, T, swv_h, swv_v, sg,
                           H: tl.constexpr, R: tl.constexpr, RBLK: tl.constexpr, V: tl.constexpr,
                           V_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, ABSORB: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          HAS_ROW: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (row = t * H + head, block of R): merges the splits' partial softmaxes over its block of the
         latent output. With ABSORB it goes on to the gated value output: its block's share of
         o_lat @ W_v[head]^T, published as an fp32 partial, and the last of the row's programs to arrive sums
@@ -248,7 +251,9 @@ if triton is not None:
                     y += tl.load(part_o + (b * T * H + row) * V_PAD + v, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + row, 0)
                 dt = out.dtype.element_ty
-                gate = tl.sigmoid(tl.load(g_ptr + (row // H) * sg + head).to(tl.float32)).to(dt).to(tl.float32)
+                first_query = tl.load(row_ptr) if HAS_ROW else 0
+                gate = tl.load(g_ptr + (first_query + row // H) * sg + head).to(tl.float32)
+                gate = tl.sigmoid(gate).to(dt).to(tl.float32)
                 tl.store(out + row * V + v, (y.to(dt).to(tl.float32) * gate).to(dt), mask=v < V)
         else:
             tl.store(out + row * R + r, o)
@@ -256,12 +261,15 @@ if triton is not None:
 
 def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, gate=None,
                       num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                      heads: int | None = None, pdl: bool = False):
+                      heads: int | None = None, pdl: bool = False, row: torch.Tensor | None = None):
     """The kernel form of `mla_decode_reference` (fp32 output), or with w_v [H, V, R] and gate [T, H] (the gate
     projection's logits) that of `mla_attend_reference` ([T, H*V] in w_v's dtype). positions must be ascending
     (the last is the furthest), as the queries of one decode or verify step are. Unset knobs come from
-    `CONFIGS`; `heads` (per program, a power of two dividing H) from `heads_per_program` unless set there."""
-    t, h, r = q_lat.shape
+    `CONFIGS`; `heads` (per program, a power of two dividing H) from `heads_per_program` unless set there.
+    row: a device index [1]: the output is query row's alone ([1, ...]), read from the inputs' rows on the device
+    (where `index_select` of each input cost a launch apiece)."""
+    rows, h, r = q_lat.shape
+    t = rows if row is None else 1  # the queries computed
     p = q_rope.shape[-1]
     splits, bn, warps, *tuned_heads = config_for(t, h)
     num_splits, block_n, num_warps = num_splits or splits, block_n or bn, num_warps or warps
@@ -275,15 +283,17 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
     q_lat, q_rope = q_lat.to(cache.dtype).contiguous(), q_rope.to(cache.dtype).contiguous()
     pdl = pdl and cache.is_cuda
     launch = {"launch_pdl": True} if pdl else {}
-    _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, part_acc, part_ml, scale, t, H=h, G=g,
-                                            R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits,
+    has_row = row is not None
+    row = row if has_row else positions  # unread without HAS_ROW
+    _mla_split_kernel[(num_splits, h // g)](q_lat, q_rope, cache, positions, row, part_acc, part_ml, scale, t, H=h,
+                                            G=g, R=r, P=p, BT=bt, BN=block_n, NUM_SPLITS=num_splits, HAS_ROW=has_row,
                                             USE_PDL=pdl_mode(pdl, "mla", t), F32_DOT=INTERPRET, COUNTED=not INTERPRET,
                                             num_warps=num_warps, **launch)
     rblk = min(MERGE_BLOCK, r)
     absorb = w_v is not None
     if absorb:
         v = w_v.shape[1]
-        assert w_v.shape == (h, v, r) and w_v.stride(2) == 1 and gate.shape == (t, h) and gate.stride(1) == 1
+        assert w_v.shape == (h, v, r) and w_v.stride(2) == 1 and gate.shape == (rows, h) and gate.stride(1) == 1
         v_pad = triton.next_power_of_2(v)
         out = torch.empty(t, h * v, device=dev, dtype=w_v.dtype)
         part_o = torch.empty(r // rblk, t, h, v_pad, device=dev, dtype=torch.float32)
@@ -293,9 +303,9 @@ def mla_decode_triton(q_lat, q_rope, cache, positions, scale: float, w_v=None, g
         out = torch.empty(t, h, r, device=dev, dtype=torch.float32)
         w_v = gate = part_o = out  # unused
         strides = (0, 0, 0)
-    _mla_merge_kernel[(t * h, r // rblk)](part_acc, part_ml, out, w_v, gate, part_o, counters(dev, t * h), t, *strides,
-                                          H=h, R=r, RBLK=rblk, V=v, V_PAD=v_pad, NUM_SPLITS=num_splits,
-                                          ABSORB=absorb, USE_PDL=pdl_mode(pdl, "mla", t), **launch)
+    _mla_merge_kernel[(t * h, r // rblk)](part_acc, part_ml, out, w_v, gate, row, part_o, counters(dev, t * h), t,
+                                          *strides, H=h, R=r, RBLK=rblk, V=v, V_PAD=v_pad, NUM_SPLITS=num_splits,
+                                          ABSORB=absorb, HAS_ROW=has_row, USE_PDL=pdl_mode(pdl, "mla", t), **launch)
     return out
 
 
@@ -316,21 +326,24 @@ def mla_decode(q_lat, q_rope, cache, positions, scale: float, pdl: bool = False)
     return mla_decode_reference(q_lat, q_rope, cache, positions, scale)
 
 
-def mla_attend_reference(q_lat, q_rope, cache, positions, scale: float, w_v, gate):
+def mla_attend_reference(q_lat, q_rope, cache, positions, scale: float, w_v, gate, row=None):
     """The gated value output [T, H*V] of the absorbed attention, with the model's roundings: the latent output
-    in w_v's dtype, its product with W_v [H, V, R] (fp32 sums, one rounding), times sigmoid(gate [T, H])."""
+    in w_v's dtype, its product with W_v [H, V, R] (fp32 sums, one rounding), times sigmoid(gate [T, H]).
+    row: a device index [1]: that query's output alone [1, H*V]."""
+    if row is not None:
+        q_lat, q_rope, positions, gate = (x.index_select(0, row) for x in (q_lat, q_rope, positions, gate))
     dt = w_v.dtype
     o_lat = mla_decode_reference(q_lat, q_rope, cache, positions, scale).to(dt)
     o = torch.einsum("thr,hvr->thv", o_lat.float(), w_v.float()).to(dt)
     return (o * torch.sigmoid(gate.float()).to(dt).unsqueeze(-1)).reshape(o.shape[0], -1)
 
 
-def mla_attend(q_lat, q_rope, cache, positions, scale: float, w_v, gate, pdl: bool = False):
+def mla_attend(q_lat, q_rope, cache, positions, scale: float, w_v, gate, pdl: bool = False, row=None):
     """`mla_attend_reference`: the kernels (split, then merge with W_v and the gate) for CUDA decode/verify steps,
     the reference otherwise."""
     if _kernel_serves(q_lat, q_rope, cache):
-        return mla_decode_triton(q_lat, q_rope, cache, positions, scale, w_v, gate, pdl=pdl)
-    return mla_attend_reference(q_lat, q_rope, cache, positions, scale, w_v, gate)
+        return mla_decode_triton(q_lat, q_rope, cache, positions, scale, w_v, gate, pdl=pdl, row=row)
+    return mla_attend_reference(q_lat, q_rope, cache, positions, scale, w_v, gate, row)
 
 
 def mla_prologue_reference(q, kv, norm_w, eps: float, inv_freq, cache, positions, heads: int, nope: int,

@@ -9,6 +9,9 @@ The residual stays in the activation dtype (bf16), exactly as the model's `h + a
 fp32, rounded once to the residual's dtype, and the norm reads that rounded sum, so the kernel reproduces the
 torch form bit for bit rather than a more precise fp32 stream that would drift from the reference model.
 
+Two more kernels each replace launches that ran one after another: the step's embedding lookup and its first
+norm (`fused_embed_rms_norm`), and the MTP layer's input, its embedding rows and three norms (`fused_mtp_input`).
+
 The KDA output norm (RMSNorm per head times sigmoid(z)) is not here: it is fused into the KDA step kernel
 (lingls.kernels.kda), which saves one launch per KDA layer.
 """
@@ -87,6 +90,28 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
 
 
 @_jit
+def _embedding_row(ids_ptr, table_ptr, row, offs, m, N):
+    """The table's row for token ids[row] (lanes past N are 0)."""
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    return tl.load(table_ptr + token * N + offs, mask=m, other=0.0)
+
+
+@_jit
+def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, res_ptr, out_ptr, N, eps, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """One program per row: the embedding row table[ids[row]] to res[row] (the residual stream) and its norm to
+    out[row]."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    wait_previous(USE_PDL)
+    x = _embedding_row(ids_ptr, table_ptr, row, offs, m, N)
+    tl.store(res_ptr + row * N + offs, x, mask=m)
+    tl.store(out_ptr + row * N + offs, _rms_norm_row(x, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@_jit
 def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr, sh, so, N, eps,
                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row, half): half 0 writes enorm(table[ids[row]]) to out[row, :N], half 1 hnorm(norm(h[row])) to
@@ -98,8 +123,7 @@ def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr
     if tl.program_id(1) == 0:
         w = tl.load(we_ptr + offs, mask=m, other=0.0).to(tl.float32)
         wait_previous(USE_PDL)
-        token = tl.load(ids_ptr + row).to(tl.int64)
-        x = tl.load(table_ptr + token * N + offs, mask=m, other=0.0)
+        x = _embedding_row(ids_ptr, table_ptr, row, offs, m, N)
         tl.store(out_ptr + row * so + offs, _rms_norm_row(x, w, N, eps).to(dtype), mask=m)
     else:
         wf = tl.load(wf_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -108,6 +132,28 @@ def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr
         x = tl.load(h_ptr + row * sh + offs, mask=m, other=0.0)
         y = _rms_norm_row(x, wf, N, eps).to(dtype)
         tl.store(out_ptr + row * so + N + offs, _rms_norm_row(y, wh, N, eps).to(dtype), mask=m)
+
+
+def fused_embed_rms_norm(ids, table, weight, eps: float, *, pdl: bool = False, num_warps: int = NUM_WARPS):
+    """The Triton form of `embed_rms_norm_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1): the step's
+    embedding lookup and its first norm in one launch, where they were two."""
+    if ids.dim() != 1 or table.dim() != 2 or not table.is_contiguous() or weight.shape != (table.shape[1],):
+        raise ValueError(f"ids [T] into a contiguous table [V, N] with weight [N], got {tuple(ids.shape)}, "
+                         f"{tuple(table.shape)}, {tuple(weight.shape)}")
+    t, n = ids.shape[0], table.shape[1]
+    ids = ids.contiguous()
+    residual = torch.empty(t, n, device=table.device, dtype=table.dtype)
+    out = torch.empty(t, n, device=table.device, dtype=torch.promote_types(weight.dtype, table.dtype))
+    kwargs = {"launch_pdl": True} if pdl and table.is_cuda else {}
+    _embed_rms_norm_kernel[(t,)](ids, table, weight, residual, out, n, float(eps), BLOCK=triton.next_power_of_2(n),
+                                 USE_PDL=pdl_mode(bool(kwargs), "norm", t), num_warps=num_warps, **kwargs)
+    return out, residual
+
+
+def embed_rms_norm_reference(ids, table, weight, eps: float):
+    """(rms_norm(table[ids]), table[ids]): a step's first norm and the residual stream it starts."""
+    residual = table.index_select(0, ids)
+    return ref.rms_norm(residual, weight, eps), residual
 
 
 def fused_mtp_input(ids, table, h, enorm, final_norm, hnorm, eps: float, *, pdl: bool = False,

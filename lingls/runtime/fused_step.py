@@ -7,13 +7,14 @@ so the eager model and this step keep computing from the same memory.
 
 Per decoder layer, with the residual stream kept in the activation dtype as the model keeps it:
 - add + RMSNorm fused (`norm.add_rms_norm`) at both norms of every layer; under tensor parallelism with the
-  peer all-reduce, the all-reduce before each of them joins that kernel (`Parallel.all_reduce_add_norm`);
+  peer all-reduce, the all-reduce before each of them joins that kernel (`Parallel.all_reduce_add_norm`); the
+  first layer's input norm reads the embedding rows itself (`norm.fused_embed_rms_norm`);
 - KDA: one GEMV for q, k, v, f, g and b, one `kda.kda_step` (conv, norms, gate, delta rule, gated output norm),
   one GEMV for the output projection;
 - MLA: one GEMV for q, the latent's down-projection and the gate; `mla.mla_prologue` (RMSNorm of the latent,
   rope of key and queries, the cache rows written, the queries absorbed through W_k); `mla.mla_attend` (the
-  split-sequence kernel, then the merge with W_v and the gate); one GEMV for the output projection (with
-  q_lora_rank, the model's own absorbed path);
+  split-sequence kernel, then the merge with W_v and the gate, for one row picked on the device where the
+  drafter asks for one); one GEMV for the output projection (with q_lora_rank, the model's own absorbed path);
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 The MTP drafter's layer runs the same way after its input mix (the embedding rows and three norms in one launch
@@ -58,6 +59,7 @@ class _Ops:
         self.linear = partial(gemv.gemv, pdl=pdl) if kernels else gemv.gemv_reference
         self.kda_step = partial(kda.fused_kda_step, pdl=pdl) if kernels else kda.kda_step_reference
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=pdl) if kernels else norm.add_rms_norm_reference
+        self.embed_rms_norm = partial(norm.fused_embed_rms_norm, pdl=pdl) if kernels else norm.embed_rms_norm_reference
         self.mtp_input = partial(norm.fused_mtp_input, pdl=pdl) if kernels else norm.mtp_input_reference
         self.moe = partial(moe.fused_moe, pdl=pdl) if kernels else moe.fused_moe_reference
         self.prepare_moe = moe.prepare_moe_weights
@@ -112,8 +114,9 @@ class FusedStep:
         `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
         if input_ids.shape[0] > MAX_TOKENS:
             raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")
-        residual = self.model.model.word_embeddings(input_ids)
-        return self._run(residual, self.layers, 0, state, positions, kv_len, stage, keep)
+        x, residual = self.ops.embed_rms_norm(input_ids, self.model.model.word_embeddings.weight,
+                                              self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
+        return self._run(x, residual, self.layers, 0, state, positions, kv_len, stage, keep)
 
     @torch.inference_mode()
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state, positions: torch.Tensor,
@@ -127,8 +130,10 @@ class FusedStep:
             x = self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
             return x if only is None else x.index_select(0, only)
         layer = self.model.mtp_layers[depth]
-        return self._run(self._mix(layer, h, next_ids), self.mtp[depth: depth + 1], self.model.n_layers + depth,
-                         state, positions, kv_len, only=only)
+        x, residual = self.ops.add_rms_norm(self._mix(layer, h, next_ids), None, layer.input_layernorm.weight,
+                                            self.cfg.rms_norm_eps)
+        return self._run(x, residual, self.mtp[depth: depth + 1], self.model.n_layers + depth, state, positions,
+                         kv_len, only=only)
 
     def _mix(self, layer, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in two launches: the embedding rows
@@ -152,13 +157,13 @@ class FusedStep:
                                      self.cfg.rms_norm_eps)
         return self.ops.linear(y, self.model.lm_head.weight if weight is None else weight)
 
-    def _run(self, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
+    def _run(self, x, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
              only=None):
-        """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream; with
-        `only` (one MLA layer: the MTP layer's), past the cache writes only row `only` goes on."""
+        """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream, from its
+        first input norm x; with `only` (one MLA layer: the MTP layer's), past the cache writes only row `only`
+        goes on."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
-        x, residual = ops.add_rms_norm(residual, None, entries[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
         kept = {}
         # rope frequencies (one width and theta per model; computed once per device, outside any graph capture)
         freq = ref.rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, positions.device)
@@ -211,8 +216,7 @@ class FusedStep:
         q, kv, g = self.ops.linear(x, entry["mla_proj"]).split([h * (nope + rope), rank + rope, h], dim=1)
         q_lat, q_rope = self.ops.mla_prologue(q, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, freq,
                                               cache, positions, h, nope, attn.interleave, entry["w_k"])
-        o = self.ops.mla_attend(pick(q_lat), pick(q_rope), cache[:kv_len], pick(positions), attn.scale, entry["w_v"],
-                                pick(g))
+        o = self.ops.mla_attend(q_lat, q_rope, cache[:kv_len], positions, attn.scale, entry["w_v"], g, row=only)
         return self.ops.linear(o, attn.dense.weight)
 
     def _mlp(self, entry, x, layer_index: int) -> torch.Tensor:

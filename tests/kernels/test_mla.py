@@ -121,6 +121,29 @@ def test_attend_applies_w_v_and_the_gate_in_the_merge(poisoned, t, h, v, splits)
     assert rel(got.cpu(), want) < 2e-2  # bf16 output, after probabilities rounded to bf16 for the value MMA
 
 
+@pytest.mark.parametrize("pick", [0, 4, 8])
+def test_attend_of_one_row_read_on_the_device(poisoned, pick):
+    """`row` (a device index) computes that query alone from all the step's rows: the bits of the kernels run on
+    the row's inputs picked beforehand (as the MTP drafter's pass over a verify's rows did, one index_select
+    per input)."""
+    g = torch.Generator().manual_seed(pick)
+    t, h, r, p, v, n = 9, 8, 128, 16, 16, 90
+    q_lat = torch.randn(t, h, r, generator=g).bfloat16().to(DEV)
+    q_rope = torch.randn(t, h, p, generator=g).bfloat16().to(DEV)
+    cache = torch.randn(n, r + p, generator=g).bfloat16().to(DEV)
+    w_v = (torch.randn(h, v, r, generator=g) * r ** -0.5).bfloat16().to(DEV)
+    gate = torch.randn(t, h + 3, generator=g).bfloat16()[:, :h].to(DEV)
+    positions = torch.arange(80 - t, 80).to(DEV)
+    row = torch.tensor([pick], device=DEV)
+    got = mla_decode_triton(q_lat, q_rope, cache, positions, 0.1, w_v, gate, num_splits=4, block_n=16, row=row)
+    q1, r1, p1 = (x.index_select(0, row) for x in (q_lat, q_rope, positions))
+    want = mla_decode_triton(q1, r1, cache, p1, 0.1, w_v, gate.index_select(0, row), num_splits=4, block_n=16)
+    assert got.shape == (1, h * v) and torch.equal(got, want)
+    ref = M.mla_attend_reference(q_lat.cpu(), q_rope.cpu(), cache.cpu(), positions.cpu(), 0.1, w_v.cpu(), gate.cpu(),
+                                 row.cpu())
+    assert rel(got.cpu(), ref) < 2e-2
+
+
 def test_kernels_compile_for_h200():
     """The prologue (with the W_k programs), split and merge (plain and with W_v and the gate) kernels at flash's
     TP=4 rank shapes, with PDL, through the GPU compiler and ptxas for sm_90 (no GPU needed). The split kernel
@@ -134,14 +157,15 @@ def test_kernels_compile_for_h200():
               pos_ptr="*i64", cache_ptr="*bf16", qr_ptr="*bf16", wk_ptr="*bf16", ql_ptr="*bf16",
               eps="fp32"), dict(H=8, H_PAD=8, NOPE=128, NOPE_PAD=128, R=512, R_PAD=512, RBLK=64, HALF=32,
               HALF_PAD=32, INTERLEAVE=True, USE_PDL=True, F32_DOT=False), 4, True)
-        for bt, g in ((16, 8), (16, 1)):
+        for bt, g, row in ((16, 8, True), (16, 1, False)):  # one token (the MTP drafter's picked row), T=9
             build(mla._mla_split_kernel, dict(q_lat="*bf16", q_rope="*bf16", cache="*bf16", positions="*i64",
-                  part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, P=64, BT=bt, BN=32,
-                  NUM_SPLITS=128, USE_PDL=True, F32_DOT=False, COUNTED=True), 8 if g == 8 else 4, True)
+                  row_ptr="*i64", part_acc="*fp32", part_ml="*fp32", scale="fp32"), dict(H=8, G=g, R=512, P=64,
+                  BT=bt, BN=32, NUM_SPLITS=128, HAS_ROW=row, USE_PDL=True, F32_DOT=False, COUNTED=True),
+                  8 if g == 8 else 4, True)
         for absorb in (False, True):
             build(mla._mla_merge_kernel, dict(part_acc="*fp32", part_ml="*fp32", out="*bf16" if absorb else "*fp32",
-                  wv_ptr="*bf16", g_ptr="*bf16", part_o="*fp32", cnt_ptr="*i32"), dict(H=8, R=512, RBLK=64, V=128,
-                  V_PAD=128, NUM_SPLITS=64, ABSORB=absorb, USE_PDL=True), 4, True)
+                  wv_ptr="*bf16", g_ptr="*bf16", row_ptr="*i64", part_o="*fp32", cnt_ptr="*i32"), dict(H=8, R=512,
+                  RBLK=64, V=128, V_PAD=128, NUM_SPLITS=64, ABSORB=absorb, HAS_ROW=absorb, USE_PDL=True), 4, True)
     """)
     assert len(lines) == 5, lines
     for line in lines[1:3]:

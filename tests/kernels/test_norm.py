@@ -76,6 +76,20 @@ def test_mtp_input_is_the_three_norm_launches(t, n, dtype, poisoned):
         1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("t,n,dtype", [(1, 64, torch.float32), (9, 2560, torch.bfloat16)])
+def test_embed_rms_norm_is_the_lookup_and_the_norm_launch(t, n, dtype, poisoned):
+    gen = torch.Generator().manual_seed(t * n)
+    table = (torch.randn(40, n, generator=gen) * 2).to(DEV, dtype)
+    ids = torch.randint(0, 40, (t,), generator=gen).to(DEV)
+    weight = (torch.randn(n, generator=gen) * 0.3 + 1).to(DEV, dtype)
+    normed, residual = norm.fused_embed_rms_norm(ids, table, weight, 1e-6)
+    want_normed, want_residual = norm.fused_add_rms_norm(table[ids], None, weight, 1e-6)
+    assert torch.equal(residual, want_residual) and torch.equal(normed, want_normed)
+    ref_normed, ref_residual = norm.embed_rms_norm_reference(ids, table, weight, 1e-6)
+    assert torch.equal(residual, ref_residual)
+    assert rel(normed, ref_normed) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_mtp_input_refuses_mixed_dtypes():
     w = torch.ones(8)
     with pytest.raises(ValueError, match="one dtype"):
@@ -96,7 +110,9 @@ def test_kernel_compiles_for_h200_without_spills():
         for residual in (True, False):
             build(norm._add_rms_norm_kernel, dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                   eps="fp32"), dict(BLOCK=4096, HAS_RESIDUAL=residual, USE_PDL=True), 8, True)
+        build(norm._embed_rms_norm_kernel, dict(ids_ptr="*i64", table_ptr="*bf16", w_ptr="*bf16", res_ptr="*bf16",
+              out_ptr="*bf16", eps="fp32"), dict(BLOCK=4096, USE_PDL=True), 8, True)
         build(norm._mtp_input_kernel, dict(ids_ptr="*i64", table_ptr="*bf16", h_ptr="*bf16", we_ptr="*bf16",
               wf_ptr="*bf16", wh_ptr="*bf16", out_ptr="*bf16", eps="fp32"), dict(BLOCK=4096, USE_PDL=True), 8, True)
     """)
-    assert len(lines) == 3 and all("STACK:0 " in line for line in lines), lines
+    assert len(lines) == 4 and all("STACK:0 " in line for line in lines), lines
