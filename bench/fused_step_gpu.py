@@ -39,6 +39,15 @@ def graphed(fn):
     return graph.replay
 
 
+def random_state(model):
+    """The state the shard benchmarks step: a latent cache of CONTEXT rows and KDA states of random values (the
+    arithmetic of a zero state is not a decode's)."""
+    state = model.new_state(CONTEXT + 64)
+    state.latent.normal_()
+    state.kda.normal_(std=0.01)
+    return state
+
+
 def kernel_profile(fn, reps: int = 10, top: int = 14) -> list[dict]:
     """Device time per kernel name over `reps` eager calls of fn, per call, largest first (CUPTI via
     torch.profiler; eager so every launch is attributed, while the graph times above include the gaps)."""
@@ -103,9 +112,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
     """Check and time the fused step of `model` against the plain step; JSON to `out` (plus `extra`)."""
     layers = len(model.decoder_layers)
     vocab = model.config.vocab_size
-    state = model.new_state(CONTEXT + 64)
-    state.latent.normal_()
-    state.kda.normal_(std=0.01)
+    state = random_state(model)
     fused = FusedStep(model, kernels=True)
     fused_no_pdl = FusedStep(model, kernels=True, pdl=False)  # the same kernels, each launch waiting for the last
     fused_ref = FusedStep(model, kernels=False)  # the same wiring on the plain-torch references (fp32 math)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_step_gpu import CONTEXT, graphed, routed_experts  # noqa: E402
+from fused_step_gpu import CONTEXT, graphed, random_state, routed_experts  # noqa: E402
 
 from lingls.bench.step import build_flash, median_ms  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
@@ -48,9 +48,7 @@ def main(out: str, layers: int) -> int:
     torch.manual_seed(0)
     model = build_flash(layers, tp=4, rank=0)
     vocab = model.config.vocab_size
-    state = model.new_state(CONTEXT + 64)
-    state.latent.normal_()
-    state.kda.normal_(std=0.01)
+    state = random_state(model)
     fused = FusedStep(model, kernels=True)
     torch.randint(0, vocab, (1,), device="cuda")  # fused_step_gpu draws T=1's ids first
     ids = torch.randint(0, vocab, (9,), device="cuda")

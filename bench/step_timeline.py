@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_step_gpu import CONTEXT, graphed  # noqa: E402
+from fused_step_gpu import CONTEXT, graphed, random_state  # noqa: E402
 
 from lingls.bench.step import build_flash, median_ms  # noqa: E402
 from lingls.kernels import pdl  # noqa: E402
@@ -147,9 +147,7 @@ def main(out: str, layers: int, tp: int) -> int:
     torch.manual_seed(0)
     model = build_flash(layers, tp=tp, rank=0)
     fused = FusedStep(model, kernels=True)
-    state = model.new_state(CONTEXT + 64)
-    state.latent.normal_()
-    state.kda.normal_(std=0.01)
+    state = random_state(model)
     result = dict(what=f"critical-path share per kernel of the fused step (CUPTI timestamps of graph replays), one "
                        f"TP={tp} rank of Ling-3.0-flash", layers=layers, context=CONTEXT, tp=tp,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, rows=[])

@@ -17,32 +17,17 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_step_gpu import CONTEXT  # noqa: E402
+from fused_step_gpu import CONTEXT, graphed, random_state  # noqa: E402
 
 from lingls.bench.step import build_flash, median_ms  # noqa: E402
 from lingls.runtime.fused_step import FusedStep  # noqa: E402
-
-
-def capture(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def main(out: str, layers: int) -> int:
     torch.manual_seed(0)
     model = build_flash(layers, tp=4, rank=0)
     vocab = model.config.vocab_size
-    state = model.new_state(CONTEXT + 64)
-    state.latent.normal_()
-    state.kda.normal_(std=0.01)
+    state = random_state(model)
     res = dict(rows=[])
     for pdl in (True, False):
         fused = FusedStep(model, kernels=True, pdl=pdl)
@@ -50,21 +35,25 @@ def main(out: str, layers: int) -> int:
             ids = torch.randint(0, vocab, (t,), device="cuda")
             pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
             work = state.clone()
+            captured = {}  # the step's output as captured: the graph's output buffer
+
+            def step(ids=ids, pos=pos, work=work, fused=fused):
+                captured["y"] = fused.step(ids, work, pos)
             with torch.inference_mode():
-                graph, y = capture(lambda: fused.step(ids, work, pos))
+                replay = graphed(step)
 
                 def once():
                     work.kda.copy_(state.kda)
                     work.conv.copy_(state.conv)
-                    graph.replay()
+                    replay()
                     torch.cuda.synchronize()
-                    return y.clone()
-                plain_ms = median_ms(graph.replay, reps=30)
+                    return captured["y"].clone()
+                plain_ms = median_ms(replay, reps=30)
                 y_plain = once()
                 with profile(activities=[ProfilerActivity.CUDA]):
-                    traced_ms = median_ms(graph.replay, reps=30)
+                    traced_ms = median_ms(replay, reps=30)
                     y_traced = once()
-                again_ms = median_ms(graph.replay, reps=30)
+                again_ms = median_ms(replay, reps=30)
             r = dict(pdl=pdl, T=t, plain_ms=plain_ms, under_profiler_ms=traced_ms, after_profiler_ms=again_ms,
                      same_output=bool(torch.equal(y_plain, y_traced)))
             res["rows"].append(r)
