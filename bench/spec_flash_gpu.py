@@ -321,7 +321,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                 head = draft_head(model, n_vocab)
                 spec = Speculator(runner, MTPDrafter(model, runner.state, k, runner.fused, head))
                 spec.force_accept = torch.zeros(1, dtype=torch.long, device=device)
-                spec.drafter.x.normal_()
+                spec.drafter.xy.normal_()
                 name = f"K={k}" + (f" vocab={n_vocab}" if n_vocab else "")
                 for a in range(k + 1):
                     if a and out_of_time():

@@ -408,9 +408,10 @@ class LingForCausalLM(nn.Module):
         a = layer.attention(x)[0] if layer.kind == KDA else layer.attention(x, positions)
         return layer._mlp(h + self.par.all_reduce(a))
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head: this rank's vocab shard of the logits."""
-        return self.lm_head(self.model.norm(h))
+    def head(self, h: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + lm_head: this rank's vocab shard of the logits. normed: h's final norm, where the step
+        made it (`step(..., normed=True)`)."""
+        return self.lm_head(self.model.norm(h) if normed is None else normed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(input_ids))
@@ -443,8 +444,10 @@ class LingForCausalLM(nn.Module):
         )
 
     def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
-             kv_len: int | None = None) -> torch.Tensor:
-        """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm).
+             kv_len: int | None = None, normed: bool = False):
+        """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm), and
+        with `normed` also their final norm, the head's input: (hidden, normed). The fused step makes both in
+        one launch; here the pair keeps the two steps' contracts the same.
 
         `kv_len` bounds the MLA keys read (the last position + 1, when the caller knows it on the host);
         None reads the whole cache, masked on device (the fixed-shape form CUDA graphs capture).
@@ -453,7 +456,7 @@ class LingForCausalLM(nn.Module):
         kv_len = state.capacity if kv_len is None else kv_len
         for i, layer in enumerate(self.decoder_layers):
             h = self._layer_step(i, layer, h, state, positions, kv_len)
-        return h
+        return (h, self.model.norm(h)) if normed else h
 
     def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len):
         x = layer.input_layernorm(h)
@@ -470,17 +473,21 @@ class LingForCausalLM(nn.Module):
         return layer._mlp(h + self.par.all_reduce(a))
 
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
-                 kv_len: int | None = None, depth: int = 0) -> torch.Tensor:
+                 kv_len: int | None = None, depth: int = 0, normed: bool = False):
         """MTP over the state: h [T, hidden] at `positions`, next_ids [T] -> the MTP layer's output [T, hidden]
-        (apply `mtp_head` for logits). Its latent cache rows are indexed by the same positions."""
+        (apply `mtp_head` for logits), and with `normed` also its final norm: (output, normed), as `step`. Its
+        latent cache rows are indexed by the same positions."""
         layer = self.mtp_layers[depth]
         x = layer.mix(self.model.word_embeddings(next_ids), self.model.norm(h))
         kv_len = state.capacity if kv_len is None else kv_len
-        return self._layer_step(self.n_layers + depth, layer, x, state, positions, kv_len)
+        x = self._layer_step(self.n_layers + depth, layer, x, state, positions, kv_len)
+        return (x, layer.final_layernorm(x)) if normed else x
 
-    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The MTP layer's logits: its final norm, then the lm_head (or `weight`: a drafter's reduced vocabulary)."""
-        y = self.mtp_layers[depth].final_layernorm(x)
+    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None,
+                 normed: torch.Tensor | None = None) -> torch.Tensor:
+        """The MTP layer's logits: its final norm (or `normed`, where the step made it), then the lm_head (or
+        `weight`: a drafter's reduced vocabulary)."""
+        y = self.mtp_layers[depth].final_layernorm(x) if normed is None else normed
         return self.lm_head(y) if weight is None else F.linear(y, weight)
 
     def parameter_counts(self) -> tuple[int, int]:

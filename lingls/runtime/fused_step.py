@@ -18,8 +18,9 @@ Per decoder layer, with the residual stream kept in the activation dtype as the 
 - MoE: `moe.fused_moe` (router + grouped top-k, gate-up + SwiGLU, weighted down with the shared expert);
 - dense MLP: a GEMV with the SwiGLU epilogue over [gate; up], then the down GEMV.
 The MTP drafter's layer runs the same way after its input mix (the embedding rows and three norms in one launch
-writing eh_proj's input, one GEMV); the heads (`head`, `mtp_head`) norm in one launch before the lm_head
-(the drafter's head as a GEMV).
+writing eh_proj's input, one GEMV). The heads (`head`, `mtp_head`) read the final norm that the last layer's
+residual add made in its launch (`step(..., normed=True)`), or norm in one launch, before the lm_head (the
+drafter's head as a GEMV).
 
 `kernels=False` runs every op's plain-torch reference instead: the same wiring, checkable on any CPU.
 """
@@ -105,35 +106,45 @@ class FusedStep:
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int | None = None,
-             stage: tuple[torch.Tensor, torch.Tensor] | None = None, keep: tuple[int, ...] | None = None):
-        """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm).
+             stage: tuple[torch.Tensor, torch.Tensor] | None = None, keep: tuple[int, ...] | None = None,
+             normed: bool = False):
+        """Advance `state` by T <= 16 tokens at `positions`; returns the hidden states [T, hidden] (pre-norm),
+        and with `normed` also their final norm (the head's input, made by the last residual add's launch):
+        (hidden, normed).
 
         Speculative verify: `stage` = (stage_kda [n_kda, >=T, H, kda.STAGE_ROWS, D], stage_conv [n_kda, >=T, 3,
         C]) receives every layer's KDA recurrence inputs and conv inputs at each position instead of the live
         states being updated (see `kda.commit`), and
-        `keep` (may be empty) names layers whose output hidden states are returned too: (hidden, {layer: [T, hidden]})."""
+        `keep` (may be empty) names layers whose output hidden states are returned too, after the hidden states:
+        (hidden, {layer: [T, hidden]}[, normed])."""
         if input_ids.shape[0] > MAX_TOKENS:
             raise ValueError(f"FusedStep runs 1..{MAX_TOKENS} tokens; longer inputs are prefills (model.step)")
         x, residual = self.ops.embed_rms_norm(input_ids, self.model.model.word_embeddings.weight,
                                               self.layers[0]["layer"].input_layernorm.weight, self.cfg.rms_norm_eps)
-        return self._run(x, residual, self.layers, 0, state, positions, kv_len, stage, keep)
+        h, kept, y = self._run(x, residual, self.layers, 0, state, positions, kv_len, stage, keep,
+                               final_norm=self.model.model.norm.weight if normed else None)
+        out = (h,) + ((kept,) if keep is not None else ()) + ((y,) if normed else ())
+        return out if len(out) > 1 else h
 
     @torch.inference_mode()
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state, positions: torch.Tensor,
-                 kv_len: int | None = None, depth: int = 0, only: torch.Tensor | None = None) -> torch.Tensor:
-        """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden].
+                 kv_len: int | None = None, depth: int = 0, only: torch.Tensor | None = None, normed: bool = False):
+        """`LingForCausalLM.mtp_step` on the fused kernels: the MTP layer's output [T, hidden] (with `normed`:
+        (output, its final norm), made in one launch as in `step`).
 
         only: a device index [1]: every row's latent cache row is written, but the layer's output is computed
         for that row alone ([1, hidden]): after a verify the drafter needs the output of the last accepted row
         and the cache rows of all, so its attention and MoE run at one token, not K+1."""
         if next_ids.shape[0] > MAX_TOKENS:
-            x = self.model.mtp_step(h, next_ids, state, positions, kv_len, depth)
-            return x if only is None else x.index_select(0, only)
+            out = self.model.mtp_step(h, next_ids, state, positions, kv_len, depth, normed=normed)
+            return out if only is None else (tuple(o.index_select(0, only) for o in out) if normed
+                                             else out.index_select(0, only))
         layer = self.model.mtp_layers[depth]
         x, residual = self.ops.add_rms_norm(self._mix(layer, h, next_ids), None, layer.input_layernorm.weight,
                                             self.cfg.rms_norm_eps)
-        return self._run(x, residual, self.mtp[depth: depth + 1], self.model.n_layers + depth, state, positions,
-                         kv_len, only=only)
+        x, _, y = self._run(x, residual, self.mtp[depth: depth + 1], self.model.n_layers + depth, state, positions,
+                            kv_len, only=only, final_norm=layer.final_layernorm.weight if normed else None)
+        return (x, y) if normed else x
 
     def _mix(self, layer, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """`MTPLayer.mix` (eh_proj of [enorm(embed(next)); hnorm(norm(h))]) in two launches: the embedding rows
@@ -142,26 +153,31 @@ class FusedStep:
                                   self.model.model.norm.weight, layer.hnorm.weight, self.cfg.rms_norm_eps)
         return self.ops.linear(both, layer.eh_proj.weight)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """`LingForCausalLM.head` (final norm + lm_head, this rank's vocab shard) with the norm in one launch."""
-        x, _ = self.ops.add_rms_norm(h, None, self.model.model.norm.weight, self.cfg.rms_norm_eps)
-        return self.model.lm_head(x)
+    def head(self, h: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """`LingForCausalLM.head` (final norm + lm_head, this rank's vocab shard) with the norm in one launch, or
+        none where the step made it (`normed`)."""
+        if normed is None:
+            normed, _ = self.ops.add_rms_norm(h, None, self.model.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.model.lm_head(normed)
 
-    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch, and the head (the lm_head's
-        shard, or `weight`: a drafter's reduced vocabulary) as one of this step's GEMVs. A draft step has one
-        row; cuBLAS's kernel for the whole head's shard streamed as fast, but came after a workspace memset and
-        a gap each draft step: the GEMV took TP=4's K=8 drafts 0.913-0.915 -> 0.873-0.877 ms per round (one H200,
-        bench/results/spec_tp4_draft_head_ab.json)."""
-        y, _ = self.ops.add_rms_norm(x, None, self.model.mtp_layers[depth].final_layernorm.weight,
-                                     self.cfg.rms_norm_eps)
-        return self.ops.linear(y, self.model.lm_head.weight if weight is None else weight)
+    def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None,
+                 normed: torch.Tensor | None = None) -> torch.Tensor:
+        """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch (or none, given `normed`), and
+        the head (the lm_head's shard, or `weight`: a drafter's reduced vocabulary) as one of this step's GEMVs.
+        A draft step has one row; cuBLAS's kernel for the whole head's shard streamed as fast, but came after a
+        workspace memset and a gap each draft step: the GEMV took TP=4's K=8 drafts 0.913-0.915 -> 0.873-0.877 ms
+        per round (one H200, bench/results/spec_tp4_draft_head_ab.json)."""
+        if normed is None:
+            normed, _ = self.ops.add_rms_norm(x, None, self.model.mtp_layers[depth].final_layernorm.weight,
+                                              self.cfg.rms_norm_eps)
+        return self.ops.linear(normed, self.model.lm_head.weight if weight is None else weight)
 
     def _run(self, x, residual, entries: list[dict], first: int, state, positions, kv_len, stage=None, keep=None,
-             only=None):
+             only=None, final_norm=None):
         """The layers `entries` (model layer indices first, first + 1, ...) over the residual stream, from its
         first input norm x; with `only` (one MLA layer: the MTP layer's), past the cache writes only row `only`
-        goes on."""
+        goes on. Returns (the stream, the kept layers' streams, its norm by `final_norm` or None); with
+        `final_norm` the last residual add and that norm are one launch (in the PDL chain, unlike a torch add)."""
         ops, model = self.ops, self.model
         kv_len = state.capacity if kv_len is None else kv_len
         kept = {}
@@ -178,13 +194,15 @@ class FusedStep:
                 residual = residual.index_select(0, only)
             x, residual = self._reduce_add_norm(a, residual, layer.post_attention_layernorm.weight)
             m = self._mlp(entry, x, i)
-            if j + 1 < len(entries):
-                x, residual = self._reduce_add_norm(m, residual, entries[j + 1]["layer"].input_layernorm.weight)
+            last = j + 1 == len(entries)
+            norm = final_norm if last else entries[j + 1]["layer"].input_layernorm.weight
+            if norm is not None:
+                x, residual = self._reduce_add_norm(m, residual, norm)
             else:
-                residual = residual + self.par.all_reduce(m)
+                x, residual = None, residual + self.par.all_reduce(m)
             if keep and i in keep:
                 kept[i] = residual.clone()  # the stream is updated in place by the next layer
-        return residual if keep is None else (residual, kept)
+        return residual, kept, x
 
     def _reduce_add_norm(self, a, residual, weight):
         """(rms_norm(residual + all_reduce(a)), the new residual): one kernel where the collective fuses the

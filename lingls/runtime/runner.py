@@ -124,8 +124,8 @@ class ModelRunner:
         A decode step (t == 1) also chains: its token becomes the next input and the position advances."""
         positions = self.pos + self.arange[:t]
         step = self.fused or self.model
-        h = step.step(self.ids[:t], self.state, positions, kv_len=kv_len)
-        local = step.head(h)  # this rank's vocab shard
+        h, normed = step.step(self.ids[:t], self.state, positions, kv_len=kv_len, normed=True)
+        local = step.head(h, normed)  # this rank's vocab shard
         if greedy:
             tok = argmax_shards(local, self.model.par)
         else:

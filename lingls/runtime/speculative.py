@@ -191,12 +191,17 @@ class MTPDrafter(Drafter):
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.h_last = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # target hidden, last prefilled
         self.last_at: int | None = None  # its position (host)
-        self.x = torch.zeros(1, model.config.hidden_size, device=dev, dtype=dtype)  # MTP output predicting P+1
+        # the MTP output predicting P+1 and its final norm (the head's input), one buffer: one copy fills both
+        self.xy = torch.zeros(2, model.config.hidden_size, device=dev, dtype=dtype)
         self.steps = torch.arange(k, device=dev)
 
-    def _argmax(self, x):
+    def _argmax(self, x, normed):
         weight, ids = (None, None) if self.vocab is None else (self.vocab.weight, self.vocab.ids)
-        return argmax_shards(self.mtp_head(x, weight=weight), self.model.par, ids)
+        return argmax_shards(self.mtp_head(x, weight=weight, normed=normed), self.model.par, ids)
+
+    def _keep(self, out, row=None):
+        """Store an MTP step's (output, final norm) [of row `row`] as the next round's first draft input."""
+        torch.cat(out if row is None else [o.index_select(0, row) for o in out], out=self.xy)
 
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
@@ -210,27 +215,28 @@ class MTPDrafter(Drafter):
     def begin(self, tokens, cur, pos):
         # a prompt that was entirely cached leaves no hidden state: its first drafts are just weaker
         if self.last_at == len(tokens) - 1:
-            self.x.copy_(self.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens)))
+            self._keep(self.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens), normed=True))
 
     def propose(self, cur, pos, kv_len):
-        x, tok = self.x, self._argmax(self.x)
+        x, y = self.xy[:1], self.xy[1:]
+        tok = self._argmax(x, y)
         drafts = [tok]
         at = pos + self.steps  # every draft step's position in one launch, not one add per step
         for i in range(1, self.k):
-            x = self.mtp_step(x, tok, self.state, at[i - 1:i], kv_len=kv_len)
-            tok = self._argmax(x)
+            x, y = self.mtp_step(x, tok, self.state, at[i - 1:i], kv_len=kv_len, normed=True)
+            tok = self._argmax(x, y)
             drafts.append(tok)
         return torch.cat(drafts), None
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
         if self.fused is not None:  # every row's cache row, the output of row n alone
-            self.x.copy_(self.fused.mtp_step(h, tokens, self.state, positions, kv_len=kv_len, only=n))
+            self._keep(self.fused.mtp_step(h, tokens, self.state, positions, kv_len=kv_len, only=n, normed=True))
         else:
-            self.x.copy_(self.model.mtp_step(h, tokens, self.state, positions, kv_len=kv_len).index_select(0, n))
+            self._keep(self.model.mtp_step(h, tokens, self.state, positions, kv_len=kv_len, normed=True), row=n)
         self.last_at = None
 
     def live(self):
-        return [self.x]
+        return [self.xy]
 
 
 class BlockDrafterRuntime(Drafter):
@@ -421,15 +427,16 @@ class Speculator:
 
     # ---- target forwards ---------------------------------------------------------------------------------------
     def _target(self, ids, positions, kv_len: int, staged: bool):
-        """The target's step over ids (as `LingForCausalLM.step`), with KDA staged per position when `staged`,
-        and the residual stream after the drafter's target layers kept as features."""
+        """The target's step over ids (as `LingForCausalLM.step`), with KDA staged per position when `staged`:
+        (hidden, the residual stream after the drafter's target layers as features, the hidden's final norm where
+        the fused step made it, else None)."""
         m, state = self.model, self.runner.state
         fused = self.runner.fused
         if fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:  # the fused kernels (CUDA)
-            h, kept = fused.step(ids, state, positions, kv_len, keep=tuple(self.drafter.target_layers),
-                                 stage=(self.stage_kda, self.stage_conv) if staged else None)
+            h, kept, normed = fused.step(ids, state, positions, kv_len, keep=tuple(self.drafter.target_layers),
+                                         stage=(self.stage_kda, self.stage_conv) if staged else None, normed=True)
             feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if self.drafter.target_layers else None
-            return h, feats
+            return h, feats, normed
         h = m.model.word_embeddings(ids)
         kept = {}
         for i, layer in enumerate(m.decoder_layers):
@@ -440,7 +447,7 @@ class Speculator:
             if i in self.drafter.target_layers:
                 kept[i] = h
         feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if kept else None
-        return h, feats
+        return h, feats, None
 
     def _kda_staged(self, i, layer, h):
         m, state = self.model, self.runner.state
@@ -453,7 +460,7 @@ class Speculator:
         return layer._mlp(h + m.par.all_reduce(attn.dense(o)))
 
     def _prefill_step(self, ids, state, positions, kv_len):
-        h, feats = self._target(ids, positions, kv_len, staged=False)
+        h, feats, _ = self._target(ids, positions, kv_len, staged=False)
         self.drafter.prefill(h, feats, ids, positions, kv_len - ids.shape[0])
         return h
 
@@ -468,8 +475,8 @@ class Speculator:
     def _verify(self, kv_len: int, greedy: bool) -> None:
         r, m, state = self.runner, self.model, self.runner.state
         positions = r.pos + self.arange
-        h, feats = self._target(self.ids, positions, kv_len, staged=True)
-        local = (self.runner.fused or m).head(h)  # this rank's vocab shard
+        h, feats, normed = self._target(self.ids, positions, kv_len, staged=True)
+        local = (self.runner.fused or m).head(h, normed)  # this rank's vocab shard
         if greedy:
             n, tokens = accept_greedy(argmax_shards(local, m.par), self.ids[1:])
         else:

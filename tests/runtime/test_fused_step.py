@@ -43,6 +43,28 @@ def test_fused_step_equals_model_step(model, kernels):
     assert (state.latent - want_state.latent).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "triton"])
+def test_step_returns_the_heads_input(model, kernels):
+    """normed=True: the last residual add also writes the final norm in its launch: the same hidden states, and
+    the head's input with the bits of the head's own norm; with `keep`, the norm comes last."""
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(5)).to(DEV)
+    pos = torch.arange(30, device=DEV)
+    with torch.inference_mode():
+        state = model.new_state(64)
+        model.step(ids[:20], state, pos[:20])
+        fused = FusedStep(model, kernels=kernels)
+        for rows in (slice(20, 21), slice(20, 29)):
+            h = fused.step(ids[rows], state.clone(), pos[rows])
+            got, normed = fused.step(ids[rows], state.clone(), pos[rows], normed=True)
+            assert torch.equal(got, h)
+            assert torch.equal(fused.head(h, normed), fused.head(h))
+            want, want_normed = model.step(ids[rows], state.clone(), pos[rows], normed=True)
+            assert (normed - want_normed).abs().max().item() < 1e-5
+            assert (model.head(want, want_normed) - model.head(want)).abs().max().item() == 0
+        got, kept, normed = fused.step(ids[20:25], state.clone(), pos[20:25], keep=(1,), normed=True)
+        assert set(kept) == {1} and torch.equal(normed, fused.step(ids[20:25], state.clone(), pos[20:25], normed=True)[1])
+
+
 def test_fusing_rows_keeps_one_copy_of_each_weight(model):
     FusedStep(model, kernels=False)
     attn = model.model.layers[0].attention
@@ -105,6 +127,9 @@ def test_mtp_step_equals_the_models(kernels):
         # the heads with their norms in one launch: the target's and the MTP layer's
         assert (fused.head(h) - m.head(h)).abs().max().item() < 1e-5
         assert (fused.mtp_head(got) - m.mtp_head(want)).abs().max().item() < 1e-5
+        # the MTP layer's output with its final norm from the same launch: the head's input, bit for bit
+        x, normed = fused.mtp_step(h[rows], ids[1:10][rows], state.clone(), pos, normed=True)
+        assert torch.equal(x, got) and torch.equal(fused.mtp_head(x, normed=normed), fused.mtp_head(got))
         # after a verify: every row's cache row, the output of one row (any of them) computed alone
         pos = torch.arange(0, 9, device=DEV)
         for n in (0, 4, 8):
@@ -112,4 +137,7 @@ def test_mtp_step_equals_the_models(kernels):
             one = fused.mtp_step(h[:9], ids[1:10], one_state, pos, only=torch.tensor([n], device=DEV))
             assert one.shape == (1, h.shape[1]) and (one[0] - want[n]).abs().max().item() < 1e-5
             assert (one_state.latent - want_state.latent).abs().max().item() < 1e-5
+            x, normed = fused.mtp_step(h[:9], ids[1:10], state.clone(), pos, only=torch.tensor([n], device=DEV),
+                                       normed=True)
+            assert torch.equal(x, one) and torch.equal(fused.mtp_head(x, normed=normed), fused.mtp_head(one))
     assert (got_state.latent - want_state.latent).abs().max().item() < 1e-5
