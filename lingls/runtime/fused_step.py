@@ -153,6 +153,7 @@ class FusedStep:
                                   self.model.model.norm.weight, layer.hnorm.weight, self.cfg.rms_norm_eps)
         return self.ops.linear(both, layer.eh_proj.weight)
 
+    @torch.inference_mode()
     def head(self, h: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
         """`LingForCausalLM.head` (final norm + lm_head, this rank's vocab shard) with the norm in one launch, or
         none where the step made it (`normed`)."""
@@ -160,6 +161,7 @@ class FusedStep:
             normed, _ = self.ops.add_rms_norm(h, None, self.model.model.norm.weight, self.cfg.rms_norm_eps)
         return self.model.lm_head(normed)
 
+    @torch.inference_mode()
     def mtp_head(self, x: torch.Tensor, depth: int = 0, weight: torch.Tensor | None = None,
                  normed: torch.Tensor | None = None) -> torch.Tensor:
         """`LingForCausalLM.mtp_head` with the MTP layer's final norm in one launch (or none, given `normed`), and

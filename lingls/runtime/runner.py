@@ -164,6 +164,7 @@ class ModelRunner:
         self._graphs[(t, kv_len, greedy)] = graph
         return graph
 
+    @torch.inference_mode()
     def warmup(self, greedy_only: bool = False) -> None:
         """Capture the decode graphs of every KV bucket up front, and run one prefill of a chunk and a bit (then
         forget it), so no request pays for a capture, or for compiling the prefill's kernels (with fla-core,
