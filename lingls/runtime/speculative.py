@@ -10,11 +10,12 @@ A round, all on the device (the host only launches it, and reads its result one 
    next round's forward) before it is read.
 3. accept: n = the accepted drafts (greedy: the leading drafts equal to the target's argmax; sampling: the
    standard rejection rule, `rejection_sample`), the round's tokens are d_1..d_n plus one token of the target's
-   own (the correction, or the bonus when all K pass), so every round yields n + 1 >= 1 tokens.
+   own (the correction, or the bonus when all K pass), so every round yields n + 1 >= 1 tokens. The last of
+   them becomes `cur` and the position advances by n + 1. One launch (`kernels.accept.settle_round`) decides
+   greedy n, writes the round's result and moves `cur` and the position.
 4. commit: `kda.commit(n, ...)` replays the recurrence over positions P..P+n from the live state (and rebuilds
    the conv windows after P+n from the staged conv inputs), reading n on the device; the drafter absorbs what
-   the target computed (MTP rows, block-drafter context KV, lookup history), the last token becomes `cur` and
-   the position advances by n + 1, all indexed by n on the device.
+   the target computed (MTP rows, block-drafter context KV, lookup history), indexed by n on the device.
 The host posts [n, tokens] to a pinned buffer and reads round r while round r+1 runs (on CPU, synchronously).
 On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a CUDA graph.
 
@@ -33,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from lingls.kernels import kda
+from lingls.kernels import accept, kda
 from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.draft_vocab import DraftVocab
@@ -84,13 +85,6 @@ def rejection_sample(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
     steps = torch.arange(k + 1, device=p.device)
     tokens = torch.where(steps < n.unsqueeze(-1), torch.cat([drafts, choice[..., k:]], -1), choice)
     return n, tokens
-
-
-def accept_greedy(tokens: torch.Tensor, drafts: torch.Tensor):
-    """Greedy verification: tokens [K+1] are the target's argmax at each verified position; returns (n, tokens)
-    with n the number of leading drafts equal to them (so tokens[:n+1] is exactly what plain greedy decoding
-    would produce)."""
-    return (drafts == tokens[:-1]).long().cumprod(0).sum(), tokens
 
 
 # ---- drafters --------------------------------------------------------------------------------------------------
@@ -468,8 +462,7 @@ class Speculator:
     def _draft(self, kv_len: int) -> None:
         r = self.runner
         drafts, q = self.drafter.propose(r.ids[:1], r.pos, kv_len)
-        self.ids[:1].copy_(r.ids[:1])
-        self.ids[1:].copy_(drafts)
+        self.ids[1:].copy_(drafts)  # ids[0], the current token, was written by the last round's settle
         self.q = q
 
     def _verify(self, kv_len: int, greedy: bool) -> None:
@@ -477,21 +470,18 @@ class Speculator:
         positions = r.pos + self.arange
         h, feats, normed = self._target(self.ids, positions, kv_len, staged=True)
         local = (self.runner.fused or m).head(h, normed)  # this rank's vocab shard
-        if greedy:
-            n, tokens = accept_greedy(argmax_shards(local, m.par), self.ids[1:])
+        if greedy:  # n: the leading drafts equal to the target's argmax, decided in `settle`
+            n, choice = None, argmax_shards(local, m.par)
         else:
-            n, tokens = rejection_sample(m.par.all_gather_last(local), self.ids[1:], self.q, positions + 1,
+            n, choice = rejection_sample(m.par.all_gather_last(local), self.ids[1:], self.q, positions + 1,
                                          r.temperature, r.top_p, r.seed)
-        n = n.view(1)
-        if self.force_accept is not None:  # the round claims the first n drafts, then the target's own token
-            n = self.force_accept.view(1).clamp(0, self.k)
-            tokens = torch.where(self.arange < n, torch.cat([self.ids[1:], tokens[-1:]]), tokens)
+        # [n, tokens] into the result, the next input token into both id buffers, the position advanced; with
+        # force_accept the round claims the first n drafts, then the target's own token
+        settle = accept.settle_round if choice.is_cuda else accept.settle_round_reference
+        n, tokens = settle(choice, self.ids[1:], (r.ids[:1], self.ids[:1]), r.pos, self.result, n=n,
+                           force=self.force_accept)
         kda.commit(n, state.kda, self.stage_kda, state.conv, self.stage_conv)
         self.drafter.accept(h, feats, tokens, n, positions, kv_len)
-        r.ids[:1].copy_(tokens.index_select(0, n))
-        r.pos.add_(n + 1)
-        self.result[:1].copy_(n)
-        self.result[1:].copy_(tokens)
 
     def _launch(self, kv_len: int, greedy: bool, slot: int) -> None:
         self.clock.mark(slot, 0)
@@ -539,6 +529,7 @@ class Speculator:
         r, k, fence, cache = self.runner, self.k, self.fence, self.runner.cache
         position = len(cache.tokens)  # host mirror of r.pos, as of the rounds read so far
         self.drafter.begin(cache.tokens, r.ids[:1], r.pos)
+        self.ids[:1].copy_(r.ids[:1])  # the first round's current token (later rounds' come from settle)
         self.result[:1].zero_()  # the prefill's token: a pseudo-round with no drafts
         self.result[1:2].copy_(r.ids[:1])
         fence.post(0, self.result)
