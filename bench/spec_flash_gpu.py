@@ -25,7 +25,8 @@ K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; 
 --profile adds, at a = --profile-a, the device time per kernel of each captured phase (the bare K+1-token step
 with its head, the draft graph, the verify graph), and the verify's parts timed as graphs of their own (the
 target forward, staged or not; the verify without the drafter's absorption of the verified rows), to name
-what a round spends beyond the bare step.
+what a round spends beyond the bare step. Times taken after a profile in the same process run slower
+(bench/trace_probe.py), so compare times from runs without --profile.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
     python3 bench/spec_flash_gpu.py --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
