@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from lingls.kernels import accept
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.sampling import argmax_shards, sample
@@ -98,6 +99,7 @@ class ModelRunner:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # position of ids[0]
         self.out = torch.zeros(self.max_t, dtype=torch.long, device=dev)  # tokens chosen by the last step
         self.arange = torch.arange(self.max_t, device=dev)
+        self.no_drafts = torch.zeros(0, dtype=torch.long, device=dev)
         self.temperature = torch.ones(1, device=dev)
         self.top_p = torch.ones(1, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)
@@ -121,8 +123,9 @@ class ModelRunner:
     def _body(self, t: int, kv_len: int, greedy: bool) -> None:
         """The fixed-shape step: consume ids[:t] at pos.., choose a token after each into out[:t].
 
-        A decode step (t == 1) also chains: its token becomes the next input and the position advances."""
-        positions = self.pos + self.arange[:t]
+        A decode step (t == 1) also chains: its token becomes the next input and the position advances, in one
+        launch with the output's (`kernels.accept.settle_round`, a round without drafts)."""
+        positions = self.pos if t == 1 else self.pos + self.arange[:t]  # pos advances only at the step's end
         step = self.fused or self.model
         h, normed = step.step(self.ids[:t], self.state, positions, kv_len=kv_len, normed=True)
         local = step.head(h, normed)  # this rank's vocab shard
@@ -131,10 +134,11 @@ class ModelRunner:
         else:
             tok = sample(self.model.par.all_gather_last(local), positions + 1, False, self.temperature, self.top_p,
                          self.seed)
-        self.out[:t].copy_(tok)
         if t == 1:
-            self.ids[:1].copy_(tok)
-            self.pos.add_(1)
+            settle = accept.settle_round if tok.is_cuda else accept.settle_round_reference
+            settle(tok, self.no_drafts, (self.out[:1], self.ids[:1]), self.pos)
+        else:
+            self.out[:t].copy_(tok)
 
     def run_step(self, t: int, kv_len: int, greedy: bool) -> None:
         """Launch one step (a graph replay on CUDA); returns at once, nothing is read back."""

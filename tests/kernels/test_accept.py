@@ -46,3 +46,13 @@ def test_one_next_buffer_leaves_the_other_alone():
     got = run(settle_round, choice, drafts, two=False)
     assert got[0].item() == 1 and got[2].item() == 4 and got[3].item() == -9
     assert got[5].tolist() == [1, 3, 4, 5]
+
+
+def test_a_decode_step_is_a_round_without_drafts():
+    """K = 0, no result buffer: the token into both buffers, the position one further, as the reference."""
+    for settle in (settle_round, settle_round_reference):
+        out, ids = torch.full((1,), -1, device=DEV), torch.full((1,), -2, device=DEV)
+        pos = torch.tensor([41], device=DEV)
+        no_drafts = torch.zeros(0, dtype=torch.long, device=DEV)
+        assert settle(torch.tensor([7], device=DEV), no_drafts, (out, ids), pos) is None
+        assert (out.item(), ids.item(), pos.item()) == (7, 7, 42)

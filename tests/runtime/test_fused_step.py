@@ -62,7 +62,8 @@ def test_step_returns_the_heads_input(model, kernels):
             assert (normed - want_normed).abs().max().item() < 1e-5
             assert (model.head(want, want_normed) - model.head(want)).abs().max().item() == 0
         got, kept, normed = fused.step(ids[20:25], state.clone(), pos[20:25], keep=(1,), normed=True)
-        assert set(kept) == {1} and torch.equal(normed, fused.step(ids[20:25], state.clone(), pos[20:25], normed=True)[1])
+        assert set(kept) == {1}
+        assert torch.equal(normed, fused.step(ids[20:25], state.clone(), pos[20:25], normed=True)[1])
     # the heads take the step's (inference-mode) tensors outside inference mode too, as a graph warm-up does
     assert torch.equal(fused.head(got, normed), fused.head(got))
 
