@@ -85,3 +85,9 @@ def settle_round(choice, drafts, next_ids, pos, result=None, n=None, force=None)
                          K1_PAD=max(2, triton.next_power_of_2(k + 1)), GIVEN_N=n is not None, FORCED=force is not None,
                          TWO_NEXT=len(next_ids) == 2, HAS_RESULT=result is not None, num_warps=1)
     return None if result is None else (result[:1], result[1:])
+
+
+def settle(choice, drafts, next_ids, pos, result=None, n=None, force=None):
+    """`settle_round_reference`'s contract: the kernel on CUDA tensors, the reference otherwise."""
+    fn = settle_round if triton is not None and choice.is_cuda else settle_round_reference
+    return fn(choice, drafts, next_ids, pos, result, n=n, force=force)

@@ -137,8 +137,9 @@ class FusedStep:
         and the cache rows of all, so its attention and MoE run at one token, not K+1."""
         if next_ids.shape[0] > MAX_TOKENS:
             out = self.model.mtp_step(h, next_ids, state, positions, kv_len, depth, normed=normed)
-            return out if only is None else (tuple(o.index_select(0, only) for o in out) if normed
-                                             else out.index_select(0, only))
+            if only is not None:
+                out = tuple(o.index_select(0, only) for o in out) if normed else out.index_select(0, only)
+            return out
         layer = self.model.mtp_layers[depth]
         x, residual = self.ops.add_rms_norm(self._mix(layer, h, next_ids), None, layer.input_layernorm.weight,
                                             self.cfg.rms_norm_eps)

@@ -135,8 +135,7 @@ class ModelRunner:
             tok = sample(self.model.par.all_gather_last(local), positions + 1, False, self.temperature, self.top_p,
                          self.seed)
         if t == 1:
-            settle = accept.settle_round if tok.is_cuda else accept.settle_round_reference
-            settle(tok, self.no_drafts, (self.out[:1], self.ids[:1]), self.pos)
+            accept.settle(tok, self.no_drafts, (self.out[:1], self.ids[:1]), self.pos)
         else:
             self.out[:t].copy_(tok)
 

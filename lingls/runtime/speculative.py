@@ -477,9 +477,8 @@ class Speculator:
                                          r.temperature, r.top_p, r.seed)
         # [n, tokens] into the result, the next input token into both id buffers, the position advanced; with
         # force_accept the round claims the first n drafts, then the target's own token
-        settle = accept.settle_round if choice.is_cuda else accept.settle_round_reference
-        n, tokens = settle(choice, self.ids[1:], (r.ids[:1], self.ids[:1]), r.pos, self.result, n=n,
-                           force=self.force_accept)
+        n, tokens = accept.settle(choice, self.ids[1:], (r.ids[:1], self.ids[:1]), r.pos, self.result, n=n,
+                                  force=self.force_accept)
         kda.commit(n, state.kda, self.stage_kda, state.conv, self.stage_conv)
         self.drafter.accept(h, feats, tokens, n, positions, kv_len)
 
