@@ -3,9 +3,10 @@
 Rules, in order: cut at the first special token (and hold back a half-streamed one); one line when the
 cursor is mid-line or in a comment, a block when the line is blank or ends in a block opener (stop at a
 line that dedents below the cursor's scope, at a stop line such as a new top-level `def`, at two blank
-lines, at a line that repeats the document's next line, at `max_lines`); then drop trailing blanks, the
-tail that repeats the text after the cursor, and a closing bracket the text after the cursor already has.
-Python rules come first; other languages get brace-aware defaults.
+lines, at a line that repeats the document's next line, at `max_lines`); then the degeneration guard (stop
+before a line that repeats the line above it, and at a short unit looping within the text: `_run_run_run`,
+`))))))`); then drop trailing blanks, the tail that repeats the text after the cursor, and a closing bracket
+the text after the cursor already has. Python rules come first; other languages get brace-aware defaults.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Site:
     next_line: str = ""  # the first non-blank line after the cursor's line
     lang: Lang = DEFAULT
     max_lines: int = 12
+    prev_line: str = ""  # the last non-blank line before the cursor's line
 
     @property
     def mid_line(self) -> bool:
@@ -122,8 +124,115 @@ def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = Fa
     else:
         stopped = "\n" in text
         text = text.split("\n", 1)[0].rstrip("\r")
+    text, looped = cut_degenerate(text, site, final or complete or stopped)
     text = _trim(text, site)
-    return Cleaned(text, complete or stopped or final)
+    return Cleaned(text, complete or stopped or looped or final)
+
+
+# The degeneration guard. A small model stuck in a loop writes a line again (`if key in line:` under itself) or
+# one short unit over and over (`_run_run_run`, `))))))`); what it wrote before the loop is kept, the loop never.
+# A unit is up to MAX_LOOP_UNIT characters; how many back-to-back copies make a loop depends on what it is made
+# of, because real code repeats some units legitimately:
+#   a word piece (`_run`, `self.`): 3 copies; a single letter 8 (`'xxxxxx'` placeholders stay);
+#   a word with a separator (`int, `, `a `): 5 (`Tuple[int, int, int, int]` stays);
+#   digits, separators and escapes (`0, `, `\x00`): 12 (`[0, 0, 0, 0, 0, 0, 0, 0]`, `1_000_000_000` stay);
+#   quotes: 7 (an empty `""""""` docstring stays); other punctuation (`)`, `),`, `()`): 5 (`f(g(h(x)))` and
+#   `]]]]` stay, `)))))` goes); a single ruler or blank character (`-`, `=`, `#`, `*`, ` `): never (docstring
+#   underlines, comment rulers, indentation).
+# A repeated line is one equal (ignoring indentation) to the previous non-blank line of the completion, or to
+# the line above the cursor when the completion starts on a blank line; lines without a letter or digit
+# (`)`, `}`, `#`, `"""`) may repeat: nested brackets close that way.
+MAX_LOOP_UNIT = 16
+_RULERS = set("-=#*~_^.+/")
+
+
+def loop_copies(unit: str) -> float:
+    """How many back-to-back copies of `unit` make a loop (inf: never)."""
+    if not unit.strip() or (len(unit) == 1 and unit in _RULERS):
+        return float("inf")
+    if "\\" in unit:
+        return 12
+    if any(ch.isalpha() for ch in unit):
+        if len(unit) == 1:
+            return 8
+        return 5 if any(ch in ", ;" for ch in unit) else 3
+    if any(ch.isdigit() for ch in unit):
+        return 12
+    if set(unit) <= set(_QUOTES):
+        return 7
+    return 5
+
+
+def find_loop(text: str) -> tuple[int, str] | None:
+    """(offset, unit) of the earliest short unit that `text` repeats back to back at least `loop_copies(unit)`
+    times, or None. Searched line by line: a line is where such a loop lives (repeated lines are the other
+    check)."""
+    line_start = 0
+    for line in text.split("\n"):
+        found: tuple[int, str] | None = None
+        for p in range(1, min(MAX_LOOP_UNIT, len(line) // 2) + 1):
+            run = 0  # how many characters so far equal the one p before them
+            for i in range(p, len(line)):
+                run = run + 1 if line[i] == line[i - p] else 0
+                if not run:
+                    continue
+                start = i - run - p + 1
+                unit = line[start : start + p]
+                if (run + p) / p >= loop_copies(unit) and _primitive(unit):
+                    if found is None or start < found[0]:
+                        found = (start, unit)
+                    break
+        if found is not None:
+            return line_start + found[0], found[1]
+        line_start += len(line) + 1
+    return None
+
+
+def _primitive(unit: str) -> bool:
+    """Whether `unit` is not itself copies of a shorter unit (`abab` is `ab` twice)."""
+    return (unit + unit).find(unit, 1) == len(unit)
+
+
+def repeated_line(text: str, site: Site, final: bool = True) -> int | None:
+    """Offset in `text` of the start of the first line that repeats the line before it, or None. While
+    streaming (`final` False) the last, unfinished line is not judged."""
+    lines = text.split("\n")
+    if not final:
+        lines = lines[:-1]
+    first_is_new = not site.line_prefix.strip()  # the completion starts on a blank line
+    prev = site.prev_line.strip() if first_is_new else (site.line_prefix + lines[0]).strip() if lines else ""
+    offset = 0
+    for i, line in enumerate(lines):
+        body = (site.line_prefix + line if i == 0 else line).strip()
+        if (i > 0 or first_is_new) and body:
+            if body == prev and any(ch.isalnum() for ch in body):
+                return offset
+            prev = body
+        offset += len(line) + 1
+    return None
+
+
+def cut_degenerate(text: str, site: Site, final: bool = True) -> tuple[str, bool]:
+    """`text` before its first repeated line or loop (a loop of a unit with a letter takes its whole line with
+    it: `def _run_run_run` is noise, `foo(a))))))` keeps `foo(a)`); True if it cut."""
+    cut = repeated_line(text, site, final)
+    loop = find_loop(text)
+    if loop is not None:
+        start, unit = loop
+        if any(ch.isalpha() for ch in unit):
+            end = text.rfind("\n", 0, start)
+            end = max(end, 0)
+        else:
+            end = start + len(unit)
+        cut = end if cut is None else min(cut, end)
+    if cut is None:
+        return text, False
+    return text[:cut].rstrip("\n").rstrip() if cut else "", True
+
+
+def is_degenerate(text: str, site: Site) -> bool:
+    """Whether a finished completion repeats a line or loops (what the guard removes): for evaluations."""
+    return cut_degenerate(text, site)[1]
 
 
 def cut_specials(raw: str, specials: tuple[str, ...], final: bool = False) -> tuple[str, bool]:

@@ -93,3 +93,57 @@ def test_unknown_language_gets_defaults():
     site = Site("  if (x) {", "", "", Lang())
     assert site.multiline
     assert done("\n    y();\n  }\nz();", site) == "\n    y();\n  }"
+
+
+# The degeneration guard: a completion stops before a repeated line or a looping unit, and is empty rather
+# than noise; legitimate repetition survives.
+
+def test_repeated_line_in_the_completion_stops_it():
+    site = py("            ", prev_line='            key, _, value = line.partition("=")')
+    raw = "if key in line:\n                if key in line:\n            "
+    assert done(raw, site) == "if key in line:"
+    assert clean(raw, site, SPECIALS).complete  # decided while streaming: more output cannot change it
+    after_opener = py("def pop(self):")
+    assert done("\n    return self.items.pop()\n    return self.items.pop()", after_opener) == \
+        "\n    return self.items.pop()"
+
+
+def test_first_line_repeating_the_line_above_the_cursor_is_empty():
+    site = py("    ", prev_line="    import os")
+    assert done("import os\n    import sys", site) == ""
+    assert done("import sys\n    import re", site) == "import sys\n    import re"
+
+
+def test_unfinished_line_is_not_judged_while_streaming():
+    site = py("    ", prev_line="    x = 1")
+    partial = clean("y = 2\n    y = 2", site, SPECIALS)  # the last line may still grow into `y = 2 + x`
+    assert partial.text == "y = 2\n    y = 2" and not partial.complete
+    assert done("y = 2\n    y = 2", site) == "y = 2"
+
+
+def test_looping_word_piece_is_empty_not_noise():
+    site = py("")
+    assert done("def _run_run_run_run_run_run_run_run", site) == ""
+    assert done("import os\ndef _run_run_run_run", site) == "import os"
+    assert done("_run_run_run_run", py("    x = foo(", ")")) == ""
+
+
+def test_looping_punctuation_keeps_the_text_before_the_loop():
+    assert done("foo(a))))))))", py("    y = ")) == "foo(a)"
+    assert clean("foo(a))))))", py("    y = "), SPECIALS).complete
+
+
+def test_legitimate_repetition_survives():
+    site = py("    ", prev_line="    import os")
+    assert done("import sys\n    import re\n    import json", site) == "import sys\n    import re\n    import json"
+    init = py("        ", prev_line="    def __init__(self, a, b):")
+    assert done("self.a = a\n        self.b = b", init) == "self.a = a\n        self.b = b"
+    for line in ("zeros = [0, 0, 0, 0, 0, 0, 0, 0]", "shape: Tuple[int, int, int, int] = x", "f(g(h(x)))",
+                 "# " + "-" * 60, 'MAGIC = b"\\x00\\x00\\x00\\x00"', "n = 1_000_000_000", "grid[0][0][0][0] = 1",
+                 'PLACEHOLDER = "xxxxxx"', "assert a == a"):
+        assert done(line, py("    ")) == line, line
+    # closing lines repeat when nested brackets close
+    nested = py("x = foo(")
+    assert done("\n    bar(\n        1,\n    )\n)", nested) == "\n    bar(\n        1,\n    )\n)"
+    brace = Site("int f() {", "", "", C)
+    assert done("\n  if (x) {\n    y();\n  }\n}", brace) == "\n  if (x) {\n    y();\n  }\n}"
