@@ -1,10 +1,13 @@
 """Collect real Python source from this machine: the standard library and installed site-packages.
 
-Every file gets a stable name, `stdlib/<relpath>` or `site/<relpath>`, so the held-out split depends only on
-names, never on walk order or on which machine ran the collection. A file is held out when the hash of its name
-falls in the held-out bucket; afterwards any training file whose (whitespace-normalised) content equals a held-out
-file's is dropped too, because the same module is often vendored under several paths. Training files are also
-deduplicated by content among themselves.
+Every file gets a stable name, `stdlib/<relpath>` or `site/<relpath>`, and a package (`stdlib:json`,
+`site:numpy`: the top-level directory or module). The held-out set is whole packages, so the evaluation measures
+code the model has never seen in any form, not a sibling file of a package it trained on: packages are taken in
+the order of a hash of their name (independent of walk order and of the machine), skipping very small and very
+large ones, until the held-out bytes reach HELDOUT_BYTES. Then every training file is dropped whose
+(whitespace-normalised) content equals a held-out file's, or whose path looks like a vendored copy of a held-out
+package (`pip/_vendor/six.py` when `six` is held out): packages are often vendored inside others.
+Training files are also deduplicated by content among themselves.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from training.tokenizer import SPECIAL_TOKENS
 
 MAX_FILE_BYTES = 256_000  # larger .py files are nearly always generated tables or vendored bundles
 MIN_FILE_BYTES = 64
-HELDOUT_PER_MILLE = 10  # ~1% of names
+HELDOUT_BYTES = 4_000_000  # held-out packages are added until their bytes reach this
+HELDOUT_PACKAGE_BYTES = (20_000, 800_000)  # a held-out package's size range: big enough to evaluate on, and
+# small enough that no single package (torch, transformers) is the whole held-out set
 MAX_PACKAGE_SHARE = 0.12  # no single package (transformers, torch, ...) may fill more of the training bytes
 
 
@@ -58,9 +63,39 @@ def source_roots() -> list[tuple[str, Path]]:
     return roots
 
 
-def is_heldout(name: str) -> bool:
-    digest = hashlib.sha1(name.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 1000 < HELDOUT_PER_MILLE
+def _hash(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+def heldout_packages(files: list[SourceFile], target_bytes: int | None = None) -> set[str]:
+    """Whole packages, in the order of a hash of their name, within HELDOUT_PACKAGE_BYTES, until
+    `target_bytes`. Names, not files, decide the order, so the split is the same wherever the package is."""
+    target_bytes = HELDOUT_BYTES if target_bytes is None else target_bytes
+    sizes = package_bytes(files)
+    low, high = HELDOUT_PACKAGE_BYTES
+    picked, total = set(), 0
+    for pkg in sorted(sizes, key=_hash):
+        if total >= target_bytes:
+            break
+        if low <= sizes[pkg] <= high:
+            picked.add(pkg)
+            total += sizes[pkg]
+    return picked
+
+
+VENDOR_DIRS = {"_vendor", "vendor", "_vendored", "vendored", "extern", "_extern", "externals", "third_party",
+               "thirdparty", "_lib"}
+
+
+def _vendors_heldout(f: SourceFile, tops: set[str]) -> bool:
+    """Whether a training file may be a copy of held-out code: its top level has a held-out package's name
+    (`site:pathlib` when `stdlib:pathlib` is held out), or it sits under a vendoring directory inside a
+    directory or module named like one (`pip/_vendor/six.py`, `setuptools/_vendor/packaging/version.py`)."""
+    parts = f.name.split("/")[1:]
+    if parts[0].removesuffix(".py") in tops:
+        return True
+    below = [p.removesuffix(".py") for p in parts[1:]]
+    return any(v in VENDOR_DIRS for v in below[:-1]) and any(p in tops for p in below)
 
 
 def content_key(text: str) -> str:
@@ -113,15 +148,19 @@ def collect(max_train_bytes: int, roots: list[tuple[str, Path]] | None = None) -
     taking the alphabetically first ones) until `max_train_bytes`.
     """
     files = list(iter_files(roots or source_roots()))
-    heldout = [f for f in files if is_heldout(f.name)]
+    held_pkgs = heldout_packages(files)
+    held_tops = {pkg.split(":", 1)[1] for pkg in held_pkgs}
+    heldout = [f for f in files if f.package in held_pkgs]
     heldout_keys = {content_key(f.text) for f in heldout}
     seen = set(heldout_keys)
-    candidates = sorted((f for f in files if not is_heldout(f.name)),
-                        key=lambda f: hashlib.sha1(f.name.encode()).hexdigest())
-    train, total, dup_heldout, dup_train = [], 0, 0, 0
+    candidates = sorted((f for f in files if f.package not in held_pkgs), key=lambda f: _hash(f.name))
+    train, total, dup_heldout, dup_train, vendored = [], 0, 0, 0, 0
     per_package: dict[str, int] = {}
     package_cap = MAX_PACKAGE_SHARE * max_train_bytes
     for f in candidates:
+        if _vendors_heldout(f, held_tops):
+            vendored += 1
+            continue
         key = content_key(f.text)
         if key in seen:
             dup_heldout += key in heldout_keys
@@ -145,10 +184,12 @@ def collect(max_train_bytes: int, roots: list[tuple[str, Path]] | None = None) -
         "files_found": len(files),
         "train_files": len(train),
         "train_bytes": total,
+        "heldout_packages": sorted(held_pkgs),
         "heldout_files": len(uniq),
         "heldout_bytes": sum(len(f.text) for f in uniq),
         "dropped_as_copy_of_heldout": dup_heldout,
         "dropped_as_duplicate": dup_train,
+        "dropped_as_vendored_heldout_package": vendored,
         "roots": [f"{label}:{path}" for label, path in (roots or source_roots())],
     }
     return Corpus(train=train, heldout=uniq, stats=stats)

@@ -21,19 +21,30 @@ def _tree(tmp_path, files: dict[str, str]):
     return [("site", tmp_path)]
 
 
-def test_heldout_is_by_name_and_copies_of_heldout_files_leave_training(tmp_path, monkeypatch):
+def test_heldout_is_whole_packages_and_copies_of_them_leave_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "HELDOUT_PACKAGE_BYTES", (100, 10_000))
+    monkeypatch.setattr(data, "HELDOUT_BYTES", 3000)
     body = "def f(x):\n    return x + 1\n" * 5
-    names = [f"pkg{i}/mod.py" for i in range(400)]
-    heldout_name = next(n for n in names if data.is_heldout(f"site/{n}"))
-    files = {n: body.replace("f(x)", f"f{i}(x)") for i, n in enumerate(names)}
-    files["other/copy.py"] = files[heldout_name] + "\n\n   \n"  # same content up to whitespace
-    files["other/dup.py"] = files[names[0]]
+    files = {f"pkg{i}/mod{j}.py": body.replace("f(x)", f"f{i}_{j}(x)") for i in range(40) for j in range(3)}
+    held = data.heldout_packages([data.SourceFile(f"site/{n}", t) for n, t in files.items()], 3000)
+    assert 1 <= len(held) < 40
+    top = sorted(held)[0].split(":")[1]
+    files["other/copy.py"] = files[f"{top}/mod0.py"] + "\n\n   \n"  # same content up to whitespace
+    files["other/dup.py"] = files["pkg0/mod0.py"] if "site:pkg0" not in held else files["pkg1/mod0.py"]
+    files[f"other/_vendor/{top}/mod9.py"] = "def vendored_but_edited(x):\n    return x + 2\n" * 3
+    files["other/_vendor/kept.py"] = "def kept(x):\n    return x + 3\n" * 3
+    files["other/big.py"] = "".join(f"X{i} = {i}\n" for i in range(2000))  # too big to be held out
     corpus = data.collect(10**9, _tree(tmp_path, files))
     train_names = {f.name for f in corpus.train}
     held_names = {f.name for f in corpus.heldout}
-    assert f"site/{heldout_name}" in held_names and not held_names & train_names
-    assert "site/other/copy.py" not in train_names
+    assert set(corpus.stats["heldout_packages"]) == held
+    # every file of a held-out package is held out, none of it trains
+    assert held_names == {f"site/{n}" for n in files if f"site:{n.split('/')[0]}" in held}
+    assert not held_names & train_names
+    assert "site/other/copy.py" not in train_names and f"site/other/_vendor/{top}/mod9.py" not in train_names
+    assert "site/other/_vendor/kept.py" in train_names
     assert corpus.stats["dropped_as_copy_of_heldout"] >= 1 and corpus.stats["dropped_as_duplicate"] >= 1
+    assert corpus.stats["dropped_as_vendored_heldout_package"] == 1
     assert data.collect(10**9, _tree(tmp_path, files)).stats == corpus.stats  # deterministic
 
 
