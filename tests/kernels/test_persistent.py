@@ -1,0 +1,107 @@
+"""The persistent one-layer kernel (lingls.kernels.persistent): its schedule proven from the task tables, and
+the kernel (under TRITON_INTERPRET=1 on CPU, one or a few programs) against the plain-torch layer."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from lingls.kernels import persistent as pk
+from tests.kernels.conftest import rel
+
+TINY = pk.LayerShape(hidden=64, heads=2, head_dim=16, experts=16, inter=8, shared_inter=8, top_k=4, n_group=4,
+                     topk_group=2, proj_rows=8, oproj_rows=16, router_rows=8, gu_rows=4, down_rows=16, block_k=32)
+
+
+@pytest.mark.parametrize("shape,programs", [(pk.LayerShape(), 132), (pk.LayerShape(), 7), (TINY, 1), (TINY, 3),
+                                            (TINY, 40)])
+def test_schedule_is_correct_under_any_interleaving(shape, programs):
+    schedule = pk.build_schedule(shape, programs)
+    pk.check_schedule(schedule, interleavings=3 if shape.hidden > 1000 else 30, seed=programs)
+    kinds = {t.kind for t in schedule.tasks}
+    assert kinds == set(range(1, 9))
+
+
+def test_check_schedule_refuses_a_missing_dependency():
+    schedule = pk.build_schedule(TINY, 3)
+    table = schedule.table.clone()
+    # the routing task waits for nothing: the experts' activations would read routing nobody wrote yet
+    for p in range(schedule.programs):
+        for i in range(schedule.max_tasks):
+            if table[p, i, 0] == pk.ROUTE:
+                table[p, i, 2:4] = torch.tensor([-1, 0])
+    broken = dataclasses.replace(schedule, table=table)
+    with pytest.raises(AssertionError):
+        pk.check_schedule(broken, interleavings=5)
+    # a wait for fewer tiles than signal the counter
+    table = schedule.table.clone()
+    kda = (table[..., 0] == pk.KDA).nonzero()[0]
+    table[kda[0], kda[1], 3] -= 1
+    with pytest.raises(AssertionError, match="waits for"):
+        pk.check_schedule(dataclasses.replace(schedule, table=table), interleavings=0)
+
+
+def _inputs(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = pk.random_layer(shape, generator=g)
+    h = torch.randn(1, shape.hidden, generator=g).to(torch.bfloat16)
+    state = torch.randn(shape.heads, shape.head_dim, shape.head_dim, generator=g) * 0.1
+    conv = torch.randn(3, shape.channels, 3, generator=g).to(torch.bfloat16)
+    return w, h, state, conv
+
+
+def test_reference_matches_fused_step_reference_ops():
+    """The layer reference composes the same definitions as fused_step's reference ops (gemv, kda, norm, moe)."""
+    pytest.importorskip("triton")
+    from lingls.kernels import gemv, kda, moe, norm
+
+    s = TINY
+    w, h, state, conv = _inputs(s, 1)
+    ref_state, ref_conv = state.clone(), conv.clone()
+    out = pk.layer_reference(h, w, ref_state, ref_conv, s)
+    c = s.channels
+    x, residual = norm.add_rms_norm_reference(h, None, w.in_norm, s.eps)
+    p = gemv.gemv_reference(x, w.proj)
+    q, k, v, f, g, b = p.split([c, c, c, c, c, s.heads], dim=1)
+    st, cv = state.clone(), conv.clone()
+    o = kda.kda_step_reference(q, k, v, f, b, g, cv, w.conv, w.a_log, w.dt_bias, w.o_norm, st,
+                               lower_bound=s.lower_bound, eps=s.eps)
+    a = gemv.gemv_reference(o, w.o_proj)
+    x2, residual = norm.add_rms_norm_reference(a, residual.clone(), w.post_norm, s.eps)
+    m = moe.fused_moe_reference(x2, w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down,
+                                top_k=s.top_k, n_group=s.n_group, topk_group=s.topk_group, normalize=True,
+                                scale=s.scale)
+    expect = (residual.float() + m.float()).to(torch.bfloat16)
+    assert rel(out, expect) < 1e-2  # the reference keeps the experts' activations in bf16, as the kernels do
+    assert rel(ref_state, st) < 1e-6 and torch.equal(ref_conv, cv)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("programs", [1, 3, 40])
+def test_kernel_matches_reference(programs):
+    """One program runs every task in the global order; several (GPU only: the interpreter runs programs one
+    after another, so a program polling a counter another one bumps would spin forever) run concurrently."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    if dev == "cpu" and programs > 1:
+        pytest.skip("the interpreter runs programs sequentially")
+    # Triton 3.6's interpreter rounds fp32 -> bf16 differently from torch (up to 1.5 bf16 ulps seen), and the
+    # layer rounds to bf16 at every op's output as the chain does: a wider tolerance there than on a GPU
+    tol = 3e-2 if dev == "cpu" else 1e-2
+    s = TINY
+    schedule = pk.build_schedule(s, programs)
+    ws = pk.workspace(schedule, dev)
+    for seed in (programs, programs + 10):  # two launches: the second waits on the next generation
+        w, h, state, conv = _inputs(s, seed)
+        w = pk.LayerWeights(*(t.to(dev) for t in w))
+        ref_state, ref_conv = state.clone(), conv.clone()
+        expect = pk.layer_reference(h, pk.LayerWeights(*(t.cpu() for t in w)), ref_state, ref_conv, s)
+        st, cv = state.to(dev), conv.to(dev)
+        out = torch.full_like(h, float("nan")).to(dev)
+        pk.persistent_layer(h.to(dev), out, w, st, cv, schedule, ws)
+        assert rel(out.cpu(), expect) < tol
+        assert rel(st.cpu(), ref_state) < tol
+        assert rel(cv.cpu(), ref_conv) < tol
+    assert ws.counters[schedule.epoch].item() == 2
