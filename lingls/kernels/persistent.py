@@ -83,6 +83,7 @@ class LayerShape:
     gu_rows: int = 4
     down_rows: int = 8
     block_k: int = 512
+    kda_bv: int = 32
 
     @property
     def channels(self) -> int:
@@ -93,8 +94,8 @@ class LayerShape:
         return 5 * self.channels + self.heads
 
     def __post_init__(self):
-        if self.head_dim % self.proj_rows or self.hidden % self.block_k or self.channels % self.block_k:
-            raise ValueError("proj_rows must divide head_dim, block_k must divide hidden and heads * head_dim")
+        if self.head_dim % self.proj_rows or self.head_dim % self.kda_bv or self.hidden % self.block_k or self.channels % self.block_k:
+            raise ValueError("proj_rows and kda_bv must divide head_dim, block_k must divide hidden and heads * head_dim")
         for name in ("hidden", "head_dim", "inter", "shared_inter"):
             if getattr(self, name) % getattr(self, "gu_rows" if "inter" in name else "proj_rows"):
                 raise ValueError(f"{name} must be a multiple of its tile rows")
@@ -558,12 +559,26 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
 @_jit
 def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, conv_ptr, o_ptr, cnt_ptr, stamp_ptr,
               h, idx, c0, n0, c1, n1, gen, q_scale, lower_bound, eps, C: tl.constexpr, D: tl.constexpr,
-              TIMELINE: tl.constexpr):
-    """Head h's step (kda._kda_step_kernel's arithmetic at T=1 with all D value columns in one task, so the
-    gated output norm and the q/k conv state need no second program): the state, conv state and constants
-    are requested before the wait."""
+              BV: tl.constexpr, TIMELINE: tl.constexpr):
+    """Head h's step (kda._kda_step_kernel's arithmetic at T=1), all D value columns in one task, BV at a time,
+    so the gated output norm and the q/k conv state need no second program. The recurrent state (the bulk of
+    the task's bytes) is requested before the wait, as D // BV tiles of [D, BV] (a whole [D, D] fp32 tile and
+    its temporaries spilled to local memory at 8 warps)."""
+    NV: tl.constexpr = D // BV
     dk = tl.arange(0, D)
     ck = h * D + dk
+    dv = tl.arange(0, BV)
+    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
+    S_tiles = ()
+    for j in tl.static_range(NV):
+        S_tiles = S_tiles + (tl.load(state_ptr + h * D * D + dk[:, None] * D + j * BV + dv[None, :]),)
+    _stamp(stamp_ptr, idx, 1, TIMELINE)
+    _wait(cnt_ptr, c0, n0, gen)
+    _wait(cnt_ptr, c1, n1, gen)
+    _stamp(stamp_ptr, idx, 2, TIMELINE)
+    # the q/k taps and windows go out with the inputs (one round trip either way), not before the wait: held
+    # across it they pushed the kernel's registers into local memory
     wq0 = tl.load(conv_w_ptr + ck * 4 + 0).to(tl.float32)
     wq1 = tl.load(conv_w_ptr + ck * 4 + 1).to(tl.float32)
     wq2 = tl.load(conv_w_ptr + ck * 4 + 2).to(tl.float32)
@@ -572,59 +587,59 @@ def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, c
     wk1 = tl.load(conv_w_ptr + (C + ck) * 4 + 1).to(tl.float32)
     wk2 = tl.load(conv_w_ptr + (C + ck) * 4 + 2).to(tl.float32)
     wk3 = tl.load(conv_w_ptr + (C + ck) * 4 + 3).to(tl.float32)
-    wv0 = tl.load(conv_w_ptr + (2 * C + ck) * 4 + 0).to(tl.float32)
-    wv1 = tl.load(conv_w_ptr + (2 * C + ck) * 4 + 1).to(tl.float32)
-    wv2 = tl.load(conv_w_ptr + (2 * C + ck) * 4 + 2).to(tl.float32)
-    wv3 = tl.load(conv_w_ptr + (2 * C + ck) * 4 + 3).to(tl.float32)
     xq0 = tl.load(conv_ptr + ck * 3 + 0)
     xq1 = tl.load(conv_ptr + ck * 3 + 1)
     xq2 = tl.load(conv_ptr + ck * 3 + 2)
     xk0 = tl.load(conv_ptr + (C + ck) * 3 + 0)
     xk1 = tl.load(conv_ptr + (C + ck) * 3 + 1)
     xk2 = tl.load(conv_ptr + (C + ck) * 3 + 2)
-    xv0 = tl.load(conv_ptr + (2 * C + ck) * 3 + 0)
-    xv1 = tl.load(conv_ptr + (2 * C + ck) * 3 + 1)
-    xv2 = tl.load(conv_ptr + (2 * C + ck) * 3 + 2)
-    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + ck).to(tl.float32)
-    nw = tl.load(onorm_ptr + dk).to(tl.float32)
-    s_off = h * D * D + dk[:, None] * D + dk[None, :]
-    S = tl.load(state_ptr + s_off)
-    _stamp(stamp_ptr, idx, 1, TIMELINE)
-    _wait(cnt_ptr, c0, n0, gen)
-    _wait(cnt_ptr, c1, n1, gen)
-    _stamp(stamp_ptr, idx, 2, TIMELINE)
     q_in = tl.load(p_ptr + ck, cache_modifier=".cg")
     k_in = tl.load(p_ptr + C + ck, cache_modifier=".cg")
-    v_in = tl.load(p_ptr + 2 * C + ck, cache_modifier=".cg")
     f = tl.load(p_ptr + 3 * C + ck, cache_modifier=".cg").to(tl.float32)
     b = tl.load(p_ptr + 5 * C + h, cache_modifier=".cg").to(tl.float32)
     qt = _conv_silu(wq0, wq1, wq2, wq3, xq0.to(tl.float32), xq1.to(tl.float32), xq2.to(tl.float32),
                     q_in.to(tl.float32))
     kt = _conv_silu(wk0, wk1, wk2, wk3, xk0.to(tl.float32), xk1.to(tl.float32), xk2.to(tl.float32),
                     k_in.to(tl.float32))
-    vt = _conv_silu(wv0, wv1, wv2, wv3, xv0.to(tl.float32), xv1.to(tl.float32), xv2.to(tl.float32),
-                    v_in.to(tl.float32))
     qt = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale)
     kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
     decay = tl.exp(lower_bound * _sigmoid(rate * (f + dt_bias)))
     beta = _sigmoid(b)
-    P, err, S = _delta_rule(S, kt, decay, vt, beta)
-    o = tl.sum(P * qt[:, None], 0) + tl.sum(qt * kt, 0) * err
-    tl.store(state_ptr + s_off, S)
+    qk = tl.sum(qt * kt, 0)
     ety = conv_ptr.dtype.element_ty  # the windows slide by one input (the projected rows, as stored)
+    outs = ()
+    ss = 0.0
+    for j in tl.static_range(NV):
+        cv = h * D + j * BV + dv
+        v_in = tl.load(p_ptr + 2 * C + cv, cache_modifier=".cg")
+        xv0 = tl.load(conv_ptr + (2 * C + cv) * 3 + 0)
+        xv1 = tl.load(conv_ptr + (2 * C + cv) * 3 + 1)
+        xv2 = tl.load(conv_ptr + (2 * C + cv) * 3 + 2)
+        vt = _conv_silu(tl.load(conv_w_ptr + (2 * C + cv) * 4 + 0).to(tl.float32),
+                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 1).to(tl.float32),
+                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 2).to(tl.float32),
+                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32),
+                        xv0.to(tl.float32), xv1.to(tl.float32), xv2.to(tl.float32), v_in.to(tl.float32))
+        P, err, S = _delta_rule(S_tiles[j], kt, decay, vt, beta)
+        o = tl.sum(P * qt[:, None], 0) + qk * err
+        tl.store(state_ptr + h * D * D + dk[:, None] * D + j * BV + dv[None, :], S)
+        tl.store(conv_ptr + (2 * C + cv) * 3 + 0, xv1)
+        tl.store(conv_ptr + (2 * C + cv) * 3 + 1, xv2)
+        tl.store(conv_ptr + (2 * C + cv) * 3 + 2, v_in.to(ety))
+        outs = outs + (o,)
+        ss += tl.sum(o * o, 0)
     tl.store(conv_ptr + ck * 3 + 0, xq1)
     tl.store(conv_ptr + ck * 3 + 1, xq2)
     tl.store(conv_ptr + ck * 3 + 2, q_in.to(ety))
     tl.store(conv_ptr + (C + ck) * 3 + 0, xk1)
     tl.store(conv_ptr + (C + ck) * 3 + 1, xk2)
     tl.store(conv_ptr + (C + ck) * 3 + 2, k_in.to(ety))
-    tl.store(conv_ptr + (2 * C + ck) * 3 + 0, xv1)
-    tl.store(conv_ptr + (2 * C + ck) * 3 + 1, xv2)
-    tl.store(conv_ptr + (2 * C + ck) * 3 + 2, v_in.to(ety))
-    z = tl.load(p_ptr + 4 * C + ck, cache_modifier=".cg").to(tl.float32)
-    rms = tl.rsqrt(tl.sum(o * o, 0) / D + eps)
-    tl.store(o_ptr + ck, (o * rms * nw * tl.sigmoid(z)).to(o_ptr.dtype.element_ty))
+    rms = tl.rsqrt(ss / D + eps)
+    for j in tl.static_range(NV):
+        cv = h * D + j * BV + dv
+        z = tl.load(p_ptr + 4 * C + cv, cache_modifier=".cg").to(tl.float32)
+        nw = tl.load(onorm_ptr + j * BV + dv).to(tl.float32)
+        tl.store(o_ptr + cv, (outs[j] * rms * nw * tl.sigmoid(z)).to(o_ptr.dtype.element_ty))
 
 
 @_jit
@@ -682,7 +697,8 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, PROJ_ROWS: tl.constexpr, OPROJ_ROWS: tl.constexpr,
                   ROUTER_ROWS: tl.constexpr, GU_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  MAX_TASKS: tl.constexpr, P: tl.constexpr, EPOCH: tl.constexpr, DONE: tl.constexpr,
+                  KDA_BV: tl.constexpr, MAX_TASKS: tl.constexpr, P: tl.constexpr, EPOCH: tl.constexpr,
+                  DONE: tl.constexpr,
                   TIMELINE: tl.constexpr):
     pid = tl.program_id(0)
     C: tl.constexpr = NH * D
@@ -704,7 +720,8 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                            gen, 5 * C + NH, H, eps, PROJ_ROWS, True, False, BLOCK_K, False, TIMELINE)
             elif kind == 2:  # KDA
                 _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, conv_ptr, o_ptr, cnt_ptr,
-                          stamp_ptr, tile, idx, c0, n0, c1, n1, gen, q_scale, lower_bound, eps, C, D, TIMELINE)
+                          stamp_ptr, tile, idx, c0, n0, c1, n1, gen, q_scale, lower_bound, eps, C, D, KDA_BV,
+                          TIMELINE)
             elif kind == 3:  # OPROJ
                 _gemv_task(oproj_ptr, a_ptr, o_ptr, o_ptr, in_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0, c1,
                            n1, gen, H, C, eps, OPROJ_ROWS, False, False, BLOCK_K, False, TIMELINE)
@@ -768,7 +785,15 @@ def persistent_layer(h: torch.Tensor, out: torch.Tensor, w: LayerWeights, state:
                      conv_state: torch.Tensor, schedule: Schedule, ws: Workspace, table: torch.Tensor | None = None,
                      timeline: bool = False, num_warps: int = 8) -> torch.Tensor:
     """The layer in one launch: h [1, H] (the residual stream) -> out [1, H]; state and conv_state updated in
-    place. `table`: the schedule's task table on h's device (copied there once by the caller; default: here)."""
+    place. `table`: the schedule's task table on h's device (copied there once by the caller; default: here).
+    timeline: every task writes its globaltimer stamps to ws.stamps (CUDA only)."""
+    launch(h, out, w, state, conv_state, schedule, ws, table, timeline, num_warps)
+    return out
+
+
+def launch(h, out, w: LayerWeights, state, conv_state, schedule: Schedule, ws: Workspace, table=None,
+           timeline: bool = False, num_warps: int = 8):
+    """`persistent_layer`'s launch; returns Triton's compiled kernel (its registers and spills, for benchmarks)."""
     s = schedule.shape
     if h.shape != (1, s.hidden) or out.shape != h.shape:
         raise ValueError(f"h and out must be [1, {s.hidden}], got {tuple(h.shape)}, {tuple(out.shape)}")
@@ -777,7 +802,7 @@ def persistent_layer(h: torch.Tensor, out: torch.Tensor, w: LayerWeights, state:
     if table is None:
         table = schedule.table.to(h.device)
     i_pad = ws.act.shape[1]
-    _layer_kernel[(schedule.programs,)](
+    return _layer_kernel[(schedule.programs,)](
         table, ws.counters, ws.stamps, h, out,
         w.in_norm, w.proj, w.conv, w.a_log, w.dt_bias, w.o_norm, w.o_proj, w.post_norm,
         w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down, state, conv_state,
@@ -787,6 +812,5 @@ def persistent_layer(h: torch.Tensor, out: torch.Tensor, w: LayerWeights, state:
         K_PAD=triton.next_power_of_2(s.top_k), G=s.n_group, G_PAD=triton.next_power_of_2(s.n_group),
         EPG_PAD=triton.next_power_of_2(s.experts // s.n_group), E_PAD=triton.next_power_of_2(s.experts), TOPK_GROUP=s.topk_group, PROJ_ROWS=s.proj_rows, OPROJ_ROWS=s.oproj_rows,
         ROUTER_ROWS=s.router_rows, GU_ROWS=s.gu_rows, DOWN_ROWS=s.down_rows, BLOCK_K=s.block_k,
-        MAX_TASKS=schedule.max_tasks, P=schedule.programs, EPOCH=schedule.epoch, DONE=schedule.done,
+        KDA_BV=s.kda_bv, MAX_TASKS=schedule.max_tasks, P=schedule.programs, EPOCH=schedule.epoch, DONE=schedule.done,
         TIMELINE=timeline, num_warps=num_warps)
-    return out

@@ -1,0 +1,236 @@
+"""One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
+launches, in the same run.
+
+    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...]
+
+- Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
+  output and the KDA state as relative errors, and whether the three chose the same experts.
+- Timing: LAYERS layers of distinct weights (so each layer's weights stream from HBM, not L2), each graph one
+  replay over all of them, median of many replays, per layer:
+  chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
+          norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
+  persistent = one `persistent.launch` per layer.
+  Both graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
+  (`persistent.layer_bytes`) over the copy rate measured in the same run. A/B/A/B to show the spread.
+- Timeline: the persistent kernel with globaltimer stamps per task (start, weights requested, inputs ready,
+  end), the last layer of one graph replay: JSON and PNG.
+Writes OUT_DIR/persistent_layer.json, OUT_DIR/persistent_timeline.json, OUT_DIR/persistent_timeline.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lingls.bench.step import copy_bandwidth, median_ms  # noqa: E402
+from lingls.kernels import gemv, kda, moe, norm  # noqa: E402
+from lingls.kernels import persistent as pk  # noqa: E402
+
+
+def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_norm):
+    """fused_step's launches for one KDA + MoE layer from its input norm x (res: the residual stream, updated in
+    place): returns the next layer's input norm (by next_norm), with res advanced past the layer."""
+    c = s.channels
+    p = gemv.gemv(x, w.proj, pdl=True)
+    q, k, v, f, g, b = p.split([c, c, c, c, c, s.heads], dim=1)
+    o = kda.fused_kda_step(q, k, v, f, b, g, conv, w.conv, w.a_log, w.dt_bias, w.o_norm, state,
+                           lower_bound=s.lower_bound, eps=s.eps, pdl=True)
+    a = gemv.gemv(o, w.o_proj, pdl=True)
+    x2, _ = norm.fused_add_rms_norm(a, res, w.post_norm, s.eps, pdl=True)
+    m = moe.fused_moe(x2, w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down,
+                      top_k=s.top_k, n_group=s.n_group, topk_group=s.topk_group, normalize=True, scale=s.scale,
+                      pdl=True)
+    x, _ = norm.fused_add_rms_norm(m, res, next_norm, s.eps, pdl=True)
+    return x
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
+
+
+def wait_or_die(what: str, limit_s: float = 120.0):
+    """The persistent kernel spins on counters: a scheduling bug would hang the GPU. Give up loudly instead."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > limit_s:
+            print(f"{what}: no completion after {limit_s} s (deadlock?)", flush=True)
+            os._exit(3)
+        time.sleep(0.01)
+
+
+def timeline(schedule: pk.Schedule, stamps: torch.Tensor) -> dict:
+    st = stamps.cpu().long()
+    t0 = int(st[:, 0].min())
+    tasks = []
+    for t in schedule.tasks:
+        a, b, c, d = (float(v - t0) / 1e3 for v in st[t.index].tolist())
+        tasks.append(dict(index=t.index, program=t.program, kind=pk.KIND_NAMES[t.kind], tile=t.tile, start_us=a,
+                          issued_us=b, ready_us=c, end_us=d))
+    kinds = {}
+    for name in pk.KIND_NAMES[1:]:
+        ts = [t for t in tasks if t["kind"] == name]
+        kinds[name] = dict(count=len(ts), first_start_us=min(t["start_us"] for t in ts),
+                           last_ready_us=max(t["ready_us"] for t in ts), last_end_us=max(t["end_us"] for t in ts),
+                           mean_wait_us=sum(t["ready_us"] - t["issued_us"] for t in ts) / len(ts),
+                           mean_after_ready_us=sum(t["end_us"] - t["ready_us"] for t in ts) / len(ts),
+                           mean_issue_us=sum(t["issued_us"] - t["start_us"] for t in ts) / len(ts))
+    span = max(t["end_us"] for t in tasks)
+    waiting = sum(max(0.0, t["ready_us"] - t["issued_us"]) for t in tasks)
+    return dict(span_us=span, wait_us_summed_over_programs=waiting, programs=schedule.programs, by_kind=kinds,
+                tasks=tasks)
+
+
+def plot_timeline(tl: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = dict(proj="tab:blue", kda="tab:red", oproj="tab:cyan", router="tab:olive", shared_gu="tab:green",
+                  route="black", expert_gu="tab:orange", down="tab:purple")
+    fig, ax = plt.subplots(figsize=(14, 9))
+    for t in tl["tasks"]:
+        y = t["program"]
+        ax.barh(y, t["issued_us"] - t["start_us"], left=t["start_us"], height=0.8, color=colors[t["kind"]],
+                alpha=0.35)
+        ax.barh(y, t["ready_us"] - t["issued_us"], left=t["issued_us"], height=0.8, color="lightgray")
+        ax.barh(y, t["end_us"] - t["ready_us"], left=t["ready_us"], height=0.8, color=colors[t["kind"]])
+    for name, c in colors.items():
+        ax.barh(-5, 0, color=c, label=name)
+    ax.barh(-5, 0, color="lightgray", label="waiting on a counter")
+    ax.set_xlabel("us since the first task started (pale: requesting weights; gray: waiting; dark: after inputs)")
+    ax.set_ylabel("program")
+    ax.set_ylim(-1, tl["programs"])
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"persistent KDA + MoE layer, T=1, TP=4 rank shapes: span {tl['span_us']:.1f} us")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    out_dir = Path(argv[0]) if argv else Path(".")
+    n_layers = int(argv[1]) if len(argv) > 1 else 20
+    program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    s = pk.LayerShape()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {n_layers} layers of distinct weights", flush=True)
+    t0 = time.time()
+    layers = [pk.random_layer(s, device=dev) for _ in range(n_layers)]
+    states = [(torch.randn(s.heads, s.head_dim, s.head_dim, device=dev) * 0.1,
+               torch.randn(3, s.channels, 3, device=dev).to(torch.bfloat16)) for _ in range(n_layers)]
+    final_norm = layers[0].in_norm.clone()
+    h0 = torch.randn(1, s.hidden, device=dev).to(torch.bfloat16)
+    print(f"weights {sum(t.numel() * t.element_size() for t in layers[0]) * n_layers / 1e9:.1f} GB in "
+          f"{time.time() - t0:.1f} s", flush=True)
+    result = dict(machine=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                  torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                  shape=dataclasses.asdict(s), layers=n_layers, copy_bandwidth=bw,
+                  layer_bytes=pk.layer_bytes(s, layers[0]))
+    result["floor_us"] = result["layer_bytes"] / bw * 1e6
+
+    # correctness on layer 0 at the real shapes
+    w, (st0, cv0) = layers[0], states[0]
+    ref_st, ref_cv = st0.clone(), cv0.clone()
+    expect = pk.layer_reference(h0, w, ref_st, ref_cv, s)
+    ch_st, ch_cv, res = st0.clone(), cv0.clone(), h0.clone()
+    x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
+    chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
+    check = {}
+    for programs in program_counts:
+        schedule = pk.build_schedule(s, programs)
+        ws = pk.workspace(schedule, dev)
+        table = schedule.table.to(dev)
+        ps_st, ps_cv = st0.clone(), cv0.clone()
+        out = torch.full_like(h0, float("nan"))
+        compiled = pk.launch(h0, out, w, ps_st, ps_cv, schedule, ws, table)
+        wait_or_die(f"persistent, {programs} programs, first launch")
+        ids = sorted(ws.topk_i.tolist())
+        check[programs] = dict(
+            out_vs_ref=rel(out, expect), out_vs_chain=rel(out, res), state_vs_ref=rel(ps_st, ref_st),
+            conv_vs_ref=rel(ps_cv, ref_cv), experts=ids, registers=compiled.n_regs, spills=compiled.n_spills,
+            tasks=len(schedule.tasks), max_tasks_per_program=schedule.max_tasks)
+        print(f"check P={programs}: {check[programs]}", flush=True)
+    result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check)
+    print(f"chain vs ref: out {result['check']['chain_vs_ref']:.2e}, state {result['check']['chain_state_vs_ref']:.2e}",
+          flush=True)
+
+    # timing: both as CUDA graphs over all layers
+    res = torch.empty_like(h0)
+    hs = [torch.empty_like(h0) for _ in range(n_layers + 1)]
+
+    def chain_all():
+        res.copy_(h0)
+        x, _ = norm.fused_add_rms_norm(res, None, layers[0].in_norm, s.eps, pdl=True)
+        for i, (lw, (st, cv)) in enumerate(zip(layers, states)):
+            x = chain_layer(res, x, lw, st, cv, s, layers[i + 1].in_norm if i + 1 < n_layers else final_norm)
+
+    def graph(fn):
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        wait_or_die("graph replay")
+        return g
+
+    graphs = {"chain": graph(chain_all)}
+    for programs in program_counts:
+        schedule = pk.build_schedule(s, programs)
+        ws = pk.workspace(schedule, dev)
+        table = schedule.table.to(dev)
+
+        def pers_all(schedule=schedule, ws=ws, table=table, tl_=False):
+            hs[0].copy_(h0)
+            for i, (lw, (st, cv)) in enumerate(zip(layers, states)):
+                pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
+
+        graphs[f"persistent_p{programs}"] = graph(pers_all)
+        if programs == program_counts[0]:
+            tl_graph = graph(lambda: pers_all(tl_=True))
+            tl_ws, tl_schedule = ws, schedule
+    reps = 200
+    timings = {name: [] for name in graphs}
+    for _ in range(2):  # A B A B
+        for name, g in graphs.items():
+            timings[name].append(median_ms(g.replay, reps=reps, warm=10) * 1e3 / n_layers)
+    result["per_layer_us"] = timings
+    tl_graph.replay()
+    wait_or_die("timeline replay")
+    tl = timeline(tl_schedule, tl_ws.stamps)
+    (out_dir / "persistent_timeline.json").write_text(json.dumps(tl, indent=1))
+    try:
+        plot_timeline(tl, out_dir / "persistent_timeline.png")
+    except Exception as e:  # the numbers matter more than the picture
+        print(f"plot failed: {e}")
+    result["timeline_summary"] = {k: v for k, v in tl.items() if k != "tasks"}
+    (out_dir / "persistent_layer.json").write_text(json.dumps(result, indent=1))
+
+    print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
+          f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
+    for name, ts in timings.items():
+        print(f"  {name:18s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
+    print(f"timeline (last layer of a replay): span {tl['span_us']:.1f} us")
+    for k, v in tl["by_kind"].items():
+        print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
+              f" last end {v['last_end_us']:6.1f} mean issue {v['mean_issue_us']:5.2f} wait {v['mean_wait_us']:5.2f}"
+              f" after {v['mean_after_ready_us']:5.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
