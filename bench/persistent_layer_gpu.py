@@ -10,7 +10,8 @@ launches, in the same run.
   chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
           norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
   persistent = one `persistent.launch` per layer.
-  Both graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
+  Two schedules: the RMSNorms as tasks of their own (norm_tasks) or recomputed by every consumer task.
+  All graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
   (`persistent.layer_bytes`) over the copy rate measured in the same run. A/B/A/B to show the spread.
 - Timeline: the persistent kernel with globaltimer stamps per task (start, weights requested, inputs ready,
   end), the last layer of one graph replay: JSON and PNG.
@@ -52,6 +53,10 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
                       pdl=True)
     x, _ = norm.fused_add_rms_norm(m, res, next_norm, s.eps, pdl=True)
     return x
+
+
+def variant_name(programs: int, norm_tasks: bool) -> str:
+    return f"persistent_p{programs}_{'norm_tasks' if norm_tasks else 'recompute'}"
 
 
 def rel(a, b) -> float:
@@ -150,8 +155,9 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check = {}
-    for programs in program_counts:
-        schedule = pk.build_schedule(s, programs)
+    variants = [(programs, norm_tasks) for programs in program_counts for norm_tasks in (True, False)]
+    for programs, norm_tasks in variants:
+        schedule = pk.build_schedule(s, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         ps_st, ps_cv = st0.clone(), cv0.clone()
@@ -159,11 +165,12 @@ def main(argv: list[str]) -> int:
         compiled = pk.launch(h0, out, w, ps_st, ps_cv, schedule, ws, table)
         wait_or_die(f"persistent, {programs} programs, first launch")
         ids = sorted(ws.topk_i.tolist())
-        check[programs] = dict(
+        name = variant_name(programs, norm_tasks)
+        check[name] = dict(
             out_vs_ref=rel(out, expect), out_vs_chain=rel(out, res), state_vs_ref=rel(ps_st, ref_st),
             conv_vs_ref=rel(ps_cv, ref_cv), experts=ids, registers=compiled.n_regs, spills=compiled.n_spills,
             tasks=len(schedule.tasks), max_tasks_per_program=schedule.max_tasks)
-        print(f"check P={programs}: {check[programs]}", flush=True)
+        print(f"check {name}: {check[name]}", flush=True)
     result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check)
     print(f"chain vs ref: out {result['check']['chain_vs_ref']:.2e}, state {result['check']['chain_state_vs_ref']:.2e}",
           flush=True)
@@ -189,8 +196,8 @@ def main(argv: list[str]) -> int:
         return g
 
     graphs = {"chain": graph(chain_all)}
-    for programs in program_counts:
-        schedule = pk.build_schedule(s, programs)
+    for programs, norm_tasks in variants:
+        schedule = pk.build_schedule(s, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
 
@@ -199,8 +206,8 @@ def main(argv: list[str]) -> int:
             for i, (lw, (st, cv)) in enumerate(zip(layers, states)):
                 pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
 
-        graphs[f"persistent_p{programs}"] = graph(pers_all)
-        if programs == program_counts[0]:
+        graphs[variant_name(programs, norm_tasks)] = graph(pers_all)
+        if (programs, norm_tasks) == variants[0]:
             tl_graph = graph(lambda: pers_all(tl_=True))
             tl_ws, tl_schedule = ws, schedule
     reps = 200
@@ -223,7 +230,7 @@ def main(argv: list[str]) -> int:
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
     for name, ts in timings.items():
-        print(f"  {name:18s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
+        print(f"  {name:30s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
     print(f"timeline (last layer of a replay): span {tl['span_us']:.1f} us")
     for k, v in tl["by_kind"].items():
         print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"

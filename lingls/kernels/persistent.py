@@ -53,8 +53,8 @@ except ImportError:  # CPU-only installs: the reference serves
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # task kinds (0: an empty slot of a program's list)
-NONE, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN = range(9)
-KIND_NAMES = ["none", "proj", "kda", "oproj", "router", "shared_gu", "route", "expert_gu", "down"]
+NONE, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM = range(10)
+KIND_NAMES = ["none", "proj", "kda", "oproj", "router", "shared_gu", "route", "expert_gu", "down", "norm"]
 # a task row: kind, tile, (counter, need) twice, the counter it signals (-1: none), its index in the global order
 FIELDS = 8
 STAMPS = 4  # per task in the timeline: start, weights requested, inputs ready, end (globaltimer, ns)
@@ -218,6 +218,7 @@ class Schedule:
     n_counters: int
     epoch: int  # the epoch cell's index in the counters
     done: int  # the arrivals counter's index
+    norm_tasks: bool  # see `layer_tasks`
 
     @property
     def max_tasks(self) -> int:
@@ -226,12 +227,15 @@ class Schedule:
 
 def _counters(shape: LayerShape) -> dict:
     nh = shape.heads
-    names = [f"head{h}" for h in range(nh)] + ["beta", "kda", "attn", "router", "route", "act", "out", "done", "epoch"]
+    names = [f"head{h}" for h in range(nh)] + ["beta", "kda", "attn", "router", "route", "act", "out", "x", "x2", "done", "epoch"]
     return {n: i for i, n in enumerate(names)}
 
 
-def layer_tasks(shape: LayerShape) -> tuple[list[Task], dict]:
-    """The layer's tasks in a topological order, with what each reads and writes (for `check_schedule`)."""
+def layer_tasks(shape: LayerShape, norm_tasks: bool = True) -> tuple[list[Task], dict]:
+    """The layer's tasks in a topological order, with what each reads and writes (for `check_schedule`).
+    norm_tasks: the two RMSNorms are tasks of their own (NORM tile 0: the input norm; tile 1: the residual add
+    and the post-attention norm) whose outputs the GEMV tasks read; otherwise every consumer task recomputes
+    the norm it needs from the residual stream (no dependent hop, but a reduction over H per task)."""
     s, c, H, bf = shape, shape.channels, shape.hidden, 2
     cnt = _counters(shape)
     tasks: list[Task] = []
@@ -243,6 +247,10 @@ def layer_tasks(shape: LayerShape) -> tuple[list[Task], dict]:
     n_down = -(-H // s.down_rows)
     head_tiles = {h: [] for h in range(s.heads)}
     beta_tiles = []
+    x_in, x_wait = ({"h_in"}, [])
+    if norm_tasks:
+        tasks.append(Task(NORM, 0, [], cnt["x"], {"h_in"}, {"x"}, latency_us=1.5))
+        x_in, x_wait = ({"x"}, [(cnt["x"], 1)])
     for t in range(n_proj):
         row = t * s.proj_rows
         if row < 5 * c:
@@ -252,7 +260,7 @@ def layer_tasks(shape: LayerShape) -> tuple[list[Task], dict]:
         else:
             beta_tiles.append(t)
             signal = cnt["beta"]
-        tasks.append(Task(PROJ, t, [], signal, {"h_in"}, {("p", t)}, weight_bytes=s.proj_rows * H * bf,
+        tasks.append(Task(PROJ, t, list(x_wait), signal, x_in, {("p", t)}, weight_bytes=s.proj_rows * H * bf,
                           latency_us=0.5))
     for head in range(s.heads):
         tasks.append(Task(KDA, head, [(cnt[f"head{head}"], len(head_tiles[head])), (cnt["beta"], len(beta_tiles))],
@@ -262,35 +270,40 @@ def layer_tasks(shape: LayerShape) -> tuple[list[Task], dict]:
         tasks.append(Task(OPROJ, t, [(cnt["kda"], s.heads)], cnt["attn"], {("o", hh) for hh in range(s.heads)},
                           {("a", t)}, weight_bytes=s.oproj_rows * c * bf, latency_us=0.5))
     attn_reads = {"h_in"} | {("a", t) for t in range(n_oproj)}
+    x2_in, x2_wait, h1_in = attn_reads, (cnt["attn"], n_oproj), attn_reads
+    if norm_tasks:
+        tasks.append(Task(NORM, 1, [(cnt["attn"], n_oproj)], cnt["x2"], attn_reads, {"h1", "x2"}, latency_us=1.5))
+        x2_in, x2_wait, h1_in = {"x2"}, (cnt["x2"], 1), {"h1"}
     for t in range(n_router):
-        tasks.append(Task(ROUTER, t, [(cnt["attn"], n_oproj)], cnt["router"], attn_reads, {("logit", t)},
+        tasks.append(Task(ROUTER, t, [x2_wait], cnt["router"], x2_in, {("logit", t)},
                           weight_bytes=s.router_rows * H * bf, latency_us=1.0))
     for t in range(n_sgu):
-        tasks.append(Task(SHARED_GU, t, [(cnt["attn"], n_oproj)], cnt["act"], attn_reads, {("act", 0, t)},
+        tasks.append(Task(SHARED_GU, t, [x2_wait], cnt["act"], x2_in, {("act", 0, t)},
                           weight_bytes=2 * s.gu_rows * H * bf, latency_us=1.0))
     tasks.append(Task(ROUTE, 0, [(cnt["router"], n_router)], cnt["route"], {("logit", t) for t in range(n_router)},
                       {"route"}, latency_us=4.0))
     for j in range(s.top_k):
         for t in range(n_egu):
-            tasks.append(Task(EXPERT_GU, j * n_egu + t, [(cnt["attn"], n_oproj), (cnt["route"], 1)], cnt["act"],
-                              attn_reads | {"route"}, {("act", 1 + j, t)}, late_bytes=2 * s.gu_rows * H * bf,
+            tasks.append(Task(EXPERT_GU, j * n_egu + t, [x2_wait, (cnt["route"], 1)], cnt["act"],
+                              x2_in | {"route"}, {("act", 1 + j, t)}, late_bytes=2 * s.gu_rows * H * bf,
                               latency_us=1.0))
     acts = {("act", 0, t) for t in range(n_sgu)} | {("act", 1 + j, t) for j in range(s.top_k) for t in range(n_egu)}
     for t in range(n_down):
         tasks.append(Task(DOWN, t, [(cnt["route"], 1), (cnt["act"], n_sgu + s.top_k * n_egu)], cnt["out"],
-                          attn_reads | {"route"} | acts, {("out", t)}, weight_bytes=s.down_rows * s.shared_inter * bf,
+                          h1_in | {"route"} | acts, {("out", t)}, weight_bytes=s.down_rows * s.shared_inter * bf,
                           late_bytes=s.top_k * s.down_rows * s.inter * bf, latency_us=1.0))
     for i, t in enumerate(tasks):
         t.index = i
     return tasks, cnt
 
 
-def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, hop_us: float = 1.0) -> Schedule:
+def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, hop_us: float = 1.0,
+                   norm_tasks: bool = True) -> Schedule:
     """Deal the layer's tasks to `programs` programs by a list schedule over a simple model (each program
     streams at bandwidth / programs; a task's inputs are ready `hop_us` after its last producer ends; weights
     requested before the wait stream during it). Tasks are taken in the topological order and each goes to the
     program where it would end first, appended to its list, so every list is in topological order."""
-    tasks, cnt = layer_tasks(shape)
+    tasks, cnt = layer_tasks(shape, norm_tasks)
     per_us = bandwidth / programs / 1e6  # bytes per us per program
     free = [0.0] * programs
     ends_by_counter: dict[int, float] = {}
@@ -316,7 +329,7 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
             waits = t.waits + [(-1, 0)] * (2 - len(t.waits))
             table[p, i] = torch.tensor([t.kind, t.tile, waits[0][0], waits[0][1], waits[1][0], waits[1][1], t.signal,
                                         t.index], dtype=torch.int32)
-    return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"])
+    return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"], norm_tasks)
 
 
 def _table_tasks(schedule: Schedule) -> list[list[tuple]]:
@@ -421,6 +434,7 @@ def check_schedule(schedule: Schedule, interleavings: int = 20, seed: int = 0) -
 if triton is not None:
     from lingls.kernels.kda import _conv_silu, _delta_rule, _sigmoid
     from lingls.kernels.moe import _load_bias, _route_token
+    from lingls.kernels.norm import _rms_norm_row
 
 
 @_jit
@@ -516,10 +530,11 @@ def _gemv_task(w_ptr, out_ptr, h_ptr, a_ptr, nw_ptr, cnt_ptr, stamp_ptr, tile, i
 @_jit
 def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0,
                   c1, n1, gen, H, I, I_S, eps, limit, shared_limit, SHARED: tl.constexpr, ROWS: tl.constexpr,
-                  I_PAD: tl.constexpr, BLOCK_K: tl.constexpr, TIMELINE: tl.constexpr):
+                  I_PAD: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, TIMELINE: tl.constexpr):
     """SHARED_GU (rows of the shared expert, requested before the wait) or EXPERT_GU (rows of routed slot j,
-    requested once the routing is known; the post-attention norm is computed while it is awaited): SwiGLU of
-    gate and up rows into the slot's activations (bf16, as the chain keeps them)."""
+    requested once the routing is known): SwiGLU of gate and up rows into the slot's activations (bf16, as the
+    chain keeps them). The input: h_ptr itself (the NORM task's x2), or with NORM the post-attention norm of
+    h + a recomputed here (for EXPERT_GU while the routing is awaited)."""
     if SHARED:
         slot = 0
         inter = I_S
@@ -530,7 +545,9 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
         _stamp(stamp_ptr, idx, 1, TIMELINE)
         _wait(cnt_ptr, c0, n0, gen)
         _stamp(stamp_ptr, idx, 2, TIMELINE)
-        rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
+        rms = 1.0
+        if NORM:
+            rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
     else:
         n_blk = I // ROWS
         j = tile // n_blk
@@ -538,8 +555,10 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
         inter = I
         lim = limit
         r = (tile % n_blk) * ROWS + tl.arange(0, ROWS)
-        _wait(cnt_ptr, c0, n0, gen)  # the attention output: the norm goes ahead of the routing
-        rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
+        _wait(cnt_ptr, c0, n0, gen)  # the attention output or its norm: a norm goes ahead of the routing
+        rms = 1.0
+        if NORM:
+            rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
         _wait(cnt_ptr, c1, n1, gen)
         e = tl.load(topk_i_ptr + j, cache_modifier=".cg").to(tl.int64)
         base = gu_ptr + e * (2 * I * H)
@@ -547,13 +566,32 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
         u_tiles = _load_rows(base + inter * H, r, inter, H, BLOCK_K)
         _stamp(stamp_ptr, idx, 1, TIMELINE)
         _stamp(stamp_ptr, idx, 2, TIMELINE)
-    gate = _dot_rows(g_tiles, h_ptr, a_ptr, nw_ptr, r, H, rms, True, True, BLOCK_K)
-    up = _dot_rows(u_tiles, h_ptr, a_ptr, nw_ptr, r, H, rms, True, True, BLOCK_K)
+    gate = _dot_rows(g_tiles, h_ptr, a_ptr, nw_ptr, r, H, rms, NORM, NORM, BLOCK_K)
+    up = _dot_rows(u_tiles, h_ptr, a_ptr, nw_ptr, r, H, rms, NORM, NORM, BLOCK_K)
     act = gate * tl.sigmoid(gate)
     if lim > 0:
         act = tl.minimum(act, lim)
         up = tl.minimum(tl.maximum(up, -lim), lim)
     tl.store(act_ptr + slot * I_PAD + r, (act * up).to(act_ptr.dtype.element_ty), mask=r < inter)
+
+
+@_jit
+def _norm_task(h_ptr, a_ptr, w_ptr, h1_ptr, x_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen, H, eps,
+               HAS_A: tl.constexpr, H_PAD: tl.constexpr, TIMELINE: tl.constexpr):
+    """NORM: x = RMSNorm(h) (tile 0), or h1 = h + a and x2 = RMSNorm(h1) (tile 1), in the norm kernel's
+    arithmetic (`norm._rms_norm_row`), once for all the GEMV tasks that read them."""
+    offs = tl.arange(0, H_PAD)
+    m = offs < H
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    _stamp(stamp_ptr, idx, 1, TIMELINE)
+    _wait(cnt_ptr, c0, n0, gen)
+    _stamp(stamp_ptr, idx, 2, TIMELINE)
+    x = tl.load(h_ptr + offs, mask=m, other=0.0)
+    if HAS_A:
+        a = tl.load(a_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h1_ptr + offs, x, mask=m)
+    tl.store(x_ptr + offs, _rms_norm_row(x, w, H, eps).to(x_ptr.dtype.element_ty), mask=m)
 
 
 @_jit
@@ -607,19 +645,32 @@ def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, c
     beta = _sigmoid(b)
     qk = tl.sum(qt * kt, 0)
     ety = conv_ptr.dtype.element_ty  # the windows slide by one input (the projected rows, as stored)
+    # every chunk's loads go out here, together: inside the chunk loop each chunk's loads had to follow the
+    # previous chunk's stores (they may alias), a memory round trip per chunk
+    v_ins = ()
+    v_win = ()
+    v_taps = ()
+    zs = ()
+    nws = ()
+    for j in tl.static_range(NV):
+        cv = h * D + j * BV + dv
+        v_ins = v_ins + (tl.load(p_ptr + 2 * C + cv, cache_modifier=".cg"),)
+        zs = zs + (tl.load(p_ptr + 4 * C + cv, cache_modifier=".cg"),)
+        nws = nws + (tl.load(onorm_ptr + j * BV + dv),)
+        for i in tl.static_range(3):
+            v_win = v_win + (tl.load(conv_ptr + (2 * C + cv) * 3 + i),)
+        for i in tl.static_range(4):
+            v_taps = v_taps + (tl.load(conv_w_ptr + (2 * C + cv) * 4 + i),)
     outs = ()
     ss = 0.0
     for j in tl.static_range(NV):
         cv = h * D + j * BV + dv
-        v_in = tl.load(p_ptr + 2 * C + cv, cache_modifier=".cg")
-        xv0 = tl.load(conv_ptr + (2 * C + cv) * 3 + 0)
-        xv1 = tl.load(conv_ptr + (2 * C + cv) * 3 + 1)
-        xv2 = tl.load(conv_ptr + (2 * C + cv) * 3 + 2)
-        vt = _conv_silu(tl.load(conv_w_ptr + (2 * C + cv) * 4 + 0).to(tl.float32),
-                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 1).to(tl.float32),
-                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 2).to(tl.float32),
-                        tl.load(conv_w_ptr + (2 * C + cv) * 4 + 3).to(tl.float32),
-                        xv0.to(tl.float32), xv1.to(tl.float32), xv2.to(tl.float32), v_in.to(tl.float32))
+        v_in = v_ins[j]
+        xv1 = v_win[3 * j + 1]
+        xv2 = v_win[3 * j + 2]
+        vt = _conv_silu(v_taps[4 * j].to(tl.float32), v_taps[4 * j + 1].to(tl.float32),
+                        v_taps[4 * j + 2].to(tl.float32), v_taps[4 * j + 3].to(tl.float32),
+                        v_win[3 * j].to(tl.float32), xv1.to(tl.float32), xv2.to(tl.float32), v_in.to(tl.float32))
         P, err, S = _delta_rule(S_tiles[j], kt, decay, vt, beta)
         o = tl.sum(P * qt[:, None], 0) + qk * err
         tl.store(state_ptr + h * D * D + dk[:, None] * D + j * BV + dv[None, :], S)
@@ -637,9 +688,8 @@ def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, c
     rms = tl.rsqrt(ss / D + eps)
     for j in tl.static_range(NV):
         cv = h * D + j * BV + dv
-        z = tl.load(p_ptr + 4 * C + cv, cache_modifier=".cg").to(tl.float32)
-        nw = tl.load(onorm_ptr + j * BV + dv).to(tl.float32)
-        tl.store(o_ptr + cv, (outs[j] * rms * nw * tl.sigmoid(z)).to(o_ptr.dtype.element_ty))
+        gate = tl.sigmoid(zs[j].to(tl.float32))
+        tl.store(o_ptr + cv, (outs[j] * rms * nws[j].to(tl.float32) * gate).to(o_ptr.dtype.element_ty))
 
 
 @_jit
@@ -657,9 +707,9 @@ def _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, st
 
 
 @_jit
-def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, out_ptr, cnt_ptr, stamp_ptr, tile,
-               idx, c0, n0, c1, n1, gen, H, I, I_S, ROWS: tl.constexpr, TOP_K: tl.constexpr, I_PAD: tl.constexpr,
-               TIMELINE: tl.constexpr):
+def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h1_ptr, out_ptr, cnt_ptr, stamp_ptr,
+               tile, idx, c0, n0, c1, n1, gen, H, I, I_S, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+               I_PAD: tl.constexpr, H1_READY: tl.constexpr, TIMELINE: tl.constexpr):
     """Hidden rows tile*ROWS..: the shared expert's down rows (requested first), the routed experts' once the
     routing is known, then the weighted sum over the activations, plus both residual adds (h + a, then + moe)."""
     rh = tile * ROWS + tl.arange(0, ROWS)
@@ -681,8 +731,11 @@ def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, o
         aj = tl.load(act_ptr + (1 + j) * I_PAD + ri, cache_modifier=".cg").to(tl.float32)
         acc += routed[j].to(tl.float32) * (aj * wj)[None, :]
     m = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
-    h1 = (tl.load(h_ptr + rh, mask=hm, other=0.0).to(tl.float32)
-          + tl.load(a_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if H1_READY:  # the NORM task's h + a
+        h1 = tl.load(h1_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg")
+    else:
+        h1 = (tl.load(h_ptr + rh, mask=hm, other=0.0).to(tl.float32)
+              + tl.load(a_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rh, (h1.to(tl.float32) + m.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=hm)
 
 
@@ -690,7 +743,7 @@ def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, o
 def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                   in_norm_ptr, proj_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, oproj_ptr, post_norm_ptr,
                   router_ptr, bias_ptr, gu_ptr, dn_ptr, sgu_ptr, sdn_ptr, state_ptr, conv_ptr,
-                  p_ptr, o_ptr, a_ptr, logit_ptr, wt_ptr, topk_w_ptr, topk_i_ptr, act_ptr,
+                  p_ptr, o_ptr, a_ptr, logit_ptr, wt_ptr, topk_w_ptr, topk_i_ptr, act_ptr, x_ptr, h1_ptr, x2_ptr,
                   eps, q_scale, lower_bound, scale, limit, shared_limit,
                   H: tl.constexpr, NH: tl.constexpr, D: tl.constexpr, E: tl.constexpr, I: tl.constexpr,
                   I_S: tl.constexpr, I_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
@@ -698,8 +751,7 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                   TOPK_GROUP: tl.constexpr, PROJ_ROWS: tl.constexpr, OPROJ_ROWS: tl.constexpr,
                   ROUTER_ROWS: tl.constexpr, GU_ROWS: tl.constexpr, DOWN_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                   KDA_BV: tl.constexpr, MAX_TASKS: tl.constexpr, P: tl.constexpr, EPOCH: tl.constexpr,
-                  DONE: tl.constexpr,
-                  TIMELINE: tl.constexpr):
+                  DONE: tl.constexpr, NORM_TASKS: tl.constexpr, H_PAD: tl.constexpr, TIMELINE: tl.constexpr):
     pid = tl.program_id(0)
     C: tl.constexpr = NH * D
     gen = tl.atomic_add(cnt_ptr + EPOCH, 0, sem="acquire", scope="gpu") + 1  # this launch's generation
@@ -716,8 +768,12 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
         if kind != 0:
             _stamp(stamp_ptr, idx, 0, TIMELINE)
             if kind == 1:  # PROJ
-                _gemv_task(proj_ptr, p_ptr, h_ptr, h_ptr, in_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0, c1, n1,
-                           gen, 5 * C + NH, H, eps, PROJ_ROWS, True, False, BLOCK_K, False, TIMELINE)
+                if NORM_TASKS:
+                    _gemv_task(proj_ptr, p_ptr, x_ptr, x_ptr, in_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0, c1,
+                               n1, gen, 5 * C + NH, H, eps, PROJ_ROWS, False, False, BLOCK_K, False, TIMELINE)
+                else:
+                    _gemv_task(proj_ptr, p_ptr, h_ptr, h_ptr, in_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0, c1,
+                               n1, gen, 5 * C + NH, H, eps, PROJ_ROWS, True, False, BLOCK_K, False, TIMELINE)
             elif kind == 2:  # KDA
                 _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, conv_ptr, o_ptr, cnt_ptr,
                           stamp_ptr, tile, idx, c0, n0, c1, n1, gen, q_scale, lower_bound, eps, C, D, KDA_BV,
@@ -726,22 +782,44 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                 _gemv_task(oproj_ptr, a_ptr, o_ptr, o_ptr, in_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0, c1,
                            n1, gen, H, C, eps, OPROJ_ROWS, False, False, BLOCK_K, False, TIMELINE)
             elif kind == 4:  # ROUTER
-                _gemv_task(router_ptr, logit_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0,
-                           n0, c1, n1, gen, E, H, eps, ROUTER_ROWS, True, True, BLOCK_K, True, TIMELINE)
+                if NORM_TASKS:
+                    _gemv_task(router_ptr, logit_ptr, x2_ptr, x2_ptr, post_norm_ptr, cnt_ptr, stamp_ptr, tile, idx,
+                               c0, n0, c1, n1, gen, E, H, eps, ROUTER_ROWS, False, False, BLOCK_K, True, TIMELINE)
+                else:
+                    _gemv_task(router_ptr, logit_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr, stamp_ptr, tile, idx, c0,
+                               n0, c1, n1, gen, E, H, eps, ROUTER_ROWS, True, True, BLOCK_K, True, TIMELINE)
             elif kind == 5:  # SHARED_GU
-                _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr, stamp_ptr,
-                              tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, True, GU_ROWS,
-                              I_PAD, BLOCK_K, TIMELINE)
+                if NORM_TASKS:
+                    _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, x2_ptr, a_ptr, post_norm_ptr, cnt_ptr,
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, True,
+                                  GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
+                else:
+                    _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr,
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, True,
+                                  GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
             elif kind == 6:  # ROUTE
                 _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen,
                             E, scale, TOP_K, K_PAD, G, G_PAD, E // G, EPG_PAD, E_PAD, TOPK_GROUP, TIMELINE)
             elif kind == 7:  # EXPERT_GU
-                _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr, stamp_ptr,
-                              tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, False, GU_ROWS,
-                              I_PAD, BLOCK_K, TIMELINE)
+                if NORM_TASKS:
+                    _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, x2_ptr, a_ptr, post_norm_ptr, cnt_ptr,
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, False,
+                                  GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
+                else:
+                    _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr,
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, False,
+                                  GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
             elif kind == 8:  # DOWN
-                _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, out_ptr, cnt_ptr,
-                           stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, DOWN_ROWS, TOP_K, I_PAD, TIMELINE)
+                _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h1_ptr, out_ptr, cnt_ptr,
+                           stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, DOWN_ROWS, TOP_K, I_PAD, NORM_TASKS,
+                           TIMELINE)
+            elif kind == 9:  # NORM
+                if tile == 0:
+                    _norm_task(h_ptr, h_ptr, in_norm_ptr, h1_ptr, x_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen, H, eps,
+                               False, H_PAD, TIMELINE)
+                else:
+                    _norm_task(h_ptr, a_ptr, post_norm_ptr, h1_ptr, x2_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen, H,
+                               eps, True, H_PAD, TIMELINE)
             tl.debug_barrier()  # every thread's stores before the release
             if sig >= 0:
                 tl.atomic_add(cnt_ptr + sig, 1, sem="release", scope="gpu")
@@ -763,6 +841,9 @@ class Workspace(NamedTuple):
     topk_w: torch.Tensor
     topk_i: torch.Tensor
     act: torch.Tensor
+    x: torch.Tensor  # the NORM tasks' outputs: the input norm, h + a, the post-attention norm
+    h1: torch.Tensor
+    x2: torch.Tensor
     stamps: torch.Tensor  # int64 [tasks, STAMPS] (the timeline; written only with timeline=True)
 
 
@@ -778,6 +859,8 @@ def workspace(schedule: Schedule, device, dtype=torch.bfloat16) -> Workspace:
         topk_w=torch.empty(s.top_k, dtype=torch.float32, device=device),
         topk_i=torch.empty(s.top_k, dtype=torch.int32, device=device),
         act=torch.zeros(1 + s.top_k, i_pad, dtype=dtype, device=device),
+        x=torch.empty(s.hidden, dtype=dtype, device=device), h1=torch.empty(s.hidden, dtype=dtype, device=device),
+        x2=torch.empty(s.hidden, dtype=dtype, device=device),
         stamps=torch.zeros(len(schedule.tasks), STAMPS, dtype=torch.int64, device=device))
 
 
@@ -806,11 +889,12 @@ def launch(h, out, w: LayerWeights, state, conv_state, schedule: Schedule, ws: W
         table, ws.counters, ws.stamps, h, out,
         w.in_norm, w.proj, w.conv, w.a_log, w.dt_bias, w.o_norm, w.o_proj, w.post_norm,
         w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down, state, conv_state,
-        ws.p, ws.o, ws.a, ws.logits, ws.wt, ws.topk_w, ws.topk_i, ws.act,
+        ws.p, ws.o, ws.a, ws.logits, ws.wt, ws.topk_w, ws.topk_i, ws.act, ws.x, ws.h1, ws.x2,
         float(s.eps), s.head_dim ** -0.5, float(s.lower_bound), float(s.scale), float(s.limit), float(s.shared_limit),
         H=s.hidden, NH=s.heads, D=s.head_dim, E=s.experts, I=s.inter, I_S=s.shared_inter, I_PAD=i_pad, TOP_K=s.top_k,
         K_PAD=triton.next_power_of_2(s.top_k), G=s.n_group, G_PAD=triton.next_power_of_2(s.n_group),
         EPG_PAD=triton.next_power_of_2(s.experts // s.n_group), E_PAD=triton.next_power_of_2(s.experts), TOPK_GROUP=s.topk_group, PROJ_ROWS=s.proj_rows, OPROJ_ROWS=s.oproj_rows,
         ROUTER_ROWS=s.router_rows, GU_ROWS=s.gu_rows, DOWN_ROWS=s.down_rows, BLOCK_K=s.block_k,
         KDA_BV=s.kda_bv, MAX_TASKS=schedule.max_tasks, P=schedule.programs, EPOCH=schedule.epoch, DONE=schedule.done,
+        NORM_TASKS=schedule.norm_tasks, H_PAD=triton.next_power_of_2(s.hidden),
         TIMELINE=timeline, num_warps=num_warps)
