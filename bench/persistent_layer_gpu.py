@@ -10,7 +10,8 @@ launches, in the same run.
   chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
           norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
   persistent = one `persistent.launch` per layer.
-  Two schedules: the RMSNorms as tasks of their own (norm_tasks) or recomputed by every consumer task.
+  Variants (`variants`): the RMSNorms as tasks of their own or recomputed by every consumer task; twice the
+  rows per GEMV task.
   All graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
   (`persistent.layer_bytes`) over the copy rate measured in the same run. A/B/A/B to show the spread.
 - Timeline: the persistent kernel with globaltimer stamps per task (start, weights requested, inputs ready,
@@ -55,8 +56,18 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
     return x
 
 
-def variant_name(programs: int, norm_tasks: bool) -> str:
-    return f"persistent_p{programs}_{'norm_tasks' if norm_tasks else 'recompute'}"
+BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
+
+
+def variants(program_counts: list[int]) -> list[tuple[str, int, pk.LayerShape, bool]]:
+    """(name, programs, shape with its tile sizes, norm_tasks): the norms as tasks or recomputed by every
+    consumer; and twice the rows per GEMV task (twice the bytes each task has in flight)."""
+    base = pk.LayerShape()
+    out = []
+    for p in program_counts:
+        out += [(f"persistent_p{p}_norm_tasks", p, base, True), (f"persistent_p{p}_recompute", p, base, False),
+                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True)]
+    return out
 
 
 def rel(a, b) -> float:
@@ -87,6 +98,8 @@ def timeline(schedule: pk.Schedule, stamps: torch.Tensor) -> dict:
     kinds = {}
     for name in pk.KIND_NAMES[1:]:
         ts = [t for t in tasks if t["kind"] == name]
+        if not ts:
+            continue
         kinds[name] = dict(count=len(ts), first_start_us=min(t["start_us"] for t in ts),
                            last_ready_us=max(t["ready_us"] for t in ts), last_end_us=max(t["end_us"] for t in ts),
                            mean_wait_us=sum(t["ready_us"] - t["issued_us"] for t in ts) / len(ts),
@@ -103,7 +116,7 @@ def plot_timeline(tl: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = dict(proj="tab:blue", kda="tab:red", oproj="tab:cyan", router="tab:olive", shared_gu="tab:green",
-                  route="black", expert_gu="tab:orange", down="tab:purple")
+                  route="black", expert_gu="tab:orange", down="tab:purple", norm="tab:pink")
     fig, ax = plt.subplots(figsize=(14, 9))
     for t in tl["tasks"]:
         y = t["program"]
@@ -155,9 +168,8 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check = {}
-    variants = [(programs, norm_tasks) for programs in program_counts for norm_tasks in (True, False)]
-    for programs, norm_tasks in variants:
-        schedule = pk.build_schedule(s, programs, norm_tasks=norm_tasks)
+    for name, programs, shape, norm_tasks in variants(program_counts):
+        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         ps_st, ps_cv = st0.clone(), cv0.clone()
@@ -165,7 +177,6 @@ def main(argv: list[str]) -> int:
         compiled = pk.launch(h0, out, w, ps_st, ps_cv, schedule, ws, table)
         wait_or_die(f"persistent, {programs} programs, first launch")
         ids = sorted(ws.topk_i.tolist())
-        name = variant_name(programs, norm_tasks)
         check[name] = dict(
             out_vs_ref=rel(out, expect), out_vs_chain=rel(out, res), state_vs_ref=rel(ps_st, ref_st),
             conv_vs_ref=rel(ps_cv, ref_cv), experts=ids, registers=compiled.n_regs, spills=compiled.n_spills,
@@ -196,8 +207,8 @@ def main(argv: list[str]) -> int:
         return g
 
     graphs = {"chain": graph(chain_all)}
-    for programs, norm_tasks in variants:
-        schedule = pk.build_schedule(s, programs, norm_tasks=norm_tasks)
+    for name, programs, shape, norm_tasks in variants(program_counts):
+        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
 
@@ -206,8 +217,8 @@ def main(argv: list[str]) -> int:
             for i, (lw, (st, cv)) in enumerate(zip(layers, states)):
                 pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
 
-        graphs[variant_name(programs, norm_tasks)] = graph(pers_all)
-        if (programs, norm_tasks) == variants[0]:
+        graphs[name] = graph(pers_all)
+        if name == variants(program_counts)[0][0]:
             tl_graph = graph(lambda: pers_all(tl_=True))
             tl_ws, tl_schedule = ws, schedule
     reps = 200
@@ -230,7 +241,7 @@ def main(argv: list[str]) -> int:
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
     for name, ts in timings.items():
-        print(f"  {name:30s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
+        print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
     print(f"timeline (last layer of a replay): span {tl['span_us']:.1f} us")
     for k, v in tl["by_kind"].items():
         print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
