@@ -19,8 +19,8 @@ the bytes the op must move (inputs, weights, state and conv state read, outputs 
 device-to-device copy rate measured in this run. (block_v, num_warps) is swept (sm_90 register use: 16/4 and
 8/4 fit with no spill, 32/8 and 64/4 spill); the best is also run without PDL.
 
-    python bench/kernels_kda.py OUT.json            # on the GPU
-    TRITON_INTERPRET=1 python bench/kernels_kda.py --smoke OUT.json   # the checks only, small sizes, CPU
+    python -m bench.kernels_kda OUT.json            # on the GPU
+    TRITON_INTERPRET=1 python -m bench.kernels_kda --smoke OUT.json   # the checks only, small sizes, CPU
 """
 
 from __future__ import annotations

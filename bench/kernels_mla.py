@@ -4,7 +4,7 @@ Shapes: one TP=4 rank of Ling-3.0-flash (8 heads, 512-wide latent + 64 rope), T 
 1k / 8k / 32k tokens. The floor counts the latent rows the step must read (context x 576 x 2 bytes) plus the
 queries and the output, over the copy bandwidth measured in the same run.
 
-    python bench/kernels_mla.py OUT.json
+    python -m bench.kernels_mla OUT.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """H200 benchmark of the batch-1 GEMV, fused MoE and lm_head-choice kernels at Ling-3.0-flash TP=4 rank shapes.
 
-    python bench/kernels_moe.py OUT.json            # on the GPU machine: checks, then times
-    TRITON_INTERPRET=1 python bench/kernels_moe.py OUT.json --dry   # this script's plumbing on CPU, tiny shapes
+    python -m bench.kernels_moe OUT.json            # on the GPU machine: checks, then times
+    TRITON_INTERPRET=1 python -m bench.kernels_moe OUT.json --dry   # this script's plumbing on CPU, tiny shapes
 
 1. Correctness on the GPU against the references at the real shapes (fresh random weights, outputs poisoned),
    including graph replays == eager calls (the self-resetting counters).
@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from lingls.kernels import gemv as G  # noqa: E402
-from lingls.kernels import moe as M  # noqa: E402
-from lingls.kernels import sampling as S  # noqa: E402
+from lingls.kernels import gemv as G
+from lingls.kernels import moe as M
+from lingls.kernels import sampling as S
 
 FLASH_TP4 = dict(h=2560, e=512, i=192, i_s=192, top_k=8, n_group=8, topk_group=4, vocab=39296)
 TINY = dict(h=128, e=32, i=32, i_s=32, top_k=4, n_group=4, topk_group=2, vocab=1000)

@@ -10,16 +10,15 @@ times are each kernel's own), then folds the report into one row per kernel name
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         --metrics dram__bytes_read.sum,dram__bytes_write.sum -o REP \\
-        python bench/ncu_step.py run LAYERS T COPY.json [--tp N]
+        python -m bench.ncu_step run LAYERS T COPY.json [--tp N]
     ncu --import REP.ncu-rep --csv --page raw > RAW.csv
-    python bench/ncu_step.py fold RAW.csv COPY.json OUT.json
+    python -m bench.ncu_step fold RAW.csv COPY.json OUT.json
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,9 +30,7 @@ STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 def run(layers: int, t: int, copy_json: str, tp: int) -> None:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.path.insert(0, str(Path(__file__).parent))
-    from fused_step_gpu import CONTEXT
+    from bench.common import CONTEXT
 
     from lingls.bench.step import build_flash, copy_bandwidth
     from lingls.runtime.fused_step import FusedStep

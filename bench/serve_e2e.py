@@ -12,7 +12,7 @@ DIR --flash --weightless`) this runs Ling-3.0-flash's real shapes end to end; it
 are never accepted, so `--simulate-accept A` makes every round accept A drafts (SIMULATED acceptance, recorded
 as such, with the server's accept length).
 
-    python bench/serve_e2e.py --model DIR [--tp N] [--draft mtp [--draft-k K] [--simulate-accept A]]
+    python -m bench.serve_e2e --model DIR [--tp N] [--draft mtp [--draft-k K] [--simulate-accept A]]
                               [--prompt-tokens 8192] [--new-tokens 1024] [--runs 3] [--device cuda|cpu] --out OUT.json
 """
 

@@ -4,7 +4,7 @@ The training step of `training.train` (forward, next-token + MTP loss, backward,
 batch x 2048, timed over a few steps after warm-up. Variants: the parallel-scan carry (the CUDA default) or the
 chunk loop, and fp32 matmuls at full precision or TF32. Writes JSON, prints tokens/s and peak memory.
 
-    python bench/train_throughput.py OUT.json [BATCH]
+    python -m bench.train_throughput OUT.json [BATCH]
 """
 
 from __future__ import annotations
