@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from lingls.model.ling import Router
-
 CONTEXT = 8192
 
 
@@ -68,6 +66,8 @@ def kernel_rows(prof, reps: int, top: int) -> list[dict]:
 
 def routed_experts(model, ids, state, pos) -> int:
     """Distinct experts a step of `ids` routes to, averaged over the MoE layers (for the step's floor)."""
+    from lingls.model.ling import Router
+
     counts: list[int] = []
     hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
              for m in model.modules() if isinstance(m, Router)]
@@ -102,10 +102,12 @@ def commit() -> str | None:
     """The short commit of the tree being run (with `+dirty` when it has changes), or None outside a checkout."""
     root = Path(__file__).resolve().parents[1]
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+            return None  # not a checkout: e.g. a snapshot of bench/ab_session.sh inside another repository's .cache
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10)
-        if head.returncode != 0:
-            return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
@@ -128,8 +130,9 @@ def run_info() -> dict:
 
 
 def write_result(path: str | Path, record: dict) -> Path:
-    """Write `record` as JSON to `path` (parents made), with a `run` record added (see `run_info`)."""
+    """Write `record` as JSON to `path` (parents made), with a `run` record added (see `run_info`); values JSON does
+    not know are written as their str()."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**record, "run": run_info()}, indent=2) + "\n")
+    path.write_text(json.dumps({**record, "run": run_info()}, indent=1, default=str) + "\n")
     return path

@@ -17,11 +17,11 @@ captured the same way. Per-launch times of the fused MoE come from one profiled 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import torch
 
+from bench.common import write_result
 from lingls.kernels import gemv as G
 from lingls.kernels import moe as M
 from lingls.kernels import sampling as S
@@ -152,7 +152,7 @@ def main():
     log("correctness:")
     result["errors"] = check(c, dev, log)
     if args.dry:
-        json.dump(result, open(args.out, "w"), indent=1)
+        write_result(args.out, result)
         return
 
     import triton.testing
@@ -238,7 +238,7 @@ def main():
     result["graph_replay_equals_eager"] = True
     log("fused_moe graph replay == eager call on 3 new inputs")
 
-    json.dump(result, open(args.out, "w"), indent=1)
+    write_result(args.out, result)
     log(f"\n{'kernel':28s} {'T':>2s} {'us':>8s} {'floor':>8s} {'x floor':>7s} {'torch us':>8s}")
     for r in rows:
         log(f"{r['kernel']:28s} {r['T']:2d} {r['us']:8.2f} {r['floor_us']:8.2f} {r['us'] / r['floor_us']:7.2f} "

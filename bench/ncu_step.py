@@ -22,6 +22,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from bench.common import write_result
+
 DURATION, READ, WRITE = "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"
 # warp states per issued instruction, as ncu's WarpStateStats section collects them ("selected": issuing)
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
@@ -83,7 +85,7 @@ def fold(raw_csv: str, copy_json: str, out: str) -> None:
         tbs = a["bytes"] / (a["us"] * 1e-6) / 1e12
         table.append(dict(kernel=name, launches=int(a["launches"]), us=a["us"], mb=a["bytes"] / 1e6, tbs=tbs,
                           of_copy=tbs / copy_tbs, stall_share={s: v / total for s, v in states if v > 0}))
-    Path(out).write_text(json.dumps(dict(source=Path(raw_csv).name, copy_tbs=copy_tbs, kernels=table), indent=1))
+    write_result(out, dict(source=Path(raw_csv).name, copy_tbs=copy_tbs, kernels=table))
     print(f"{'kernel':<26} {'n':>4} {'us':>8} {'MB':>8} {'TB/s':>6} {'of copy':>7}  "
           "warp states (share; selected: issuing)")
     for k in table:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from bench.common import write_result
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("ttft_ms", "tpot_ms"):
         vals = [r[key] for r in result["runs"] if r[key] is not None]
         result[f"median_{key}"] = statistics.median(vals) if vals else None
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result)
     print(f"TP={args.tp} draft={args.draft}: prompt {args.prompt_tokens} tokens, {args.new_tokens} new: "
           f"median TTFT {result['median_ttft_ms']} ms, median TPOT {result['median_tpot_ms']} ms; wrote {out}")
     return 0 if result["runs"] and all(r["completion_tokens"] for r in result["runs"]) else 1

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import kernel_rows, write_result
 from lingls.bench.step import median_ms
 from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
@@ -139,7 +140,6 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
     """Device time per kernel name (CUPTI via torch.profiler) in each captured phase of a round, replayed
     `reps` times: the target's own K+1-token step with its head (what verify would cost bare), the draft graph
     and the verify graph, so the verify's extra over the bare step and the draft's parts can be named."""
-    from bench.common import kernel_rows
     from torch.profiler import ProfilerActivity, profile
 
     r = spec.runner
@@ -265,8 +265,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
 
     def save():
         if rank0 and args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+            write_result(args.out, res)
 
     try:
         model = build(args, par, str(device))

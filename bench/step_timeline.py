@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import CONTEXT, graphed, random_state
+from bench.common import CONTEXT, graphed, random_state, write_result
 from lingls.bench.step import build_flash, median_ms
 from lingls.kernels import pdl
 from lingls.runtime.fused_step import FusedStep
@@ -168,7 +168,7 @@ def main(out: str, layers: int, tp: int) -> int:
             a["trace_matches_graph"] = abs(a["traced_step_us"] / (graph_ms * 1e3) - 1) < 0.1
             result["rows"].append(dict(T=t, policy=policy, early_kinds=sorted(kinds), graph_ms=graph_ms, **a))
             report(t, policy, graph_ms, a)
-    Path(out).write_text(json.dumps(result, indent=2))
+    write_result(out, result)
     print("\ngraph replay (traced), us: " + ", ".join(f"T={r['T']} {r['policy']} {r['graph_ms'] * 1e3:.0f} "
                                                     f"({r['traced_step_us']:.0f})" for r in result["rows"]))
     return 0

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.common import write_result
+
 
 HIDDEN = 2560
 N_PER_GRAPH = 200
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         args = {"layers": a.layers, "tokens": [int(t) for t in a.tokens.split(",")],
                 "peer_ok": peer_ok(result.get("coll"))}
         result[phase] = run_phase(phase, args, LIMITS[phase], a.tp)
-        (out / "tp_gpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_result(out / "tp_gpu.json", result)
         print(json.dumps(result[phase], default=str), flush=True)
     report(result)
     print(f"\nwrote {out / 'tp_gpu.json'}")
