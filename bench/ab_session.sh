@@ -2,16 +2,15 @@
 # One device call that checks this tree's kernels on the GPU, then times a benchmark with the code before and
 # after a change (and any prepared variants), each in its own process, back to back on the same GPU:
 #   here:   bash bench/ab_session.sh --prepare [REV]          (snapshot of REV, default HEAD, in .cache/before)
-#           bash bench/ab_session.sh --variant NAME PATCH     (HEAD plus a patch, e.g. one of docs/experiments/,
-#                                                              in .cache/NAME)
+#           bash bench/ab_session.sh --variant NAME PATCH     (HEAD plus a patch, in .cache/NAME)
 #   device: run(command="OUT=$OUT bash bench/ab_session.sh TESTS -- BENCH ARGS...", carry=[".cache"])
 # "after" is the working tree, or .cache/after when that exists (a tree with only some of the changes).
 # AB_SIDES (default "before after") names the trees to time, in order: before, after, or a variant's NAME;
 # AB_ROUNDS (default 1) repeats that order, so each tree is timed between the others (round r > 1 writes
 # NAME_rR.json). Device time is the scarce resource: several variants in one call cost one machine start.
 # TESTS: pytest paths run in the "after" tree (a snapshot has no lingls/assets: tests that load ling-nano fail
-# there), or "none"; BENCH ARGS: a bench script and its arguments, where @OUT stands for $OUT/SIDE.json
-# (e.g. bench/fused_step_gpu.py @OUT 42, or bench/spec_flash_gpu.py --stub --out @OUT).
+# there), or "none"; BENCH ARGS: what follows `python3` (a benchmark module and its arguments), where @OUT stands
+# for $OUT/SIDE.json (e.g. -m bench.fused_step_gpu @OUT 42, or -m bench.spec_flash_gpu --stub --out @OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 snapshot() {  # snapshot REV DIR: the code a benchmark imports, without the embedded model or the results

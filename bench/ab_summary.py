@@ -7,7 +7,7 @@ one row per side is printed: for the fused step, its time at each T and the devi
 below; for a speculative round, the plain decode step, the K+1-token target step, and per draft head the
 verify time and TPOT at the acceptance the README quotes (SPEC_ACCEPT of K=8, SIMULATED).
 
-    python bench/ab_summary.py DIR [KERNEL ...]
+    python -m bench.ab_summary DIR [KERNEL ...]
 """
 
 from __future__ import annotations

@@ -6,101 +6,18 @@ kernels) from the same state, compared (relative error of the hidden state), the
 graph and timed (median of replays) next to the step's byte floor; the fused step also without programmatic
 dependent launch (same bits required), to show what PDL saves. Writes JSON, prints a table.
 
-    python bench/fused_step_gpu.py OUT.json [LAYERS]
+    python -m bench.fused_step_gpu OUT.json [LAYERS]
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
-from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
-from lingls.model.ling import Router  # noqa: E402
-from lingls.runtime.fused_step import FusedStep  # noqa: E402
-
-CONTEXT = 8192
-
-
-def graphed(fn):
-    """Capture fn() once (after warm-up on a side stream) and return a replay closure."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def random_state(model):
-    """The state the shard benchmarks step: a latent cache of CONTEXT rows and KDA states of random values (the
-    arithmetic of a zero state is not a decode's)."""
-    state = model.new_state(CONTEXT + 64)
-    state.latent.normal_()
-    state.kda.normal_(std=0.01)
-    return state
-
-
-def kernel_profile(fn, reps: int = 10, top: int = 14) -> list[dict]:
-    """Device time per kernel name over `reps` eager calls of fn, per call, largest first (CUPTI via
-    torch.profiler; eager so every launch is attributed, while the graph times above include the gaps)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return kernel_rows(prof, reps, top)
-
-
-def kernel_rows(prof, reps: int, top: int) -> list[dict]:
-    """A profile of `reps` calls -> per call: the total, then the `top` kernel names by device time."""
-    rows = [dict(kernel=e.key[:90], us_per_step=e.device_time_total / reps, launches_per_step=e.count / reps)
-            for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r["us_per_step"])
-    total = sum(r["us_per_step"] for r in rows)
-    return [dict(kernel="(all kernels)", us_per_step=total, launches_per_step=sum(r["launches_per_step"] for r in rows))] + rows[:top]
-
-
-def routed_experts(model, ids, state, pos) -> int:
-    """Distinct experts a step of `ids` routes to, averaged over the MoE layers (for the step's floor)."""
-    counts: list[int] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
-             for m in model.modules() if isinstance(m, Router)]
-    model.step(ids, state.clone(), pos)
-    for h in hooks:
-        h.remove()
-    return round(sum(counts) / max(len(counts), 1))
-
-
-def floor_bytes(model, t: int, distinct: int) -> int:
-    """Bytes `FusedStep.step` reads at T tokens: the decoder layers' weights (every expert counted only if
-    routed), the embedding rows, KDA state r/w, MLA latent KV. Not the final norm and lm_head: the step returns
-    the pre-norm hidden states (the lm_head shard, 201 MB at TP=4, is the sampler's, not timed here)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name.startswith("lm_head.") or name == "model.norm.weight":
-            continue
-        if "word_embeddings" in name:
-            total += t * p.shape[1] * p.element_size()
-        elif ".mlp.experts." in name:
-            total += p[0].numel() * p.element_size() * distinct
-        else:
-            total += p.numel() * p.element_size()
-    n_kda = len(model.kda_slot)
-    heads, d = model.config.num_attention_heads // model.par.size, model.config.head_dim
-    total += 2 * n_kda * heads * d * d * 4
-    total += len(model.mla_slot) * CONTEXT * model.config.latent_dim * 2
-    return total
+from bench.common import CONTEXT, floor_bytes, graphed, kernel_profile, random_state, routed_experts, write_result
+from lingls.bench.step import build_flash, copy_bandwidth, median_ms
+from lingls.runtime.fused_step import FusedStep
 
 
 def main(out: str, layers: int) -> int:
@@ -150,7 +67,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
                          fused_no_pdl_graph_ms=no_pdl_ms,
                          floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
-    # the profiles last: after a profiler session this process's graph replays run slower (bench/trace_probe.py),
+    # the profiles last: after a profiler session this process's graph replays run slower (the trace probe, docs/kernel-log.md),
     # so a profile between two timings made the second one slower (T=9 4.094 against 4.013 ms, docs/kernel-log.md)
     for row, (t, ids, pos, work) in zip(rows, profiled):
         with torch.inference_mode():
@@ -162,8 +79,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
                   context=CONTEXT,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows,
                   **(extra or {}))
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(out, result)
     print(f"{layers} layers, copy {bw / 1e12:.2f} TB/s")
     for r in rows:
         print(f"T={r['T']}: |fused - plain| {r['rel_err_hidden']:.1e}, |fused - references| "

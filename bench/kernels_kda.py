@@ -19,20 +19,20 @@ the bytes the op must move (inputs, weights, state and conv state read, outputs 
 device-to-device copy rate measured in this run. (block_v, num_warps) is swept (sm_90 register use: 16/4 and
 8/4 fit with no spill, 32/8 and 64/4 spill); the best is also run without PDL.
 
-    python bench/kernels_kda.py OUT.json            # on the GPU
-    TRITON_INTERPRET=1 python bench/kernels_kda.py --smoke OUT.json   # the checks only, small sizes, CPU
+    python -m bench.kernels_kda OUT.json            # on the GPU
+    TRITON_INTERPRET=1 python -m bench.kernels_kda --smoke OUT.json   # the checks only, small sizes, CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 
 import torch
 
+from bench.common import write_result
 from lingls.bench.step import median_ms
 from lingls.kernels import kda, norm
 
@@ -365,8 +365,7 @@ def main() -> int:
         print(f"best T=1: block_v={best[1]['block_v']} warps={best[1]['num_warps']}; "
               f"best T=9: block_v={best[9]['block_v']} warps={best[9]['num_warps']}")
 
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, result)
     failed = [c["name"] for c in cx.checks if not c["ok"]]
     print(f"\n{len(cx.checks) - len(failed)}/{len(cx.checks)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0

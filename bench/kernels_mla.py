@@ -4,16 +4,16 @@ Shapes: one TP=4 rank of Ling-3.0-flash (8 heads, 512-wide latent + 64 rope), T 
 1k / 8k / 32k tokens. The floor counts the latent rows the step must read (context x 576 x 2 bytes) plus the
 queries and the output, over the copy bandwidth measured in the same run.
 
-    python bench/kernels_mla.py OUT.json
+    python -m bench.kernels_mla OUT.json
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
+from bench.common import write_result
 from lingls.bench.step import copy_bandwidth, median_ms
 from lingls.kernels.mla import mla_decode_reference, mla_decode_triton
 
@@ -41,8 +41,7 @@ def main(out: str) -> int:
             rows.append(dict(ctx=ctx, t=t, rel_err=rel, kernel_ms=kernel_ms, torch_ms=torch_ms, floor_ms=floor_ms,
                              ratio=kernel_ms / floor_ms))
     result = dict(kernel="mla_decode", device=torch.cuda.get_device_name(), copy_bw_tbs=bw / 1e12, rows=rows)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(out, result)
     print(f"mla_decode  copy {bw / 1e12:.2f} TB/s")
     print(f"{'ctx':>6} {'T':>3} {'rel err':>9} {'kernel us':>10} {'torch us':>9} {'floor us':>9} {'x floor':>8}")
     for r in rows:

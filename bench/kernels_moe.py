@@ -1,7 +1,7 @@
 """H200 benchmark of the batch-1 GEMV, fused MoE and lm_head-choice kernels at Ling-3.0-flash TP=4 rank shapes.
 
-    python bench/kernels_moe.py OUT.json            # on the GPU machine: checks, then times
-    TRITON_INTERPRET=1 python bench/kernels_moe.py OUT.json --dry   # this script's plumbing on CPU, tiny shapes
+    python -m bench.kernels_moe OUT.json            # on the GPU machine: checks, then times
+    TRITON_INTERPRET=1 python -m bench.kernels_moe OUT.json --dry   # this script's plumbing on CPU, tiny shapes
 
 1. Correctness on the GPU against the references at the real shapes (fresh random weights, outputs poisoned),
    including graph replays == eager calls (the self-resetting counters).
@@ -17,18 +17,14 @@ captured the same way. Per-launch times of the fused MoE come from one profiled 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from lingls.kernels import gemv as G  # noqa: E402
-from lingls.kernels import moe as M  # noqa: E402
-from lingls.kernels import sampling as S  # noqa: E402
+from bench.common import write_result
+from lingls.kernels import gemv as G
+from lingls.kernels import moe as M
+from lingls.kernels import sampling as S
 
 FLASH_TP4 = dict(h=2560, e=512, i=192, i_s=192, top_k=8, n_group=8, topk_group=4, vocab=39296)
 TINY = dict(h=128, e=32, i=32, i_s=32, top_k=4, n_group=4, topk_group=2, vocab=1000)
@@ -156,7 +152,7 @@ def main():
     log("correctness:")
     result["errors"] = check(c, dev, log)
     if args.dry:
-        json.dump(result, open(args.out, "w"), indent=1)
+        write_result(args.out, result)
         return
 
     import triton.testing
@@ -242,7 +238,7 @@ def main():
     result["graph_replay_equals_eager"] = True
     log("fused_moe graph replay == eager call on 3 new inputs")
 
-    json.dump(result, open(args.out, "w"), indent=1)
+    write_result(args.out, result)
     log(f"\n{'kernel':28s} {'T':>2s} {'us':>8s} {'floor':>8s} {'x floor':>7s} {'torch us':>8s}")
     for r in rows:
         log(f"{r['kernel']:28s} {r['T']:2d} {r['us']:8.2f} {r['floor_us']:8.2f} {r['us'] / r['floor_us']:7.2f} "

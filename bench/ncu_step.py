@@ -10,18 +10,19 @@ times are each kernel's own), then folds the report into one row per kernel name
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         --metrics dram__bytes_read.sum,dram__bytes_write.sum -o REP \\
-        python bench/ncu_step.py run LAYERS T COPY.json [--tp N]
+        python -m bench.ncu_step run LAYERS T COPY.json [--tp N]
     ncu --import REP.ncu-rep --csv --page raw > RAW.csv
-    python bench/ncu_step.py fold RAW.csv COPY.json OUT.json
+    python -m bench.ncu_step fold RAW.csv COPY.json OUT.json
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
+
+from bench.common import write_result
 
 DURATION, READ, WRITE = "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"
 # warp states per issued instruction, as ncu's WarpStateStats section collects them ("selected": issuing)
@@ -31,9 +32,7 @@ STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 def run(layers: int, t: int, copy_json: str, tp: int) -> None:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.path.insert(0, str(Path(__file__).parent))
-    from fused_step_gpu import CONTEXT
+    from bench.common import CONTEXT
 
     from lingls.bench.step import build_flash, copy_bandwidth
     from lingls.runtime.fused_step import FusedStep
@@ -86,7 +85,7 @@ def fold(raw_csv: str, copy_json: str, out: str) -> None:
         tbs = a["bytes"] / (a["us"] * 1e-6) / 1e12
         table.append(dict(kernel=name, launches=int(a["launches"]), us=a["us"], mb=a["bytes"] / 1e6, tbs=tbs,
                           of_copy=tbs / copy_tbs, stall_share={s: v / total for s, v in states if v > 0}))
-    Path(out).write_text(json.dumps(dict(source=Path(raw_csv).name, copy_tbs=copy_tbs, kernels=table), indent=1))
+    write_result(out, dict(source=Path(raw_csv).name, copy_tbs=copy_tbs, kernels=table))
     print(f"{'kernel':<26} {'n':>4} {'us':>8} {'MB':>8} {'TB/s':>6} {'of copy':>7}  "
           "warp states (share; selected: issuing)")
     for k in table:

@@ -1,6 +1,6 @@
 """Plot tensor-parallel step sweeps (bench/tp_gpu.py JSONs) side by side: step ms against T with the byte floor.
 
-    python bench/plot_tp.py OUT.png LABEL=RESULT.json [LABEL=RESULT.json ...]
+    python -m bench.plot_tp OUT.png LABEL=RESULT.json [LABEL=RESULT.json ...]
 """
 
 from __future__ import annotations

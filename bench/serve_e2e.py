@@ -12,7 +12,7 @@ DIR --flash --weightless`) this runs Ling-3.0-flash's real shapes end to end; it
 are never accepted, so `--simulate-accept A` makes every round accept A drafts (SIMULATED acceptance, recorded
 as such, with the server's accept length).
 
-    python bench/serve_e2e.py --model DIR [--tp N] [--draft mtp [--draft-k K] [--simulate-accept A]]
+    python -m bench.serve_e2e --model DIR [--tp N] [--draft mtp [--draft-k K] [--simulate-accept A]]
                               [--prompt-tokens 8192] [--new-tokens 1024] [--runs 3] [--device cuda|cpu] --out OUT.json
 """
 
@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from bench.common import write_result
 
 
 def _free_port() -> int:
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("ttft_ms", "tpot_ms"):
         vals = [r[key] for r in result["runs"] if r[key] is not None]
         result[f"median_{key}"] = statistics.median(vals) if vals else None
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result)
     print(f"TP={args.tp} draft={args.draft}: prompt {args.prompt_tokens} tokens, {args.new_tokens} new: "
           f"median TTFT {result['median_ttft_ms']} ms, median TPOT {result['median_tpot_ms']} ms; wrote {out}")
     return 0 if result["runs"] and all(r["completion_tokens"] for r in result["runs"]) else 1

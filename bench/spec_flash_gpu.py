@@ -26,11 +26,11 @@ K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; 
 with its head, the draft graph, the verify graph), and the verify's parts timed as graphs of their own (the
 target forward, staged or not; the verify without the drafter's absorption of the verified rows), to name
 what a round spends beyond the bare step. Times taken after a profile in the same process run slower
-(bench/trace_probe.py), so compare times from runs without --profile.
+(the trace probe, docs/kernel-log.md), so compare times from runs without --profile.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
-    python3 bench/spec_flash_gpu.py --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
-    python3 bench/spec_flash_gpu.py --tp 2 --out $OUT/spec_flash_tp2.json  # two H200: the full model, TP=2
+    python3 -m bench.spec_flash_gpu --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
+    python3 -m bench.spec_flash_gpu --tp 2 --out $OUT/spec_flash_tp2.json  # two H200: the full model, TP=2
 Writes the JSON after every phase and a PNG beside it; exits 0 when every phase ran.
 """
 
@@ -47,16 +47,15 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
+import torch
 
-import torch  # noqa: E402
-
-from lingls.bench.step import median_ms  # noqa: E402
-from lingls.model.config import LingConfig, flash_config  # noqa: E402
-from lingls.model.ling import LingForCausalLM, Parallel  # noqa: E402
-from lingls.runtime.runner import ModelRunner  # noqa: E402
-from lingls.runtime.draft_vocab import DraftVocab  # noqa: E402
-from lingls.runtime.speculative import MTPDrafter, SpecStats, Speculator  # noqa: E402
+from bench.common import kernel_rows, write_result
+from lingls.bench.step import median_ms
+from lingls.model.config import LingConfig, flash_config
+from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.runtime.runner import ModelRunner
+from lingls.runtime.draft_vocab import DraftVocab
+from lingls.runtime.speculative import MTPDrafter, SpecStats, Speculator
 
 LABEL = "SIMULATED acceptance (forced accept count; random weights)"
 TARGET = {"tpot_ms": 1.0, "a": 6, "k": 8, "what": "full model, TP=2 (two H200), real NCCL all-reduce"}
@@ -141,7 +140,6 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
     """Device time per kernel name (CUPTI via torch.profiler) in each captured phase of a round, replayed
     `reps` times: the target's own K+1-token step with its head (what verify would cost bare), the draft graph
     and the verify graph, so the verify's extra over the bare step and the draft's parts can be named."""
-    from fused_step_gpu import kernel_rows  # bench/ (on the path when this file runs as a script)
     from torch.profiler import ProfilerActivity, profile
 
     r = spec.runner
@@ -233,8 +231,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
     t_start = time.perf_counter()
     tuned = None
     if args.configs:  # a tuning run's choices (bench/tune_gpu.py), pinned in this rank's process
-        sys.path.insert(0, str(Path(__file__).parent))
-        from tune_gpu import load_tuned
+        from bench.tune_gpu import load_tuned
 
         tuned = load_tuned(args.configs)
     rank0 = par.rank == 0
@@ -268,8 +265,7 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
 
     def save():
         if rank0 and args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+            write_result(args.out, res)
 
     try:
         model = build(args, par, str(device))

@@ -9,7 +9,7 @@ the traced step. Per kernel name, and per position in a KDA and an MLA layer (me
 each kernel's own device time and its lead (how long before the previous kernel ended it started). At T=1
 also under other PDL trigger policies (`POLICIES`), each captured and timed in its own graph.
 
-    python bench/step_timeline.py OUT.json [LAYERS] [--tp N]
+    python -m bench.step_timeline OUT.json [LAYERS] [--tp N]
 
 Rank 0's shard of a TP=N Ling-3.0-flash (default 4; random bf16 weights, all-reduce stubbed), 8k context,
 T = 1 and 9.
@@ -26,13 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
-sys.path.insert(0, str(Path(__file__).parent))
-from fused_step_gpu import CONTEXT, graphed, random_state  # noqa: E402
-
-from lingls.bench.step import build_flash, median_ms  # noqa: E402
-from lingls.kernels import pdl  # noqa: E402
-from lingls.runtime.fused_step import FusedStep  # noqa: E402
+from bench.common import CONTEXT, graphed, random_state, write_result
+from lingls.bench.step import build_flash, median_ms
+from lingls.kernels import pdl
+from lingls.runtime.fused_step import FusedStep
 
 REPS = 5
 
@@ -167,11 +164,11 @@ def main(out: str, layers: int, tp: int) -> int:
             a = analyse(traced_kernels(replay, REPS))
             # a trace need not describe the replay it timed: with a profiler session active, replays run at about
             # the no-PDL time (T=1 1.42 -> 1.95 ms, T=9 4.18 -> 4.66, same output bits) while the trace spans 1.42
-            # and ~3.04 ms (bench/trace_probe.py). A trace off its replay is flagged, its shares not to be read
+            # and ~3.04 ms (the trace probe, docs/kernel-log.md). A trace off its replay is flagged, its shares not to be read
             a["trace_matches_graph"] = abs(a["traced_step_us"] / (graph_ms * 1e3) - 1) < 0.1
             result["rows"].append(dict(T=t, policy=policy, early_kinds=sorted(kinds), graph_ms=graph_ms, **a))
             report(t, policy, graph_ms, a)
-    Path(out).write_text(json.dumps(result, indent=2))
+    write_result(out, result)
     print("\ngraph replay (traced), us: " + ", ".join(f"T={r['T']} {r['policy']} {r['graph_ms'] * 1e3:.0f} "
                                                     f"({r['traced_step_us']:.0f})" for r in result["rows"]))
     return 0

@@ -17,7 +17,7 @@ crashes or hangs loses only itself; results stream to the parent as they come an
   floor, the ratio, all-reduces per step, and whether the first and last ranks (and both all-reduces) produce
   the same hidden states.
 
-    python bench/tp_gpu.py [--tp N] [--phases coll,model] [--layers 42] [--tokens 1,9] [--out DIR]
+    python -m bench.tp_gpu [--tp N] [--phases coll,model] [--layers 42] [--tokens 1,9] [--out DIR]
     (bench/tp_session.sh wraps it; on four GPUs: --tp 4 --tokens 1,2,4,8,9,12,16)
 """
 
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # fused_step_gpu's helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lingls from this checkout
+from bench.common import write_result
+
 
 HIDDEN = 2560
 N_PER_GRAPH = 200
@@ -143,7 +143,7 @@ def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 # ---- phase coll: latency and correctness of the all-reduces ---------------------------------------------------
 def latency(name: str, op, put) -> None:
-    from fused_step_gpu import graphed
+    from bench.common import graphed
 
     for n in (HIDDEN, 9 * HIDDEN):
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +163,7 @@ def latency(name: str, op, put) -> None:
 
 
 def phase_coll(rank: int, world: int, put, args: dict) -> None:
-    from fused_step_gpu import graphed
+    from bench.common import graphed
     from lingls.runtime.distributed import make_parallel
     from lingls.runtime.peer_allreduce import PeerAllReduce
 
@@ -244,7 +244,7 @@ def weight_bytes(layers: int, tp: int, rank: int) -> int:
 def phase_model(rank: int, world: int, put, args: dict) -> None:
     """NCCL first, for T = 1 and 9; then the peer all-reduce (set up only now, and only if phase coll found it
     correct), so a peer path that breaks the CUDA context cannot take the NCCL numbers with it."""
-    from fused_step_gpu import floor_bytes, graphed, routed_experts
+    from bench.common import floor_bytes, graphed, routed_experts
 
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
     from lingls.runtime.fused_step import FusedStep
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"bench": "tp_gpu", "gpus": n, "tp": a.tp, "torch": torch.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if a.tp < 2 or n < a.tp:
-        print(f"bench/tp_gpu.py --tp {a.tp} needs at least 2 and at most the {n} GPUs visible", file=sys.stderr)
+        print(f"bench.tp_gpu --tp {a.tp} needs at least 2 and at most the {n} GPUs visible", file=sys.stderr)
         return 2
     try:
         import triton
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         args = {"layers": a.layers, "tokens": [int(t) for t in a.tokens.split(",")],
                 "peer_ok": peer_ok(result.get("coll"))}
         result[phase] = run_phase(phase, args, LIMITS[phase], a.tp)
-        (out / "tp_gpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_result(out / "tp_gpu.json", result)
         print(json.dumps(result[phase], default=str), flush=True)
     report(result)
     print(f"\nwrote {out / 'tp_gpu.json'}")

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Peer all-reduce vs NCCL and Ling-3.0-flash at TP=N, in one device call on an N-GPU machine (bench/tp_gpu.py):
+# Peer all-reduce vs NCCL and Ling-3.0-flash at TP=N, in one device call on an N-GPU machine (bench.tp_gpu):
 #   device: OUT=... bash bench/tp_session.sh        (from the repo root; needs torch + triton, nothing else)
 #   device: OUT=... bash bench/tp_session.sh --tp 4 --tokens 1,2,4,8,9,12,16     (four GPUs)
 # Each phase runs in its own pair of processes under its own limit; the whole run is capped at 400 s.
 # Results: $OUT/tp_gpu.json (or bench/results/ without $OUT) and $OUT/tp_gpu.log.
-#   device: OUT=... bash bench/tp_session.sh probe  only the stage-by-stage diagnostic of the peer mapping
-#   (bench/peer_probe.py, capped at 95 s): $OUT/peer_probe.json, $OUT/peer_probe.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines
@@ -13,14 +11,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-$PWD/bench/results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ "${1:-}" = probe ]; then
-  shift
-  timeout -k 3 95 python3 bench/peer_probe.py --out "$OUT" --limit 88 "$@" 2>&1 | tee "$OUT/peer_probe.log"
-  echo "exit ${PIPESTATUS[0]}"
-  exit 0
-fi
 timeout 20 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 timeout 20 nvidia-smi topo -m
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-timeout -k 10 400 python3 bench/tp_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/tp_gpu.log"
+timeout -k 10 400 python3 -m bench.tp_gpu --out "$OUT" "$@" 2>&1 | tee "$OUT/tp_gpu.log"
 echo "exit ${PIPESTATUS[0]}"

@@ -4,19 +4,19 @@ The training step of `training.train` (forward, next-token + MTP loss, backward,
 batch x 2048, timed over a few steps after warm-up. Variants: the parallel-scan carry (the CUDA default) or the
 chunk loop, and fp32 matmuls at full precision or TF32. Writes JSON, prints tokens/s and peak memory.
 
-    python bench/train_throughput.py OUT.json [BATCH]
+    python -m bench.train_throughput OUT.json [BATCH]
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from lingls.kernels import reference as ref
 from lingls.model import LingConfig, LingForCausalLM
 from training.train import losses
@@ -64,8 +64,7 @@ def main(out: str, batch: int) -> int:
         except Exception as e:  # noqa: BLE001 - a failed variant is reported, the others still run
             rows.append(dict(batch=batch, scan=scan, tf32=tf32, error=repr(e)[:300]))
         torch.cuda.empty_cache()
-    Path(out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows),
-                                    indent=1))
+    write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows))
     for r in rows:
         print(r)
     return 0

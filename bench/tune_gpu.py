@@ -13,7 +13,7 @@ settings per shape (the FMA path at T=1). The best go into `mla.CONFIGS` / `kda.
 The JSON lists every candidate; the winners are what the code's CONFIGS ship. Every MoE stage starts from the
 shipped settings, so a sweep cut short by the budget never replaces them with an untimed choice.
 
-    python bench/tune_gpu.py OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
+    python -m bench.tune_gpu OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
     (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv (or gemv-tma:
     only the descriptor-load path's candidates, T > 1), default all;
     --tp: the rank shapes of TP=N, default 4; the settings are kept per width, heads or expert rows per rank,
@@ -30,14 +30,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing lingls
-sys.path.insert(0, str(Path(__file__).parent))
-from fused_step_gpu import CONTEXT, graphed, measure  # noqa: E402
-
-from lingls.bench.step import build_flash, copy_bandwidth, median_ms  # noqa: E402
-from lingls.kernels import gemv, kda, mla, moe  # noqa: E402
-from lingls.model.config import KDA  # noqa: E402
-from lingls.runtime.fused_step import FusedStep  # noqa: E402
+from bench.common import CONTEXT, graphed
+from bench.fused_step_gpu import measure
+from lingls.bench.step import build_flash, copy_bandwidth, median_ms
+from lingls.kernels import gemv, kda, mla, moe
+from lingls.model.config import KDA
+from lingls.runtime.fused_step import FusedStep
 
 MLA_CANDIDATES = [(128, 32, 8), (64, 32, 8), (128, 16, 4), (256, 16, 4), (128, 64, 8), (32, 32, 4), (64, 32, 4),
                   (32, 16, 4), (16, 32, 4)]  # (splits, rows per block, warps)

@@ -12,7 +12,7 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, rapidfuzz; print('torch', torch.__version__, 'rapidfuzz', rapidfuzz.__version__)"
-timeout 45 python3 bench/train_throughput.py "$OUT/train_throughput.json" 32
+timeout 45 python3 -m bench.train_throughput "$OUT/train_throughput.json" 32
 timeout 510 python3 -m training.reproduce --out /tmp/nano "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 tar -C /tmp/nano -cf - . | split -b 15m - "$OUT/nano.tar.part-"

@@ -1,8 +1,9 @@
 """`lingls bench spec`: accept length and TPOT of speculative decoding with each drafter, on held-out code.
 
-Cases: files held out from ling-nano's training (names from bench/results/nano_data_manifest.json, read from
-this interpreter's standard library and site-packages where present), cut at a line start at 60% of the file;
-the prompt is the last `--prompt-tokens` tokens before the cut, and the model continues greedily for
+Cases: files held out from ling-nano's training, cut at a line start at 60% of the file. Their names come from
+`--heldout`, the training run's data manifest (default: bench/results/nano_data_manifest.json of the current
+directory, a checkout of the repository); the files are read from this interpreter's standard library and
+site-packages where present. The prompt is the last `--prompt-tokens` tokens before the cut, and the model continues greedily for
 `--max-new` tokens. For every drafter the same cases run on a fresh runner; the output must equal plain greedy
 decoding (checked), so only speed differs.
 
@@ -26,16 +27,17 @@ import torch
 from lingls.runtime.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
 
-MANIFEST = Path(__file__).resolve().parents[2] / "bench" / "results" / "nano_data_manifest.json"
+HELDOUT = Path("bench") / "results" / "nano_data_manifest.json"  # relative to the current directory
 
 
-def heldout_files(limit: int) -> list[tuple[str, str]]:
+def heldout_files(manifest: Path, limit: int) -> list[tuple[str, str]]:
     """(name, text) of the first `limit` held-out files (in name order) present on this machine."""
-    if not MANIFEST.is_file():
-        raise SystemExit(f"lingls bench spec: {MANIFEST} is missing (it lists ling-nano's held-out files)")
+    if not manifest.is_file():
+        raise SystemExit(f"lingls bench spec: {manifest} is missing (the data manifest that lists ling-nano's "
+                         "held-out files): run it from a checkout of the repository or pass --heldout FILE")
     roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"]), "site": Path(sysconfig.get_paths()["purelib"])}
     out = []
-    for name in sorted(json.loads(MANIFEST.read_text())["heldout_names"]):
+    for name in sorted(json.loads(manifest.read_text())["heldout_names"]):
         label, rel = name.split("/", 1)
         path = roots[label] / rel
         if path.is_file():
@@ -95,12 +97,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=int, default=2, help="timed passes over the cases")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--heldout", type=Path, default=HELDOUT, metavar="MANIFEST.json",
+                   help=f"ling-nano's data manifest, which names the held-out files (default: ./{HELDOUT})")
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
 
     from lingls.model import load_model
     from lingls.runtime.tokenizer import Tokenizer
 
+    files = heldout_files(args.heldout, args.cases)  # before the model loads: a missing manifest fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
     drafts = args.drafts.split(",") if args.drafts else ["none", "lookup", "mtp", "lookup+mtp"]
@@ -111,7 +116,6 @@ def main(argv: list[str]) -> int:
         drafts.insert(0, "none")
     model = load_model(args.model, device=args.device, dtype=torch.float32)
     tok = Tokenizer(args.model)
-    files = heldout_files(args.cases)
     prompts = [make_prompt(tok, text, args.prompt_tokens) for _, text in files]
     capacity = max(len(p) for p in prompts) + args.max_new + 4 * (args.k + 1)
     subjects = {spec: Subject(model, spec, capacity, args.k) for spec in drafts}

@@ -5,7 +5,8 @@ Modes:
   one GPU with the all-reduce stubbed out: the per-rank step time of a 4-GPU deployment.
 - `full`: the whole model (TP=1) at a reduced depth, for GPUs that cannot hold more.
 - `tp`: the whole model at TP=N on N GPUs (--tp, default 2; all 42 layers), NCCL against the peer all-reduce,
-  plus the all-reduces alone: runs bench/tp_gpu.py from this checkout (one process per GPU; see that file).
+  plus the all-reduces alone: runs `python -m bench.tp_gpu` in a checkout of the repository (one process per GPU;
+  see that module).
 For T = 1 (decode) and T = 2..16 (verify) it reports the median CUDA-graph step time and the step's byte
 floor: the bytes it must read (every weight but the routed experts, the distinct routed experts of that step
 as routed, the embedding rows, the KDA state read and written, the MLA latent KV of the context) over the
@@ -248,14 +249,16 @@ def plot(result: dict, path: Path) -> None:
 
 
 def tp_mode(a) -> int:
-    """`--mode tp`: bench/tp_gpu.py does the work (it needs a repo checkout: bench/ is not installed)."""
+    """`--mode tp`: `python -m bench.tp_gpu` does the work, run in the current directory, which must be a checkout
+    of the repository (bench/ is not installed with lingls)."""
     import subprocess
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "tp_gpu.py"
-    if not script.exists():
-        print(f"lingls bench step --mode tp: needs a checkout of the repository ({script} is missing)", file=sys.stderr)
+    if not (Path("bench") / "tp_gpu.py").is_file():
+        print("lingls bench step --mode tp: run it from a checkout of the repository (./bench/tp_gpu.py is missing)",
+              file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(script), "--tp", str(a.tp or 2), "--tokens", a.tokens, "--layers", str(a.layers or 42),
+    cmd = [sys.executable, "-m", "bench.tp_gpu", "--tp", str(a.tp or 2), "--tokens", a.tokens,
+           "--layers", str(a.layers or 42),
            "--out", str(Path(a.out).parent)]
     return subprocess.call(cmd, env={**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                                      "NVSHMEM_DISABLE_NVLS": "1"})
@@ -266,7 +269,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode", choices=["shard", "full", "peers", "tp"], default="shard",
                    help="peers: only the side-by-side run at --peer-layers (a fresh process has the whole GPU); "
                         "tp: the whole model at TP=N (--tp, default 2) on N GPUs, NCCL vs the peer all-reduce "
-                        "(bench/tp_gpu.py)")
+                        "(python -m bench.tp_gpu)")
     p.add_argument("--layers", type=int, help="decoder layers (default: 42 for shard, 6 for full)")
     p.add_argument("--tp", type=int, default=None,
                    help="shard mode: the tensor-parallel degree whose rank is run (default 4); "

@@ -50,7 +50,7 @@ def test_variants_alternate_with_the_code_before(tmp_path):
 
 
 def test_summary_folds_the_sides_into_one_file(tmp_path):
-    """bench/ab_summary.py: the device returns at most 8 files, so a call with more sides folds them into one."""
+    """bench.ab_summary: the device returns at most 8 files, so a call with more sides folds them into one."""
     def side(ms, routing_us):
         return {"rows": [{"T": 9, "fused_graph_ms": ms,
                           "kernels": [{"kernel": "_route_token_kernel", "us_per_step": routing_us}]}]}
@@ -58,7 +58,7 @@ def test_summary_folds_the_sides_into_one_file(tmp_path):
     (tmp_path / "before.json").write_text(json.dumps(side(4.33, 258.0)))
     (tmp_path / "after.json").write_text(json.dumps(side(4.23, 158.0)))
     (tmp_path / "broken.json").write_text("{")  # a side that died mid-write
-    done = subprocess.run([sys.executable, "bench/ab_summary.py", str(tmp_path), "_route_token_kernel", "_none"],
+    done = subprocess.run([sys.executable, "-m", "bench.ab_summary", str(tmp_path), "_route_token_kernel", "_none"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "broken.json: not JSON, left out" in done.stdout
@@ -76,7 +76,7 @@ def test_summary_reads_speculative_rounds_too(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps({"rows": rows, "plain_decode_ms": 2.13,
                                                     "target_step_ms": {"8": 6.5}}))
     (tmp_path / "step.json").write_text(json.dumps({"rows": [{"T": 1, "fused_graph_ms": 1.4}]}))
-    done = subprocess.run([sys.executable, "bench/ab_summary.py", str(tmp_path), "_none"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "bench.ab_summary", str(tmp_path), "_none"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = [line.split() for line in done.stdout.splitlines()]

@@ -1,23 +1,16 @@
-"""bench/ncu_step.py's folding of an Nsight Compute report (the GPU run writes ncu's raw CSV; here, one made up by
+"""bench.ncu_step's folding of an Nsight Compute report (the GPU run writes ncu's raw CSV; here, one made up by
 hand in ncu's shape: a header row, a units row, one row per launch): launches of one kernel are summed, bytes
 and times are read in their units, and the warp states are weighted by each launch's time."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "ncu_step.py"
+from bench import ncu_step as ncu
+
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("ncu_step", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def write_raw(path: Path) -> None:
@@ -32,10 +25,9 @@ def write_raw(path: Path) -> None:
 
 
 def test_launches_fold_into_one_row_per_kernel(tmp_path):
-    bench = load()
     write_raw(tmp_path / "raw.csv")
     (tmp_path / "copy.json").write_text(json.dumps({"copy_tbs": 4.0}))
-    bench.fold(str(tmp_path / "raw.csv"), str(tmp_path / "copy.json"), str(tmp_path / "out.json"))
+    ncu.fold(str(tmp_path / "raw.csv"), str(tmp_path / "copy.json"), str(tmp_path / "out.json"))
     rows = {r["kernel"]: r for r in json.loads((tmp_path / "out.json").read_text())["kernels"]}
     gemv, kda = rows["_gemv_kernel"], rows["_kda_step_kernel"]
     assert gemv["launches"] == 2 and gemv["us"] == 10.0 and gemv["mb"] == 30.0

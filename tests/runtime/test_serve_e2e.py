@@ -1,17 +1,14 @@
-"""bench/serve_e2e.py against the real `lingls serve` on a weightless checkpoint (CPU here; the same command
+"""bench.serve_e2e against the real `lingls serve` on a weightless checkpoint (CPU here; the same command
 measures Ling-3.0-flash's shapes on GPUs): every run streams the tokens asked for and is timed."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import serve_e2e
 from lingls.model.random_checkpoint import write_weightless_checkpoint
 from tests.model.conftest import small_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import serve_e2e  # noqa: E402
 
 
 @pytest.mark.parametrize("tp,draft,accept", [(1, "none", None), (2, "mtp", 1)])

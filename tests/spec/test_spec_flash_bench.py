@@ -1,21 +1,16 @@
-"""bench/spec_flash_gpu.py (simulated-acceptance TPOT at Ling-3.0-flash shapes, for the GPU) runs end to end at tiny
+"""bench.spec_flash_gpu (simulated-acceptance TPOT at Ling-3.0-flash shapes, for the GPU) runs end to end at tiny
 shapes on CPU: every (K, a) is measured, every round accepts exactly the forced count, the JSON says so."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "spec_flash_gpu.py"
+from bench import spec_flash_gpu as bench
 
 
 def test_tiny_run_measures_every_forced_acceptance(tmp_path):
-    spec = importlib.util.spec_from_file_location("spec_flash_gpu", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     out = tmp_path / "spec.json"
     try:
