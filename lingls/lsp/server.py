@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import re
+import signal
+import stat
 import sys
 import threading
 import time
@@ -15,7 +17,8 @@ from functools import partial
 from typing import Any
 
 from lsprotocol import types as lsp
-from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcServerNotInitialized
+from pygls.exceptions import (JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
+                              JsonRpcServerNotInitialized)
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
@@ -41,6 +44,13 @@ class _Protocol(LanguageServerProtocol):
     def _user(self, method: str, params: Any):
         if (handler := self.fm.features.get(method)) is not None:
             yield handler, (params,), None
+
+    exit_code = 0  # the process's, set by `exit`: 1 unless `shutdown` came first (the LSP's rule)
+
+    @lsp_method(lsp.EXIT)
+    def lsp_exit(self, *args):
+        self.exit_code = 0 if self._shutdown else 1
+        yield from super().lsp_exit(*args)
 
     @lsp_method(lsp.TEXT_DOCUMENT_DID_OPEN)
     def lsp_text_document__did_open(self, params: lsp.DidOpenTextDocumentParams):
@@ -151,6 +161,17 @@ class _Protocol(LanguageServerProtocol):
                 error = JsonRpcInvalidParams(f"lingls: invalid params for {data['method']}")
                 self._send_response(data["id"], error=error.to_response_error())
             raise
+
+
+class _ClientMistakes(logging.Filter):
+    """Keeps pygls' traceback for a message whose params do not parse out of the log (stderr, by default):
+    it is the client's mistake, answered with InvalidParams and logged in one line by lingls."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unable to deserialize message")
+
+
+logging.getLogger("pygls.protocol.json_rpc").addFilter(_ClientMistakes())
 
 
 class _Server(LanguageServer):
@@ -295,6 +316,8 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def main(args: Any) -> int:
+    """Serve until the client exits (0 after `shutdown`, 1 without, as the LSP asks), stdin ends, stdout is
+    closed, or SIGTERM/SIGINT arrives (0)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if getattr(args, "log_file", None):
         logging.basicConfig(filename=args.log_file, level=logging.WARNING,
@@ -303,26 +326,40 @@ def main(args: Any) -> int:
     server = build_server(from_cli(args))
     if getattr(args, "tcp", False):
         server.start_tcp(args.host, args.port)
-    else:
-        start_stdio(server)
-    return 0
+        return 0
+    return start_stdio(server)
 
 
-_HEADER_END = b"\r\n\r\n"
-_CONTENT_LENGTH = re.compile(rb"(?:^|\n)content-length:[ \t]*(\d+)", re.IGNORECASE)
-MAX_HEADER = 8192  # bytes of headers without their blank line: not a client speaking LSP; dropped
+# A message's Content-Length line. A raw CR LF right after the digits cannot occur inside a JSON body (a string
+# holds no raw CR; outside strings `content-length:` is no JSON token), so wherever this turns up it starts a
+# message's headers: the framer finds the next message through it after any fault in the framing.
+_CONTENT_LENGTH = re.compile(rb"content-length:[ \t]*(\d+)[ \t]*\r\n", re.IGNORECASE)
+_HEADER_LINE = re.compile(rb"[!-9;-~]+:[^\r\n]*\r\n")  # another header (Content-Type): skipped
+_HEADER_LINES = re.compile(rb"(?:[!-9;-~]+:[^\r\n]*\r\n)*")
+MAX_HEADER = 8192  # bytes without a header in them: not a client speaking LSP; dropped
+SHUTDOWN_S = 5.0  # how long the engine gets to stop when the client leaves without `shutdown`
 
 
 class _FdWriter:
-    """Writes straight to a file descriptor (stdout), without a buffer to flush."""
+    """Writes straight to a file descriptor (stdout), without a buffer to flush.
 
-    def __init__(self, fd: int):
+    A client that closed its end (an editor quitting) ends the server through `on_closed`, quietly: what was
+    left to say is for nobody."""
+
+    def __init__(self, fd: int, on_closed):
         self._fd = fd
+        self._on_closed = on_closed
+        self.closed = False
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        try:
+            while view and not self.closed:
+                view = view[os.write(self._fd, view) :]
+        except (BrokenPipeError, ConnectionResetError):
+            self.closed = True
+            log.info("the client closed the server's stdout")
+            self._on_closed()
 
     def close(self) -> None:
         pass
@@ -341,7 +378,11 @@ class _Framer(asyncio.Protocol):
     pygls' start_io reads through a thread pool (one thread hop per header line and body), and its asyncio
     loop (run_async over a StreamReader) wakes a coroutine per header line and body: several event-loop
     iterations per message, each a chance to sleep. Here a message is dispatched in the same callback that
-    read its last byte. It also records when each message's first bytes were read (the request's t_recv)."""
+    read its last byte. It also records when each message's first bytes were read (the request's t_recv).
+
+    A framing fault (a wrong Content-Length, a missing or non-numeric header, garbage between messages) costs
+    that message only: it is answered with a parse error and reading goes on at the next Content-Length line
+    (see _CONTENT_LENGTH), even one that turns up inside a body whose declared length runs past it."""
 
     def __init__(self, server: "_Server", done: asyncio.Future):
         self._server = server
@@ -349,6 +390,7 @@ class _Framer(asyncio.Protocol):
         self._done = done
         self._buf = bytearray()
         self._arrived = 0.0
+        self._scanned = 0  # how far the body being waited for was searched for a next header
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
@@ -356,41 +398,83 @@ class _Framer(asyncio.Protocol):
         if not buf:
             self._arrived = now
         buf += data
-        while buf:
-            end = buf.find(_HEADER_END)
-            if end < 0:
-                if len(buf) > MAX_HEADER:
-                    log.error("dropped %d bytes of input that are not an LSP header", len(buf))
-                    buf.clear()
+        while buf and not self._done.done():
+            header = _find_header(buf, 0)
+            if header is None:
+                if len(buf) > MAX_HEADER:  # keep a tail that may be the start of a header
+                    self._drop(len(buf) - 64, "bytes without a Content-Length header")
                 return
-            match = _CONTENT_LENGTH.search(buf, 0, end)
-            start = end + len(_HEADER_END)
-            if match is None:
-                log.error("dropped a header without Content-Length: %r", bytes(buf[: min(end, 200)]))
-                del buf[:start]
+            if header.start() and _HEADER_LINES.fullmatch(buf, 0, header.start()) is None:
+                self._drop(header.start(), "bytes outside any message")
                 continue
-            stop = start + int(match.group(1))
-            if len(buf) < stop:
+            start = _headers_end(buf, header.end())
+            if start is None:
+                return  # the rest of the headers is still to come
+            if start < 0:
+                self._drop(header.end(), "a malformed header")
+                continue
+            length = int(header.group(1))
+            stop = start + length
+            cut = _find_header(buf, max(header.end(), self._scanned))
+            if cut is not None and cut.start() < start:  # a second Content-Length among the headers
+                self._drop(cut.start(), "a header cut short by another")
+                continue
+            if cut is not None and cut.start() < stop:
+                body, stop = bytes(buf[start : cut.start()]), cut.start()
+                error = f"Content-Length {length} does not frame the message: the next one starts after {len(body)} bytes"
+            elif len(buf) < stop:
+                self._scanned = max(start, len(buf) - 64)
                 return
-            body = bytes(buf[start:stop])
+            else:
+                body, error = bytes(buf[start:stop]), None
             del buf[:stop]
+            self._scanned = 0
             arrived, self._arrived = self._arrived, now
-            self._dispatch(body, arrived)
+            if error is None:
+                self._dispatch(body, arrived)
+            else:
+                log.warning("%s", error)
+                _reply_error(self._protocol, _id_of(body), JsonRpcParseError(f"lingls: {error}"))
             if self._server._stop_event.is_set():
                 self._finish()
                 return
 
+    def _drop(self, count: int, what: str) -> None:
+        """Drop `count` bytes that belong to no message, answering a parse error (the id is unknown: null)."""
+        dropped = bytes(self._buf[:count])
+        del self._buf[:count]
+        self._scanned = 0
+        log.warning("dropped %d %s: %r", count, what, dropped[:200])
+        _reply_error(self._protocol, None, JsonRpcParseError(f"lingls: dropped {count} {what}"))
+
     def _dispatch(self, body: bytes, arrived: float) -> None:
         protocol = self._protocol
         try:
-            data = json.loads(body)
-            if type(data) is dict and protocol.dispatch_fast(data, (arrived, time.perf_counter())):
+            try:
+                data = json.loads(body)
+            except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested beyond reason
+                reason = "not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
+                _reply_error(protocol, _id_of(body), JsonRpcParseError(f"lingls: the message is {reason}: {exc}"))
                 return
-            message = json.loads(body, object_hook=protocol.structure_message)
+            if (problem := _invalid(data)) is not None:
+                for msg_id in _ids_of(data):
+                    _reply_error(protocol, msg_id, JsonRpcInvalidRequest(f"lingls: {problem}"))
+                return
+            if protocol._shutdown and data.get("method") != lsp.EXIT:
+                if "method" in data and "id" in data:
+                    _reply_error(protocol, data["id"], JsonRpcInvalidRequest("lingls: the server is shutting down"))
+                return
+            if protocol.dispatch_fast(data, (arrived, time.perf_counter())):
+                return
+            try:
+                message = json.loads(body, object_hook=protocol.structure_message)
+            except JsonRpcException as exc:  # params of the wrong shape; a request was answered (structure_message)
+                log.warning("%s: %s", data.get("method"), exc)
+                return
             protocol._arrival = (arrived, time.perf_counter())
             protocol.handle_message(message)
-        except BrokenPipeError:
-            self._finish(BrokenPipeError())
+        except SystemExit:  # `exit` (pygls' way out; the code is in protocol.exit_code)
+            self._finish()
         except Exception as exc:
             protocol._arrival = None
             log.exception("Unable to handle message")
@@ -403,36 +487,120 @@ class _Framer(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._finish()
 
-    def _finish(self, exc: BaseException | None = None) -> None:
+    def _finish(self) -> None:
         if not self._done.done():
-            if exc is None:
-                self._done.set_result(None)
-            else:
-                self._done.set_exception(exc)
+            self._done.set_result(None)
 
 
-def start_stdio(server: LanguageServer) -> None:
-    """Serve over stdin/stdout, reading stdin as an asyncio pipe (see _Framer).
+def _find_header(buf: bytearray, pos: int) -> re.Match | None:
+    """The first Content-Length line at or after `pos`, looked for only before each CR LF (a body rarely has
+    one: a 10 MB didOpen is scanned at memchr speed)."""
+    while (crlf := buf.find(b"\r\n", pos)) >= 0:
+        if (found := _CONTENT_LENGTH.search(buf, max(pos, crlf - 80), crlf + 2)) is not None:
+            return found
+        pos = crlf + 2
+    return None
 
-    Falls back to pygls' start_io when stdin is not a pipe (a file, a terminal)."""
+
+def _headers_end(buf: bytearray, pos: int) -> int | None:
+    """Where the body starts, for headers whose Content-Length line ends at `pos`: after more header lines
+    and the blank line; None if they are not all here yet; -1 if they are not headers."""
+    while not buf.startswith(b"\r\n", pos):
+        if len(buf) - pos < 2:
+            return None
+        line = _HEADER_LINE.match(buf, pos)
+        if line is None:
+            newline = buf.find(b"\n", pos)
+            return None if newline < 0 and len(buf) - pos < MAX_HEADER else -1
+        pos = line.end()
+    return pos + 2
+
+
+def _valid_id(msg_id: Any) -> bool:
+    return type(msg_id) in (int, str)
+
+
+def _invalid(data: Any) -> str | None:
+    """Why a parsed message is not a JSON-RPC 2.0 message the LSP allows, or None if it is one."""
+    if type(data) is list:
+        return "JSON-RPC batches are not part of the LSP: send each message on its own"
+    if type(data) is not dict:
+        return "a message must be a JSON object"
+    if data.get("jsonrpc") != "2.0":
+        return f'"jsonrpc" must be "2.0", not {data.get("jsonrpc")!r}'
+    if "method" in data:
+        if type(data["method"]) is not str:
+            return '"method" must be a string'
+        if "id" in data and not _valid_id(data["id"]):
+            return f'a request id must be an integer or a string, not {data["id"]!r}'
+        if data.get("params") is not None and type(data["params"]) not in (dict, list):
+            return '"params" must be an object or an array'  # null passes: clients send it for `shutdown`
+        return None
+    if "id" in data and ("result" in data or "error" in data):
+        return None  # a response to one of the server's requests
+    return "neither a request, a notification nor a response"
+
+
+def _ids_of(data: Any) -> list:
+    """The ids to answer an invalid message with: each request's own when it has a usable one, else null."""
+    items = data if type(data) is list else [data]
+    ids = [m["id"] for m in items if type(m) is dict and "method" in m and _valid_id(m.get("id"))]
+    return ids or [None]
+
+
+def _id_of(body: bytes) -> Any:
+    """The id of a request that could not be read as it is (broken UTF-8, wrong framing), if it can be found."""
+    try:
+        data = json.loads(body.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+    return data["id"] if type(data) is dict and "method" in data and _valid_id(data.get("id")) else None
+
+
+def _reply_error(protocol: _Protocol, msg_id: Any, error: JsonRpcException) -> None:
+    """An error response, written directly: pygls would leave out an `"id": null`, which JSON-RPC requires."""
+    e = error.to_response_error()
+    body = json.dumps({"jsonrpc": "2.0", "id": msg_id, "error": {"code": e.code, "message": e.message}}).encode()
+    protocol.writer.write(b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+
+def start_stdio(server: LanguageServer) -> int:
+    """Serve over stdin/stdout, reading stdin as an asyncio pipe (see _Framer); returns the exit code.
+
+    Falls back to pygls' start_io when stdin is not a pipe or socket (a file, /dev/null, a terminal)."""
+    if not stat.S_ISFIFO(mode := os.fstat(sys.stdin.fileno()).st_mode) and not stat.S_ISSOCK(mode):
+        server.start_io()
+        return server.protocol.exit_code
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     server._stop_event = threading.Event()  # what pygls' shutdown() sets (on exit)
     done = loop.create_future()
+
+    def end() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, end)
     sys.stdout.flush()
-    server.protocol.set_writer(_FdWriter(sys.stdout.fileno()))
+    server.protocol.set_writer(_FdWriter(sys.stdout.fileno(), end))
     try:
         loop.run_until_complete(loop.connect_read_pipe(lambda: _Framer(server, done), sys.stdin.buffer))
-    except (ValueError, OSError):
-        loop.close()
-        server.start_io()
-        return
-    try:
         loop.run_until_complete(done)
-    except BrokenPipeError:
-        log.error("the client went away")
-    except (KeyboardInterrupt, SystemExit):
-        pass
     finally:
-        server.shutdown()
-        loop.close()
+        _close(server, loop)
+    return server.protocol.exit_code
+
+
+def _close(server: "_Server", loop: asyncio.AbstractEventLoop) -> None:
+    """Stop the engine (the client may have left without `shutdown`), then every task still pending."""
+    try:
+        loop.run_until_complete(asyncio.wait_for(server.core.shutdown(), SHUTDOWN_S))
+    except Exception:
+        log.exception("the engine did not stop cleanly")
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    server.shutdown()
+    loop.close()

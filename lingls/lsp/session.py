@@ -288,8 +288,10 @@ class Core:
         timing["engine_ms"] += (time.perf_counter() - t) * 1000
         if engine is None or doc.edits != place.edits:
             return ()  # no engine, superseded, or the text moved on: a newer request will come
-        timing["source"] = "model"
         gen = self._start(state, engine, doc.text, place.offset, site, timing=timing)
+        if gen is None:
+            return ()
+        timing["source"] = "model"
         status, text = await self._read(req, gen, "", site, timing)
         timing["t_first_chunk"] = gen.first_chunk_at
         return (gen, "", text) if status == "ok" else ()
@@ -303,6 +305,8 @@ class Core:
             if engine is None or req.superseded.done() or doc.edits != place.edits:
                 break
             gen = self._start(state, engine, doc.text, place.offset, site, temperature, seed)
+            if gen is None:
+                break
             status, text = await self._read(req, gen, "", site, timing)
             if status == "ok" and text not in seen:
                 seen.add(text)
@@ -378,15 +382,20 @@ class Core:
         return engine
 
     def _start(self, state: _DocState, engine: Engine, text: str, offset: int, site: Site,
-               temperature: float = 0.0, seed: int | None = None, timing: dict | None = None) -> Generation:
-        """Build the prompt and start one generation (stopping any other: the runtime is batch-1)."""
-        if self._running is not None:
-            self._running.stop()
+               temperature: float = 0.0, seed: int | None = None, timing: dict | None = None) -> Generation | None:
+        """Build the prompt and start one generation (stopping any other: the runtime is batch-1).
+
+        None when the prompt is empty (a left-to-right model at the start of an empty file): there is
+        nothing to continue, so the answer is empty rather than the engine's error."""
         doc = state.doc
         if timing is not None:
             timing["t_prompt"] = time.perf_counter()
         prompt = build_prompt(text, offset, fim=engine.fim, counter=self._counter, budget=self.settings.prompt_tokens,
                               chunks=self._ring.chunks_for(doc.uri), path=self._label(doc.uri))
+        if not prompt.text:
+            return None
+        if self._running is not None:
+            self._running.stop()
         specials = engine.fim.special_tokens() if engine.fim else ()
         gen = Generation(doc.uri, text, offset, site, specials)
         gen.start(engine, GenerateRequest(prompt.text, max_tokens=self.settings.max_tokens,

@@ -8,6 +8,7 @@ window decodes to whole characters.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -16,6 +17,7 @@ from lingls.runtime.engine import EngineError, FimTemplate
 from lingls.runtime.healing import Candidates, heal
 
 _REPLACEMENT = "\ufffd"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a Python str every surrogate is a lone one
 
 # tokenizer_config.json key -> FimTemplate field; the defaults are looked up in the vocab when the key is absent
 _FIM_KEYS = {
@@ -84,7 +86,12 @@ class Tokenizer:
         return FimTemplate(texts["prefix"], texts["suffix"], texts["middle"], texts["file_sep"], (eos,))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in it (FIM markers) become their single ids."""
+        """Token ids of `text`; special-token strings in it (FIM markers) become their single ids.
+
+        A lone surrogate (a JSON string may carry one: `"\\ud800"` is a valid escape) is read as U+FFFD, the
+        character a UTF-8 decoder would show for it: `tokenizers` refuses the whole text otherwise."""
+        if not text.isascii():
+            text = _LONE_SURROGATE.sub(_REPLACEMENT, text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

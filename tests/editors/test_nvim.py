@@ -173,3 +173,33 @@ def test_real_model_ghost_text_is_what_accept_inserts(open_nvim):
     after = nvim.wait(lambda s: s["lines"] != before["lines"], what="the accept to edit the buffer")
     assert after["lines"] == lines
     assert (after["row"], after["col"]) == cursor
+
+
+def test_ghost_text_has_its_own_highlight_visible_without_termguicolors(open_nvim):
+    nvim = open_nvim(BODY, env=scripted_env(), cursor=AT_BODY)
+    nvim.lua("vim.o.termguicolors = false")
+    insert_with_ghost(nvim)
+    groups = nvim.lua("""
+        local ns = vim.api.nvim_get_namespaces()["lingls.ghost"]
+        local groups = {}
+        for _, mark in ipairs(vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, { details = true })) do
+          for _, chunk in ipairs(mark[4].virt_text or {}) do groups[#groups + 1] = chunk[2] end
+          for _, line in ipairs(mark[4].virt_lines or {}) do
+            for _, chunk in ipairs(line) do groups[#groups + 1] = chunk[2] end
+          end
+        end
+        return groups""")
+    assert groups and set(groups) <= {"LinglsGhost", "LinglsGhostNote"} and "LinglsGhost" in groups
+    hl = "return vim.api.nvim_get_hl(0, { name = 'LinglsGhost', link = false })"
+    # Neovim's default Comment has a GUI colour only: the ghost text gets a terminal colour and italics of its own.
+    assert nvim.lua("return vim.api.nvim_get_hl(0, { name = 'Comment' }).ctermfg") is None
+    own = nvim.lua(hl)
+    assert own["ctermfg"] == 8 and own["cterm"]["italic"] and own["fg"] == nvim.lua(
+        "return vim.api.nvim_get_hl(0, { name = 'Comment' }).fg")
+    # A colorscheme whose Comment has a terminal colour: the ghost text follows it.
+    nvim.lua("vim.cmd('hi clear'); vim.cmd('hi Comment ctermfg=2 guifg=#00aa00'); "
+             "vim.api.nvim_exec_autocmds('ColorScheme', {})")
+    assert nvim.lua("return vim.api.nvim_get_hl(0, { name = 'LinglsGhost' }).link") == "Comment"
+    # A user's own definition is kept across a colorscheme change that does not clear it.
+    nvim.lua("vim.api.nvim_set_hl(0, 'LinglsGhost', { ctermfg = 5 }); vim.api.nvim_exec_autocmds('ColorScheme', {})")
+    assert nvim.lua(hl)["ctermfg"] == 5

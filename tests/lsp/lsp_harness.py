@@ -108,14 +108,40 @@ class RawClient:
         self._ids = iter(range(1, 10**6))
 
     @classmethod
-    async def start(cls, script: dict | None = None):
+    async def start(cls, script: dict | None = None, stderr: bool = False):
+        """`stderr`: keep the server's stderr (read it with `stderr()`) instead of discarding it."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "lingls.cli", "--stdio", env=server_env(script),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            sys.executable, "-m", "lingls.cli", "--stdio", env=server_env(script), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE if stderr else asyncio.subprocess.DEVNULL)
         return cls(proc)
 
     def send_bytes(self, body: bytes) -> None:
         self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def write(self, data: bytes) -> None:
+        """Raw bytes, framed or not."""
+        self.proc.stdin.write(data)
+
+    async def initialize(self) -> dict:
+        init = await self.request("initialize", {"processId": None, "rootUri": None, "capabilities": {}})
+        self.send({"method": "initialized", "params": {}})
+        return init
+
+    async def until_answered(self, msg_id, timeout: float = 10) -> tuple[dict, list[dict]]:
+        """The response to `msg_id` and every message the server sent before it."""
+        before = []
+        while True:
+            message = await asyncio.wait_for(self.receive(), timeout)
+            if message.get("id") == msg_id and "method" not in message:
+                return message, before
+            before.append(message)
+
+    async def exit_code(self, timeout: float = 10) -> int:
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    async def stderr(self) -> str:
+        """All of the server's stderr; call once it has exited."""
+        return (await self.proc.stderr.read()).decode(errors="replace")
 
     def send(self, message: dict) -> None:
         self.send_bytes(json.dumps({"jsonrpc": "2.0", **message}).encode())

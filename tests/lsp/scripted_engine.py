@@ -2,8 +2,10 @@
 
 The script (JSON in LINGLS_SCRIPT) says what to stream: `rules` is a list of [end of prefix, completion]
 pairs (the first whose key ends the prompt's prefix part wins), else `default`; `chunk` characters per
-chunk, `delay` seconds before each; `seeds` maps a request's seed to another answer (sampled candidates); `fail_first` N: the first N generations raise; `fail_load`: loading
-raises; `fim`: false for a model without FIM tokens. Its stats say how often it was called, how many streams
+chunk, `delay` seconds before each; `seeds` maps a request's seed to another answer (sampled candidates);
+`fail_first` N: the first N generations raise; `fail_load`: loading raises; `fim`: false for a model without
+FIM tokens; `tokenizer`: a model directory whose real tokenizer counts tokens (else a cheap estimate). An
+empty prompt raises, as the in-process engine's does. Its stats say how often it was called, how many streams
 were closed early and how many are still running, so tests can count model calls over the wire.
 """
 
@@ -28,8 +30,15 @@ class ScriptedEngine:
         self.seeds = script.get("seeds", {})
         self.fim = FimTemplate() if script.get("fim", True) else None
         self.stats = EngineStats(extra={"active": 0, "prompts": []})
+        self.tokenizer = None
+        if script.get("tokenizer"):
+            from lingls.runtime.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer(script["tokenizer"])
 
     def count_tokens(self, text: str) -> int:
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(text))
         return len(text) // 4 + 1
 
     def _answer(self, prompt: str) -> str:
@@ -44,6 +53,8 @@ class ScriptedEngine:
         self.stats.extra["prompts"] = (self.stats.extra["prompts"] + [request.prompt])[-5:]
         if self.stats.requests <= self.fail_first:
             raise EngineError(f"scripted failure {self.stats.requests}")
+        if not request.prompt:
+            raise EngineError("empty prompt: nothing to complete")
         text = self.seeds.get(str(request.seed)) or self._answer(request.prompt)
         self.stats.extra["active"] += 1
         try:

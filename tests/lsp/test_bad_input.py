@@ -4,9 +4,12 @@ next request works."""
 import asyncio
 import json
 
+import pytest
 from lsprotocol import types as lsp
 
-from lsp_harness import URI, RawClient, complete, open_doc, serve, stats
+from lsp_harness import REPO, URI, RawClient, complete, open_doc, serve, stats
+
+EMBEDDED = REPO / "lingls" / "assets" / "ling-nano"
 
 GOOD = "x = "
 
@@ -105,4 +108,29 @@ async def test_accept_with_garbage_arguments():
         await client.workspace_execute_command_async(
             lsp.ExecuteCommandParams(command="lingls.accept", arguments=["nonsense", 3]))
         await client.workspace_execute_command_async(lsp.ExecuteCommandParams(command="lingls.accept"))
+        assert await works(client)
+
+
+async def test_a_lone_surrogate_in_a_closed_document_breaks_no_later_completion():
+    # The context ring keeps the closed document's chunk, so every later prompt's token count reads it.
+    async with serve({"default": "1", "tokenizer": str(EMBEDDED)}) as client:
+        other = "file:///work/other.py"
+        open_doc(client, 's = "\ud800"\nt = ', uri=other)
+        assert [i.insert_text for i in await complete(client, 1, 4, uri=other)] == ["1"]
+        client.text_document_did_close(lsp.DidCloseTextDocumentParams(lsp.TextDocumentIdentifier(other)))
+        assert await works(client)
+        assert await works(client, uri="file:///work/third.py")
+        assert not client.messages, [m.message for m in client.messages]
+
+
+@pytest.mark.parametrize("fim", [False, True])
+async def test_an_empty_file_gives_an_empty_answer_without_a_popup(fim):
+    async with serve({"default": "1", "fim": fim}) as client:
+        for name in ("a", "b"):
+            uri = f"file:///work/{name}.py"
+            open_doc(client, "", uri=uri)
+            items = [i.insert_text for i in await complete(client, 0, 0, uri=uri)]
+            # A left-to-right model has nothing to continue; a FIM model completes from an empty prefix.
+            assert items == (["1"] if fim else [])
+        assert not client.messages, [m.message for m in client.messages]
         assert await works(client)

@@ -19,11 +19,30 @@ function M.attach(buf)
   end
 end
 
+--- The highlight groups, unless the user set them. `LinglsGhost` is `Comment` when the colorscheme gives
+--- `Comment` a terminal colour; otherwise (Neovim's own scheme gives it a GUI colour only, so without
+--- 'termguicolors' the suggestion would look like real code) `Comment`'s GUI colour with a grey, italic
+--- fallback for terminals.
+local function define_highlights()
+  local comment = vim.api.nvim_get_hl(0, { name = "Comment", link = false })
+  if comment.ctermfg then
+    vim.api.nvim_set_hl(0, "LinglsGhost", { link = "Comment", default = true })
+  else
+    vim.api.nvim_set_hl(0, "LinglsGhost", {
+      fg = comment.fg or 0x808080,
+      ctermfg = 8,
+      cterm = { italic = true },
+      default = true,
+    })
+  end
+  vim.api.nvim_set_hl(0, "LinglsGhostNote", { link = "NonText", default = true })
+end
+
 function M.setup(opts)
   config.set(opts)
-  vim.api.nvim_set_hl(0, "LinglsGhost", { link = "Comment", default = true })
-  vim.api.nvim_set_hl(0, "LinglsGhostNote", { link = "NonText", default = true })
+  define_highlights()
   local group = vim.api.nvim_create_augroup("lingls", { clear = true })
+  vim.api.nvim_create_autocmd("ColorScheme", { group = group, callback = define_highlights })
   vim.api.nvim_create_autocmd("FileType", {
     group = group,
     callback = function(args)
