@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lingls.model.config import LingConfig
@@ -63,12 +63,15 @@ class CheckpointReader:
 
     def __init__(self, path: Path):
         self.path = path
-        files = self._files(path)
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {}
         self.sources: dict[str, tuple] = {}  # canonical name -> (handle, key, kind, extra)
-        for f, h in self._handles.items():
-            for key in h.keys():
-                self._add(h, key)
+        for f in self._files(path):
+            try:  # reads the header only: names, dtypes, shapes and that the data it describes is all there
+                h = self._handles[f] = safe_open(str(f), framework="pt")
+                for key in h.keys():
+                    self._add(h, key)
+            except SafetensorError as e:  # truncated, or a header that is not a safetensors header
+                raise CheckpointError(f"{f}: truncated, or not a safetensors file ({e})") from None
 
     @staticmethod
     def _files(path: Path) -> list[Path]:
@@ -76,9 +79,9 @@ class CheckpointReader:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                files = sorted({path / name for name in weight_map.values()})
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-            files = sorted({path / name for name in weight_map.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")

@@ -78,7 +78,8 @@ class Server:
         return await handler(request)
 
     async def load(self) -> None:
-        """Load the model in the background, logging progress, so /health answers meanwhile."""
+        """Load the model in the background, logging progress, so /health answers meanwhile. A failure is
+        logged as one line and kept in `load_error` (`lingls serve` then exits with status 1)."""
         t0 = time.perf_counter()
         task = asyncio.ensure_future(self.engine.start())
         last = None
@@ -92,7 +93,10 @@ class Server:
             task.result()
         except EngineError as e:
             self.load_error = str(e)
-            log.error("%s", e)
+        except Exception as e:  # anything else the engine let through: still one line, as the LSP reports it
+            self.load_error = f"could not start the engine for {self.model_name}: {type(e).__name__}: {e}"
+        if self.load_error is not None:
+            log.error("%s", self.load_error)
             return
         self.loaded = True
         log.info("model %s %s", self.model_name, self.engine.load_progress)
@@ -294,7 +298,8 @@ async def serve(server: Server, host: str, port: int) -> None:
     log.info("listening on http://%s:%d (model %s)", host, bound, server.model_name)
     try:
         await server.load()
-        await asyncio.Event().wait()
+        if server.load_error is None:
+            await asyncio.Event().wait()
     finally:
         await app_runner.cleanup()
 
@@ -324,4 +329,4 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"lingls serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if server.load_error is not None else 0

@@ -175,3 +175,17 @@ def test_weightless_checkpoint_builds_the_same_random_shards_on_every_rank(tmp_p
             assert torch.equal(p, ranks[1][name]), name
     tok = Tokenizer(d)
     assert tok.vocab_size == cfg.vocab_size and tok.encode("t5 t95 t0") == [5, 95, 0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "header_length", "header_dtype"])
+def test_a_broken_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, model, damage):
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    data = {"truncated": data[: len(data) // 2], "empty": b"",
+            "header_length": (1 << 60).to_bytes(8, "little") + data[8:],
+            "header_dtype": data[:8] + data[8:8 + header].replace(b'"F32"', b'"XYZ"', 1) + data[8 + header:]}[damage]
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated, or not a safetensors file"):
+        load_model(tmp_path)

@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -164,3 +165,16 @@ def test_serve_fails_clearly_on_a_missing_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lingls.cli", "serve", "--model", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_serve_fails_with_one_line_on_a_truncated_checkpoint(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    r = subprocess.run([sys.executable, "-m", "lingls.cli", "serve", "--model", str(broken), "--device", "cpu",
+                        "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "model.safetensors" in line]
+    assert len(errors) == 1 and "truncated, or not a safetensors file" in errors[0], r.stderr
