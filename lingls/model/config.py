@@ -10,6 +10,7 @@ rope scaling type, attention biases, ...) or an inconsistent set of values is a 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -52,6 +53,36 @@ _REQUIRED_VALUES = {
     "use_qkv_bias": False,
     "use_qk_norm": False,
 }
+
+
+# The range of every size key. Ling-3.0-flash's and -tiny's values (/work/shared/docs/ling3-flash.md) and
+# ling-nano's lie far inside; a value beyond is a typo or a config that does not describe its checkpoint, and
+# building it would exhaust memory (modules on the meta device and tensor names cost memory too) before the
+# checkpoint could say so. max_position_embeddings must leave room for a prompt and a completion.
+_BOUNDS = {
+    "vocab_size": (1, 2**20),
+    "hidden_size": (1, 2**16),
+    "num_hidden_layers": (1, 512),
+    "num_attention_heads": (1, 1024),
+    "head_dim": (1, 1024),
+    "short_conv_kernel_size": (1, 64),
+    "q_lora_rank": (1, 2**16),
+    "kv_lora_rank": (1, 2**16),
+    "qk_nope_head_dim": (1, 1024),
+    "qk_rope_head_dim": (1, 1024),
+    "v_head_dim": (1, 1024),
+    "max_position_embeddings": (16, 2**24),
+    "intermediate_size": (1, 2**20),
+    "moe_intermediate_size": (1, 2**18),
+    "shared_expert_intermediate_size": (1, 2**20),
+    "num_experts": (1, 4096),
+    "num_experts_per_tok": (1, 4096),
+    "num_shared_experts": (0, 64),
+    "n_group": (1, 4096),
+    "topk_group": (1, 4096),
+    "num_nextn_predict_layers": (0, 16),
+}
+_OPTIONAL = ("q_lora_rank", "shared_expert_intermediate_size")  # null is allowed
 
 
 class ConfigError(ValueError):
@@ -127,6 +158,27 @@ class LingConfig:
     def shared_limit(self, layer: int) -> float:
         return _limit(self.share_expert_swiglu_limit_list, layer)
 
+    def parameter_count(self) -> int:
+        """How many numbers the model's tensors hold, MTP layers included: what its checkpoint must hold,
+        computed from the config alone (LingForCausalLM builds exactly these; a test keeps the two equal)."""
+        hid, heads = self.hidden_size, self.num_attention_heads
+        c = heads * self.head_dim
+        kda = (5 * hid * c + hid * heads + 3 * c * self.short_conv_kernel_size + heads + c + self.head_dim
+               + c * hid)  # q k v f g, b, the three convs, A_log, dt_bias, o_norm, dense
+        qdim = heads * self.qk_head_dim
+        query = (hid * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * qdim if self.q_lora_rank
+                 else hid * qdim)
+        mla = (query + hid * self.latent_dim + self.kv_lora_rank + self.kv_lora_rank * heads * (self.qk_nope_head_dim
+               + self.v_head_dim) + hid * heads + heads * self.v_head_dim * hid)
+        dense = 3 * hid * self.intermediate_size
+        moe = (self.num_experts * hid + self.num_experts + 3 * self.num_experts * hid * self.moe_intermediate_size
+               + (3 * hid * self.shared_intermediate if self.num_shared_experts else 0))
+        norms = 2 * hid
+        layers = sum(norms + (kda if kind == KDA else mla) + (dense if mlp == "dense" else moe)
+                     for kind, mlp in zip(self.layer_types, self.mlp_types))
+        mtp = norms + mla + moe + 2 * hid + 2 * hid * hid + hid  # enorm, hnorm, eh_proj, final_layernorm
+        return 2 * self.vocab_size * hid + hid + layers + self.num_nextn_predict_layers * mtp
+
     @property
     def kda_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == KDA]
@@ -173,7 +225,7 @@ class LingConfig:
         for req in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if req not in d:
                 raise ConfigError(f"{req}: missing")
-        n = int(d["num_hidden_layers"])
+        n = _bounded("num_hidden_layers", d["num_hidden_layers"])  # before the per-layer lists are built
         kwargs["layer_types"] = _layer_types(d, n)
         kwargs["mlp_types"] = _mlp_types(d, n)
         if "num_key_value_heads" in d and d["num_key_value_heads"] not in (None, d["num_attention_heads"]):
@@ -200,20 +252,19 @@ class LingConfig:
 
     # ---- consistency ------------------------------------------------------------------------------------
     def validate(self) -> None:
-        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                    "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "n_group",
-                    "topk_group"]
-        for key in positive:
+        for key in _BOUNDS:
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ConfigError(f"q_lora_rank: must be null or a positive integer, got {self.q_lora_rank!r}")
+            if value is not None or key not in _OPTIONAL:
+                _bounded(key, value)
+        for key in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{key}: must be a positive finite number, got {value!r}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim: must be even, got {self.qk_rope_head_dim}")
-        if self.kda_lower_bound >= 0:
-            raise ConfigError(f"kda_lower_bound: must be negative, got {self.kda_lower_bound}")
+        bound = self.kda_lower_bound
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not -math.inf < bound < 0:
+            raise ConfigError(f"kda_lower_bound: must be a negative finite number, got {bound!r}")
         n = self.num_hidden_layers
         for key in ("layer_types", "mlp_types"):
             if len(getattr(self, key)) != n:
@@ -236,8 +287,16 @@ class LingConfig:
                     raise ConfigError(f"{key}: must be a list of one limit per layer ({n}), got {limits!r}")
                 if any(not isinstance(x, (int, float)) or x < 0 for x in limits):
                     raise ConfigError(f"{key}: limits must be numbers >= 0 (0 = no clamp)")
-        if self.num_nextn_predict_layers < 0:
-            raise ConfigError("num_nextn_predict_layers: must be >= 0")
+
+
+def _bounded(key: str, value) -> int:
+    """`value` if it is an integer in the range of `key` (_BOUNDS), else a ConfigError naming the key."""
+    low, high = _BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"{key}: {value} is outside [{low}, {high}], the sizes a Ling-3.0 model can have")
+    return value
 
 
 def _limit(limits: list[float] | None, layer: int) -> float:

@@ -9,12 +9,13 @@ of N reads only its slice of each sharded tensor (safetensors slices are read la
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lingls.model.config import LingConfig
@@ -63,12 +64,15 @@ class CheckpointReader:
 
     def __init__(self, path: Path):
         self.path = path
-        files = self._files(path)
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {}
         self.sources: dict[str, tuple] = {}  # canonical name -> (handle, key, kind, extra)
-        for f, h in self._handles.items():
-            for key in h.keys():
-                self._add(h, key)
+        for f in self._files(path):
+            try:  # reads the header only: names, dtypes, shapes and that the data it describes is all there
+                h = self._handles[f] = safe_open(str(f), framework="pt")
+                for key in h.keys():
+                    self._add(h, key)
+            except SafetensorError as e:  # truncated, or a header that is not a safetensors header
+                raise CheckpointError(f"{f}: truncated, or not a safetensors file ({e})") from None
 
     @staticmethod
     def _files(path: Path) -> list[Path]:
@@ -76,9 +80,9 @@ class CheckpointReader:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                files = sorted({path / name for name in weight_map.values()})
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-            files = sorted({path / name for name in weight_map.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
@@ -119,6 +123,10 @@ class CheckpointReader:
 
     def shape(self, name: str) -> list[int]:
         return self.sources[name][4]
+
+    def parameter_count(self) -> int:
+        """How many numbers the checkpoint's tensors hold, from their headers (no data is read)."""
+        return sum(math.prod(source[4]) for source in self.sources.values())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tensor `name`, or its [start, stop) range along `dim`, read from disk."""
@@ -180,6 +188,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if cfg.num_nextn_predict_layers and not any(n.startswith(mtp_prefix) for n in reader.sources):
         # transformers saves no MTP layer although its config counts one: load the model without it
         cfg.num_nextn_predict_layers = 0
+    _check_size(cfg, reader)
     with torch.device("meta"):
         full = LingForCausalLM(cfg)
         model = LingForCausalLM(cfg, par)
@@ -216,6 +225,32 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if progress is not None:
         progress(total, total)
     return model.eval()
+
+
+def _check_size(cfg: LingConfig, reader: CheckpointReader) -> None:
+    """Refuse, before any model is built (even on the meta device, where each layer and each expert's tensor
+    names still cost memory), a config.json that describes more parameters than the checkpoint's headers hold
+    because it has more layers or experts than the checkpoint. Smaller differences are named tensor by tensor
+    by the comparison that follows."""
+    implied, held = cfg.parameter_count(), reader.parameter_count()
+    if implied <= held:
+        return
+    found = {"layers": set(), "experts": set()}
+    for name in reader.sources:
+        if m := re.match(r"^model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name):
+            found["layers"].add(int(m.group(1)))
+            if m.group(2) is not None:
+                found["experts"].add(int(m.group(2)))
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    if layers > len(found["layers"]):
+        why = (f"num_hidden_layers: {cfg.num_hidden_layers} (+ {cfg.num_nextn_predict_layers} MTP), the checkpoint "
+               f"has tensors of {len(found['layers'])} layers")
+    elif "moe" in cfg.mlp_types and cfg.num_experts > len(found["experts"]):
+        why = f"num_experts: {cfg.num_experts}, the checkpoint has {len(found['experts'])} experts per layer"
+    else:
+        return
+    raise CheckpointError(f"{reader.path}: config.json describes {implied:,} parameters, the checkpoint holds {held:,} "
+                          f"({why}); does config.json belong to this checkpoint?")
 
 
 def _load_experts(reader: CheckpointReader, prefix: str, kind: str, p: torch.Tensor, par: Parallel) -> None:

@@ -36,7 +36,7 @@ def cursor_index(ids: list[int], special: set[int], fim_prefix: int | None) -> i
 def heal(ids: list[int], texts: list[str], special: set[int], fim_prefix: int | None) -> tuple[list[int], str]:
     """(the prompt without the cursor's token, that token's text) or (ids, "") when it cannot be healed."""
     at = cursor_index(ids, special, fim_prefix)
-    if at is None or at >= len(texts):
+    if at is None or at >= len(texts) or len(ids) == 1:  # healing the only token would leave no prompt
         return ids, ""
     tail = texts[ids[at]]
     if not tail or REPLACEMENT in tail:  # a piece of a multi-byte character: leave the prompt as it is

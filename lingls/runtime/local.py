@@ -361,10 +361,14 @@ class LocalEngine:
 
 
 class StopMatcher:
-    """Cuts a text stream at the first stop string, holding back a tail that could still begin one."""
+    """Cuts a text stream at the first stop string, holding back a tail that could still begin one.
+
+    The held tail is shorter than the longest stop string, and only it and the new text are searched, so a
+    feed costs the same however much text came before it."""
 
     def __init__(self, stops: tuple[str, ...] | list[str]):
         self.stops = [s for s in stops if s]
+        self._longest = max(map(len, self.stops), default=0)
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
@@ -374,6 +378,14 @@ class StopMatcher:
         if cut >= 0:
             self._held = ""
             return buf[:cut], True
-        keep = 0 if final else max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        keep = 0 if final else self._open_tail(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep], False
+
+    def _open_tail(self, buf: str) -> int:
+        """The length of the longest end of `buf` that begins a stop string (more text may complete it)."""
+        for k in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[len(buf) - k:]
+            if any(len(s) > k and s.startswith(tail) for s in self.stops):
+                return k
+        return 0

@@ -6,10 +6,11 @@ user typed on, or the request was cancelled) the stream's connection is closed a
 one of these servers learns to stop generating.
 
 Failures never reach the editor as anything but an EngineError (the language server shows one message and
-answers empty). Connection failures before any text arrives are retried with backoff. After that, or when the
-stream breaks or stalls past the read timeout, the server is marked down: the next requests probe `/health`
-first (briefly) and fail fast while it does not answer, and a background probe keeps checking, so
-completions resume by themselves as soon as the server is back.
+answers empty). Connection failures before any text arrives (refused, reset) are retried briefly with backoff;
+a time-out is not: a server that took the request and stays silent would cost another read timeout per retry.
+After that, or when the stream breaks or stalls past the read timeout, the server is marked down: the next
+requests probe `/health` first (briefly) and fail fast while it does not answer, and a background probe keeps
+checking, so completions resume by themselves as soon as the server is back.
 
 Profiles say how to talk to each kind of server (`auto`, the default, tells them apart from GET /v1/models'
 `owned_by`, and /props for llama.cpp):
@@ -232,12 +233,13 @@ class RemoteEngine:
                 delay *= 2
             try:
                 resp = await session.post(self.base + path, json=body, headers=self._headers())
+            except asyncio.TimeoutError as e:  # first: aiohttp's time-outs are ClientConnectionErrors too
+                # not retried: a server that took the request and stays silent would cost another read timeout
+                raise self._went_down(f"the completion server at {self.base} did not answer in time "
+                                      f"({_why(e)})") from None
             except aiohttp.ClientConnectionError as e:  # refused, reset, or a kept-alive connection gone stale
                 last = _why(e)
                 continue
-            except asyncio.TimeoutError:
-                raise self._went_down(f"the completion server at {self.base} did not answer within "
-                                      f"{self.settings.read_timeout:g} s") from None
             if resp.status == 200:
                 return resp
             try:
@@ -426,7 +428,7 @@ def _error_detail(body) -> str:
 
 
 def _why(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "no data within the read timeout"
+    if isinstance(e, asyncio.TimeoutError):  # aiohttp's say which: "Connection timeout to host ..." or a read
+        return str(e) or "no data within the read timeout"
     return str(e) or type(e).__name__
 

@@ -60,9 +60,10 @@ class Server:
         self.tpot = Histogram("lingls_tpot_seconds", "Mean time per output token after the first, per request.")
         self.load_error: str | None = None
         self.loaded = False
+        self._settled = asyncio.Event()  # set when loading has ended, well or not
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[_json_errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -72,13 +73,15 @@ class Server:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return _error(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error")
+            given = request.headers.get("Authorization", "")  # undecodable bytes arrive as surrogates
+            if not given.isascii() or not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return _error(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
+                              code="invalid_api_key")
         return await handler(request)
 
     async def load(self) -> None:
-        """Load the model in the background, logging progress, so /health answers meanwhile."""
+        """Load the model in the background, logging progress, so /health answers meanwhile. A failure is
+        logged as one line and kept in `load_error` (`lingls serve` then exits with status 1)."""
         t0 = time.perf_counter()
         task = asyncio.ensure_future(self.engine.start())
         last = None
@@ -92,7 +95,11 @@ class Server:
             task.result()
         except EngineError as e:
             self.load_error = str(e)
-            log.error("%s", e)
+        except Exception as e:  # anything else the engine let through: still one line, as the LSP reports it
+            self.load_error = f"could not start the engine for {self.model_name}: {type(e).__name__}: {e}"
+        self._settled.set()
+        if self.load_error is not None:
+            log.error("%s", self.load_error)
             return
         self.loaded = True
         log.info("model %s %s", self.model_name, self.engine.load_progress)
@@ -156,16 +163,22 @@ class Server:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Every client error is found here, before any response starts: 400 (or 415) with an OpenAI-style
+        error body, in streaming mode too. 503 is left for the server's own failures."""
+        if request.content_type not in ("application/json", "application/octet-stream"):  # the latter: no header
+            return _error(415, f"Content-Type {request.content_type} is not supported: send application/json")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body must be a JSON object")
+            body = _json_body(await request.read())
+        except RequestError as e:
+            return _error(400, str(e), param=e.param)
+        if not await self._wait_loaded():
+            return _error(503, f"the model is not loaded: {self.load_error}", "server_error")
         try:
-            gen, prompt_ids, stream = self._parse(body)
-        except ValueError as e:
-            return _error(400, str(e))
-        except EngineError as e:
-            return _error(400, str(e))
+            gen, prompt_ids, stream, include_usage = self._parse(body)
+        except RequestError as e:
+            return _error(400, str(e), param=e.param)
+        except EngineError as e:  # the tokenizer cannot template the prompt (a model without FIM tokens)
+            return _error(400, str(e), param="suffix")
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text: str, finish: str | None, usage: dict | None = None) -> dict:
@@ -176,43 +189,62 @@ class Server:
             return out
 
         chunks = self.engine.stream(gen, prompt_ids)
+        try:
+            first = await anext(chunks)  # a failure before the first token still gets its status code
+        except EngineError as e:
+            await chunks.aclose()
+            return _error(503, str(e), "server_error")
         if not stream:
-            texts, last = [], None
+            texts, last = [first.text], first
             try:
-                async for c in chunks:
-                    texts.append(c.text)
-                    last = c
+                if not first.finish:
+                    async for c in chunks:
+                        texts.append(c.text)
+                        last = c
             except EngineError as e:
                 return _error(503, str(e), "server_error")
+            finally:
+                await chunks.aclose()
             self._observe(last)
             return web.json_response(chunk("".join(texts), last.finish, _usage(last)))
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         try:
-            async for c in chunks:
+            await response.prepare(request)
+            c = first
+            while True:
                 if c.finish:
                     self._observe(c)
                     await _send(response, chunk(c.text, c.finish, _usage(c) if include_usage else None))
-                elif c.text:
+                    break
+                if c.text:
                     await _send(response, chunk(c.text, None))
+                c = await anext(chunks)
             await response.write(b"data: [DONE]\n\n")
-        except EngineError as e:
-            await _send(response, {"error": {"message": str(e), "type": "server_error"}})
-        except (ConnectionResetError, ConnectionError):
+        except EngineError as e:  # the server failed mid-stream: the status is sent, the event says so
+            await _send(response, {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except ConnectionError:
             log.info("client went away: generation stopped")
         finally:
             await chunks.aclose()  # stops the generation if the client left mid-stream
         return response
 
-    def _parse(self, body) -> tuple[GenerateRequest, list[int] | None, bool]:
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        if body.get("echo") or body.get("logprobs") not in (None, False, 0) or body.get("best_of") not in (None, 1):
-            raise ValueError("echo, logprobs and best_of are not supported")
-        if body.get("n", 1) != 1:
-            raise ValueError("n: only 1 completion per request is supported (batch 1)")
+    async def _wait_loaded(self) -> bool:
+        """Requests that come while the model loads wait for it (as they did in the engine); False if it failed."""
+        await self._settled.wait()
+        return self.load_error is None
+
+    def _parse(self, body: dict) -> tuple[GenerateRequest, list[int] | None, bool, bool]:
+        """(request, prompt token ids or None, stream, include_usage), or a RequestError naming the field."""
+        unknown = sorted(set(body) - _FIELDS)
+        if unknown:
+            raise RequestError(f"unrecognized request argument: {unknown[0]}", unknown[0])
+        for key in ("model", "user"):
+            _optional_text(body, key)
+        for key, neutral in _UNSUPPORTED.items():
+            value = body.get(key)
+            if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
+                raise RequestError(f"{key}: {json.dumps(value)[:40]} is not supported (only {json.dumps(neutral)})", key)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -220,31 +252,47 @@ class Server:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.engine.tokenizer.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
+                raise RequestError(f"prompt: token ids must lie in [0, {vocab})", "prompt")
             prompt_ids, prompt = list(prompt), ""
         elif not isinstance(prompt, str):
-            raise ValueError("prompt: must be a string, a list of one string, or a list of token ids")
-        suffix = body.get("suffix")
+            raise RequestError("prompt: must be a string, a list of one string, or a list of token ids", "prompt")
+        _check_unicode(prompt, "prompt")
+        suffix = _optional_text(body, "suffix")
         if suffix is not None:
-            if not isinstance(suffix, str) or prompt_ids is not None:
-                raise ValueError("suffix: must be a string, with a string prompt")
+            if prompt_ids is not None:
+                raise RequestError("suffix: needs a string prompt", "suffix")
             prompt = self.engine.tokenizer.fim_prompt(prompt, suffix)
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError("stop: must be a string or a list of strings")
-        max_tokens = _number(body, "max_tokens", 16, int, 0)
-        temperature = _number(body, "temperature", 1.0, float, 0.0)
-        top_p = _number(body, "top_p", 1.0, float, 0.0)
-        if top_p > 1.0:
-            raise ValueError("top_p: must be in [0, 1]")
+        elif prompt_ids is None and not prompt:
+            raise RequestError("prompt: empty: nothing to complete", "prompt")
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError("stop: must be a string or a list of strings", "stop")
+        if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+        for s in stop:
+            _check_unicode(s, "stop")
+        capacity = self.engine.runner.capacity
+        max_tokens = _number(body, "max_tokens", 16, int, 0, capacity - 2,
+                             f"the context of {capacity} tokens holds the completion and at least one prompt token")
+        temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, float, 0.0, 1.0)
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ValueError("seed: must be an integer")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
+            raise RequestError("seed: must be a 64-bit integer", "seed")
+        stream = _optional_flag(body, "stream")
+        options = body.get("stream_options")
+        include_usage = False
+        if options is not None:
+            if not stream:
+                raise RequestError("stream_options: only allowed with stream: true", "stream_options")
+            if not isinstance(options, dict) or set(options) - {"include_usage"}:
+                raise RequestError('stream_options: must be an object with at most "include_usage"', "stream_options")
+            include_usage = _optional_flag(options, "include_usage", "stream_options")
         # token healing changes which tokens come out, so the OpenAI API's clients get it only when they ask
         req = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              stop=tuple(stop), seed=seed, heal=body.get("token_healing") is True)
-        return req, prompt_ids, bool(body.get("stream", False))
+                              stop=tuple(stop), seed=seed, heal=_optional_flag(body, "token_healing"))
+        return req, prompt_ids, stream, include_usage
 
     def _observe(self, last) -> None:
         if last is None or last.usage is None:
@@ -255,15 +303,88 @@ class Server:
             self.tpot.observe(last.usage["tpot_s"])
 
 
-def _number(body: dict, key: str, default, kind, low):
-    value = body.get(key, default)
+# the fields of a completion request (OpenAI's, and token_healing); others are refused as OpenAI does
+_FIELDS = {"prompt", "suffix", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
+           "token_healing", "model", "user", "n", "best_of", "echo", "logprobs", "presence_penalty",
+           "frequency_penalty", "logit_bias"}
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
+                "logit_bias": {}}  # accepted only with their neutral value
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 1024  # far beyond any useful stop string; keeps a request's matching cost small
+
+
+class RequestError(ValueError):
+    """A client error in a completion request; `param` names the field (None: the body as a whole)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _json_body(raw: bytes) -> dict:
+    """The request body as a JSON object: UTF-8, standard JSON (no NaN or Infinity), not nested absurdly."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise RequestError("the body is not UTF-8 text") from None
+    except RecursionError:
+        raise RequestError("the body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of more digits than Python converts
+        raise RequestError(f"the body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON can escape a lone surrogate (\\ud800), which is not a character: no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param}: not valid Unicode (a lone surrogate at index {e.start})", param) from None
+
+
+def _optional_text(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None:
+        if not isinstance(value, str):
+            raise RequestError(f"{key}: must be a string", key)
+        _check_unicode(value, key)
+    return value
+
+
+def _optional_flag(body: dict, key: str, param: str | None = None) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{key}: must be true or false", param or key)
+    return bool(value)
+
+
+def _number(body: dict, key: str, default, kind, low, high, why: str = ""):
+    value = body.get(key)
     if value is None:
-        value = default
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ValueError(f"{key}: must be a {'integer' if kind is int else 'number'}")
-    if value < low:
-        raise ValueError(f"{key}: must be >= {low}")
+        raise RequestError(f"{key}: must be {'an integer' if kind is int else 'a number'}", key)
+    if not low <= value <= high:  # also refuses a float too large for JSON's double, which parses as infinity
+        raise RequestError(f"{key}: must be in [{low}, {high}]" + (f" ({why})" if why else ""), key)
     return kind(value)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own refusals (404, 405, 413 for a body over 1 MiB, ...) with an OpenAI-style JSON body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason if e.status != 413 else f"the body is too large ({e.text})",
+                      "invalid_request_error" if e.status < 500 else "server_error")
 
 
 def _usage(last) -> dict:
@@ -277,8 +398,11 @@ async def _send(response: web.StreamResponse, payload: dict) -> None:
     await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> web.Response:
+    """An OpenAI-style error response."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status)
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
@@ -294,7 +418,8 @@ async def serve(server: Server, host: str, port: int) -> None:
     log.info("listening on http://%s:%d (model %s)", host, bound, server.model_name)
     try:
         await server.load()
-        await asyncio.Event().wait()
+        if server.load_error is None:
+            await asyncio.Event().wait()
     finally:
         await app_runner.cleanup()
 
@@ -324,4 +449,4 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"lingls serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if server.load_error is not None else 0

@@ -86,3 +86,49 @@ def test_layer_types_from_group_size():
     cfg = LingConfig.from_dict(raw)
     assert cfg.layer_types == ["kda", "kda", "mla", "kda", "kda", "mla"]
     assert cfg.mlp_types == ["dense", "dense", "moe", "moe", "moe", "moe"]
+
+
+def nano_config() -> LingConfig:
+    from lingls.runtime.local import EMBEDDED
+
+    return LingConfig.from_json(EMBEDDED / "config.json")
+
+
+@pytest.mark.parametrize("make", [flash_config, tiny_config, nano_config, lambda: small_config(q_lora_rank=12,
+                                  num_nextn_predict_layers=2, num_shared_experts=0)])
+def test_parameter_count_is_what_the_model_builds(make):
+    cfg = make()
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg)
+    assert cfg.parameter_count() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers"),
+    ({"num_hidden_layers": 10**15}, "num_hidden_layers"),
+    ({"num_hidden_layers": "4"}, "num_hidden_layers"),
+    ({"num_experts": 10**8, "n_group": 2}, "num_experts"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings"),
+    ({"vocab_size": 2**40}, "vocab_size"),
+    ({"hidden_size": 10**9}, "hidden_size"),
+    ({"moe_intermediate_size": 10**9}, "moe_intermediate_size"),
+    ({"num_nextn_predict_layers": 1000}, "num_nextn_predict_layers"),
+    ({"num_shared_experts": -1}, "num_shared_experts"),
+    ({"rope_theta": float("nan")}, "rope_theta"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"kda_lower_bound": float("-inf")}, "kda_lower_bound"),
+])
+def test_absurd_sizes_are_refused_naming_the_key(change, key):
+    raw = json.loads(json.dumps(small_config().to_dict()))
+    raw.update(change)
+    if "num_hidden_layers" in change:
+        raw.pop("layer_types"), raw.pop("mlp_layer_types")
+        raw["layer_group_size"] = 2
+    with pytest.raises(ConfigError, match=key):
+        LingConfig.from_dict(raw)
+
+
+def test_every_real_config_is_within_the_bounds():
+    for cfg in (flash_config(), tiny_config(), nano_config()):
+        assert LingConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

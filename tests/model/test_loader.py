@@ -175,3 +175,38 @@ def test_weightless_checkpoint_builds_the_same_random_shards_on_every_rank(tmp_p
             assert torch.equal(p, ranks[1][name]), name
     tok = Tokenizer(d)
     assert tok.vocab_size == cfg.vocab_size and tok.encode("t5 t95 t0") == [5, 95, 0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "header_length", "header_dtype"])
+def test_a_broken_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, model, damage):
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    data = {"truncated": data[: len(data) // 2], "empty": b"",
+            "header_length": (1 << 60).to_bytes(8, "little") + data[8:],
+            "header_dtype": data[:8] + data[8:8 + header].replace(b'"F32"', b'"XYZ"', 1) + data[8 + header:]}[damage]
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated, or not a safetensors file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("change, key", [({"num_hidden_layers": 200, "layer_group_size": 2}, "num_hidden_layers: 200"),
+                                         ({"num_experts": 4096, "n_group": 8}, "num_experts: 4096")])
+def test_a_config_larger_than_its_checkpoint_is_refused_before_any_model_is_built(tmp_path, model, monkeypatch,
+                                                                                   change, key):
+    import lingls.model.loader as loader
+
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    if "num_hidden_layers" in change:
+        raw.pop("layer_types"), raw.pop("mlp_layer_types")
+    raw.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built for a config its checkpoint does not hold")
+
+    monkeypatch.setattr(loader, "LingForCausalLM", no_model)
+    with pytest.raises(CheckpointError, match=f"{key}.*does config.json belong to this checkpoint"):
+        load_model(tmp_path)

@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -164,3 +165,92 @@ def test_serve_fails_clearly_on_a_missing_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lingls.cli", "serve", "--model", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_serve_fails_with_one_line_on_a_truncated_checkpoint(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    r = subprocess.run([sys.executable, "-m", "lingls.cli", "serve", "--model", str(broken), "--device", "cpu",
+                        "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "model.safetensors" in line]
+    assert len(errors) == 1 and "truncated, or not a safetensors file" in errors[0], r.stderr
+
+
+CLIENT_ERRORS = [  # (body, param): each a 400 naming the field, before any response starts
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [""]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "max_tokens": 4095}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1e12}, "max_tokens"),
+    ({"prompt": "x", "temperature": 1e308}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": -0.5}, "top_p"),
+    ({"prompt": "x", "seed": 10**30}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": "s" * 900_000}, "stop"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "suffix": 3}, "suffix"),
+    ({"prompt": "\ud800 = 1"}, "prompt"),
+    ({"prompt": "x", "token_healing": "on"}, "token_healing"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_errors_are_400_with_an_openai_error_body(server, stream):
+    url, log = server
+    for body, param in CLIENT_ERRORS:
+        if stream and param not in ("stream", "stream_options"):
+            body = dict(body, stream=True)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=body, headers=AUTH) as r:
+                assert r.status == 400 and r.content_type == "application/json", (body, r.status, await r.text())
+                out = await r.json()
+        assert out["error"]["type"] == "invalid_request_error" and out["error"]["message"], out
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+        assert out["error"]["param"] == param, (body, out)
+    status, out = await post(url, {"prompt": "x = ", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] <= 2
+    assert "Traceback" not in log.read_text()
+
+
+async def test_bodies_that_are_not_json_objects_are_400(server):
+    url, log = server
+    async with aiohttp.ClientSession() as s:
+        for data in [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}', b"[1, 2]",
+                     b'{"prompt": "x"', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}"]:
+            async with s.post(url + "/v1/completions", data=data, headers=dict(AUTH, **{"Content-Type": "application/json"})) as r:
+                assert r.status == 400, (data[:40], await r.text())
+                assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with s.post(url + "/v1/completions", data=b'{"prompt": "x"}', headers=dict(AUTH, **{"Content-Type": "text/plain"})) as r:
+            assert r.status == 415 and "application/json" in (await r.json())["error"]["message"]
+        async with s.post(url + "/v1/completions", data=b"x" * (2 << 20), headers=AUTH) as r:
+            assert r.status == 413 and (await r.json())["error"]["type"] == "invalid_request_error"
+    assert "Traceback" not in log.read_text()
+
+
+async def test_a_non_ascii_authorization_header_is_401(server):
+    url, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = b'{"prompt": "x"}'
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\xff\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    reply = await reader.read()
+    writer.close()
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_api_key"
+
+
+async def test_token_healing_of_a_one_token_prompt(server):
+    url, _ = server
+    status, out = await post(url, {"prompt": "x", "max_tokens": 2, "token_healing": True, "temperature": 0})
+    assert status == 200, out
