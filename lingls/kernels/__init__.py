@@ -1,4 +1,20 @@
-"""Fused Triton kernels for batch-1 decode and verify steps, each with its plain-torch reference."""
+"""Fused Triton kernels for batch-1 decode and verify steps, each with its plain-torch reference.
+
+Triton is optional (torch's CPU wheels come without it): every kernel module imports `triton`, `tl` and `jit`
+from here, so each imports and serves its reference wherever Triton is absent.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references serve
+    triton = tl = None
+
+
+def jit(fn):
+    """`triton.jit`, or `fn` itself where Triton is absent: the kernels are then never launched (every dispatcher
+    takes its reference off CUDA or without Triton), but the modules that define them still import."""
+    return fn if triton is None else triton.jit(fn)
 
 
 def by_tokens(configs: dict, t: int):

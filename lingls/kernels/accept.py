@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves
-    triton = None
+from lingls.kernels import jit, tl, triton
 
 
 def settle_round_reference(choice, drafts, next_ids, pos, result=None, n=None, force=None):
@@ -47,7 +43,7 @@ def settle_round_reference(choice, drafts, next_ids, pos, result=None, n=None, f
 
 if triton is not None:
 
-    @triton.jit
+    @jit
     def _settle_kernel(choice_ptr, drafts_ptr, n_ptr, force_ptr, next_a_ptr, next_b_ptr, pos_ptr, result_ptr, K,
                        K1_PAD: tl.constexpr, GIVEN_N: tl.constexpr, FORCED: tl.constexpr, TWO_NEXT: tl.constexpr,
                        HAS_RESULT: tl.constexpr):

@@ -31,13 +31,14 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
+
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
@@ -45,7 +46,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
 
 
-@triton.jit
+@jit
 def _mma(acc, a, b, F32_DOT: tl.constexpr):
     """acc += a @ b with fp32 accumulation (see the module note on the interpreter). fp32 operands (models run
     in fp32, as the tests' small ones) are multiplied in full fp32 precision, not rounded to TF32."""
@@ -56,7 +57,7 @@ def _mma(acc, a, b, F32_DOT: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@jit
 def _swiglu(gate, up, limit):
     """silu(gate) * up, clamped as min(silu(gate), L) * clamp(up, -L, L) when limit > 0 (fp32 in, fp32 out)."""
     act = gate * tl.sigmoid(gate)
@@ -66,7 +67,7 @@ def _swiglu(gate, up, limit):
     return act * up
 
 
-@triton.jit
+@jit
 def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
     """A [rows, K tile] of W (and of its up half with SWIGLU; otherwise the same tile twice, unused)."""
     wmask = (rn[:, None] < N) & (kk[None, :] < K)
@@ -77,7 +78,7 @@ def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
     return wt, wu
 
 
-@triton.jit
+@jit
 def _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
                 SWIGLU: tl.constexpr):
     """All K_ITERS tiles of W's rows rn from column k_lo (each a `_load_w` pair), requested at once. No tile
@@ -89,7 +90,7 @@ def _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K: tl.constexpr, K_ITERS:
     return tiles
 
 
-@triton.jit
+@jit
 def _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
               SWIGLU: tl.constexpr):
     """One token through `_load_tiles`' tiles on the FMA units: [16, ROWS] fp32 sums (every row the same) for W's
@@ -109,7 +110,7 @@ def _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constex
             tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :])
 
 
-@triton.jit
+@jit
 def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
     """One K tile of the T tokens on the tensor cores, into [16, rows] sums."""
     xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
@@ -119,7 +120,7 @@ def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.c
     return acc, acc_up
 
 
-@triton.jit
+@jit
 def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr,
               BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
     """x[:T] @ W[rn]^T over the K_ITERS tiles from column k_lo on the tensor cores, (wt, wu) being the first
@@ -137,7 +138,7 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
     return acc, acc_up
 
 
-@triton.jit
+@jit
 def _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                      K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
                      F32_DOT: tl.constexpr):
@@ -157,7 +158,7 @@ def _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: 
     return acc, acc_up
 
 
-@triton.jit
+@jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -174,7 +175,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
             BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
 
 
-@triton.jit
+@jit
 def _gemv_tma_kernel(x_desc, w_desc, out_ptr, res_ptr, part_ptr, cnt_ptr,
                      T, N, K_PER, stride_o, stride_r, limit,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -203,7 +204,7 @@ def _gemv_tma_kernel(x_desc, w_desc, out_ptr, res_ptr, part_ptr, cnt_ptr,
             stride_r, limit, BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
 
 
-@triton.jit
+@jit
 def _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o, stride_r, limit,
             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr):
     """A program's [16, BLOCK_N] sums to y: directly, or with split-K through the row block's partials."""
@@ -232,7 +233,7 @@ def _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, 
         _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride_r, limit, SWIGLU, HAS_RES)
 
 
-@triton.jit
+@jit
 def _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride_r, limit,
                    SWIGLU: tl.constexpr, HAS_RES: tl.constexpr):
     mask = (rt[:, None] < T) & (rn[None, :] < N)

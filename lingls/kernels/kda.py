@@ -50,18 +50,10 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_width_and_tokens
+from lingls.kernels import by_width_and_tokens, jit, tl, triton
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
-    triton = tl = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 MAX_TOKENS = 64  # one step's tokens; the model switches to the chunked form at 64
 CONV_KERNEL = 4  # Ling's short_conv_kernel_size; the kernel keeps the last 3 inputs in registers
@@ -71,14 +63,14 @@ CONV_KERNEL = 4  # Ling's short_conv_kernel_size; the kernel keeps the last 3 in
 # KDA step
 
 
-@_jit
+@jit
 def _sigmoid(x):
     """1 / (1 + exp(-x)) with the approximate division (div.full, 2 ulp): the IEEE one Triton's tl.sigmoid emits
     costs a range check and a slow path per element, and the token loop is a chain of such instructions."""
     return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
 
 
-@_jit
+@jit
 def _conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
     """One causal-conv output (taps w0..w3 over inputs x0, x1, x2, x oldest first) then SiLU, fp32."""
     y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x
@@ -89,7 +81,7 @@ STAGE_ROWS = 4  # per position and head: normalised key, log decay, value, beta 
 _ROWS = tl.constexpr(STAGE_ROWS) if tl is not None else STAGE_ROWS  # the same, as the kernels read it
 
 
-@_jit
+@jit
 def _stage_inputs(st, dk, dv, kt, gate, vt, beta, j, D: tl.constexpr):
     """One position's recurrence inputs for head h at st ([STAGE_ROWS, D]): the head's first program writes the
     key, the log decay and beta, every program its value columns."""
@@ -100,7 +92,7 @@ def _stage_inputs(st, dk, dv, kt, gate, vt, beta, j, D: tl.constexpr):
     tl.store(st + 3 * D + dk, tl.zeros_like(kt) + beta, mask=first)
 
 
-@_jit
+@jit
 def _delta_rule(S, kt, decay, vt, beta):
     """One position's state update, the step kernel's and the commit's replay: S' = P + k (beta (v - P^T k))^T
     with P = diag(decay) S. Returns (P, the error beta (v - P^T k), S')."""
@@ -109,7 +101,7 @@ def _delta_rule(S, kt, decay, vt, beta):
     return P, err, P + kt[:, None] * err[None, :]
 
 
-@_jit
+@jit
 def _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, t, ck, cv, h, live):
     """Token t's rows of q, k, f (the head's D channels), v (the program's columns) and its beta logit, as
     stored (nothing is read when not live)."""
@@ -118,7 +110,7 @@ def _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, t, ck, cv
             tl.load(b_ptr + t * sb + h, mask=live, other=0.0))
 
 
-@_jit
+@jit
 def _kda_step_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, z_ptr, sq, sk, sv, sf, sb, sz,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr,
@@ -383,7 +375,7 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
 # Commit a staged position
 
 
-@_jit
+@jit
 def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, H: tl.constexpr, D: tl.constexpr,
                    BV: tl.constexpr, T_STAGE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (layer, p): for p < H * D/BV, replays positions 0..index of head p // (D/BV) on its BV value

@@ -9,13 +9,14 @@ greedy token choice.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from lingls.kernels import jit, tl
 
-_NO_KEY = tl.constexpr(-(2 ** 63) + 1)  # below every key, -inf's included
+_NO_KEY = -(2 ** 63) + 1  # below every key, -inf's included
+if tl is not None:
+    _NO_KEY = tl.constexpr(_NO_KEY)  # as the kernels read it
 
 
-@triton.jit
+@jit
 def _key(value, index, N_PAD: tl.constexpr):
     """The key of fp32 `value` at `index` (0 <= index < N_PAD, N_PAD a power of two <= 2**31)."""
     bits = value.to(tl.int32, bitcast=True)
@@ -23,12 +24,12 @@ def _key(value, index, N_PAD: tl.constexpr):
     return (ordered.to(tl.int64) << 32) | (N_PAD - 1 - index).to(tl.int64)
 
 
-@triton.jit
+@jit
 def _key_value(key):
     ordered = (key >> 32).to(tl.int32)
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def _key_index(key, N_PAD: tl.constexpr):
     return N_PAD - 1 - (key & (N_PAD - 1)).to(tl.int32)

@@ -25,15 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_width_and_tokens
+from lingls.kernels import by_width_and_tokens, jit, tl, triton
 from lingls.kernels import reference as ref
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves
-    triton = None
-
 
 QUERY_BLOCK = 512  # queries per pass of the reference: a 2048-token prefill chunk at a 32k context and 16 heads
                   # (TP=2) would hold 4.3 GB of fp32 scores at once, several times over; 512 holds ~1 GB
@@ -84,7 +77,7 @@ if triton is not None:
     from lingls.kernels.pdl import mode as pdl_mode
     from lingls.kernels.pdl import wait_previous
 
-    @triton.jit
+    @jit
     def _rotate(ptr, i, m, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, cos, sin):
         """Load one rope vector at ptr (pairs (2i, 2i+1) or halves (i, i + HALF)) and rotate it in fp32."""
         if INTERLEAVE:
@@ -95,7 +88,7 @@ if triton is not None:
             x2 = tl.load(ptr + i + HALF, mask=m, other=0.0).to(tl.float32)
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
-    @triton.jit
+    @jit
     def _mla_prologue_kernel(q_ptr, kv_ptr, w_ptr, freq_ptr, pos_ptr, cache_ptr, qr_ptr, wk_ptr, ql_ptr,
                              T, sq, skv, sc, swk_h, swk_n, eps,
                              H: tl.constexpr, H_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
@@ -148,7 +141,7 @@ if triton is not None:
             tl.store(out, a.to(qr_ptr.dtype.element_ty), mask=hm)
             tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
 
-    @triton.jit
+    @jit
     def _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R: tl.constexpr, P: tl.constexpr,
                       BN: tl.constexpr, F32_DOT: tl.constexpr):
         """The online softmax over cache rows [b*BN, (b+1)*BN): the tile's running max m, sum l and output acc."""
@@ -167,7 +160,7 @@ if triton is not None:
         acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
         return m_new, l, acc
 
-    @triton.jit
+    @jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, row_ptr, part_acc, part_ml, scale, T, H: tl.constexpr,
                           G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                           NUM_SPLITS: tl.constexpr, HAS_ROW: tl.constexpr, USE_PDL: tl.constexpr,
@@ -213,7 +206,7 @@ if triton is not None:
         tl.store(part_ml + base * 2, m, mask=ok)
         tl.store(part_ml + base * 2 + 1, l, mask=ok)
 
-    @triton.jit
+    @jit
     def _mla_merge_kernel(part_acc, part_ml, out, wv_ptr, g_ptr, row_ptr, part_o, cnt_ptr, T, swv_h, swv_v, sg,
                           H: tl.constexpr, R: tl.constexpr, RBLK: tl.constexpr, V: tl.constexpr,
                           V_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, ABSORB: tl.constexpr,

@@ -48,10 +48,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
-from lingls.kernels import by_width_and_tokens
+from lingls.kernels import by_width_and_tokens, jit, tl, triton
 from lingls.kernels import reference as ref
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _fma_rows, _load_tiles, _load_w, _mma,
@@ -80,7 +78,7 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
                       down.contiguous(), shared_gate_up, shared_down)
 
 
-@triton.jit
+@jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, FMA: tl.constexpr,
                    USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
@@ -96,7 +94,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
-@triton.jit
+@jit
 def _route_token_kernel(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, experts_ptr, wt_ptr, E, scale,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr,
                         G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
@@ -112,7 +110,7 @@ def _route_token_kernel(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, experts_ptr,
     _token_slots(mine, experts_ptr, t, E, TOP_K, E_PAD, HAS_SHARED)
 
 
-@triton.jit
+@jit
 def _logits(part_ptr, t, e, mask, E, SPLIT: tl.constexpr):
     """Token t's router logits at experts e: the H ranges' partials summed in a fixed order."""
     logits = tl.zeros(e.shape, tl.float32)
@@ -121,7 +119,7 @@ def _logits(part_ptr, t, e, mask, E, SPLIT: tl.constexpr):
     return logits
 
 
-@triton.jit
+@jit
 def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr,
                E_PAD: tl.constexpr):
     """The expert bias in the two layouts `_route_token` reads it: [group, expert in group] and flat [E]."""
@@ -133,7 +131,7 @@ def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.conste
             tl.load(bias_ptr + re, mask=re < E, other=0.0))
 
 
-@triton.jit
+@jit
 def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
                  SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -199,7 +197,7 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     return chosen
 
 
-@triton.jit
+@jit
 def _pick_keys(left, ids, kc, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
     """The TOP_K largest packed keys of `left`, one max each: (chosen [E_PAD], their ids in selection order)."""
     chosen = left != left  # all false
@@ -212,7 +210,7 @@ def _pick_keys(left, ids, kc, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
     return chosen, ids
 
 
-@triton.jit
+@jit
 def _token_slots(chosen, experts_ptr, t, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Token t's row of slots: the TOP_K experts it chose (chosen [E_PAD], 0 or 1; `_route_token` always
     chooses exactly TOP_K) in ascending id order, at slots HAS_SHARED + t * TOP_K + j; the shared expert
@@ -226,7 +224,7 @@ def _token_slots(chosen, experts_ptr, t, E, TOP_K: tl.constexpr, E_PAD: tl.const
             tl.store(experts_ptr, E)
 
 
-@triton.jit
+@jit
 def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
     """Slot d's expert e, or -1 where a lower token's row of slots (SLOT0 is the first row's first slot) holds
     e too: each distinct expert is streamed once, by the lowest token that chose it. The rows below are read
@@ -237,7 +235,7 @@ def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, 
     return tl.where(tl.max((below == e).to(tl.int32), axis=0) > 0, -1, e)
 
 
-@triton.jit
+@jit
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, I, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
@@ -319,7 +317,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
             tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
+@jit
 def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr):
     act = _swiglu(acc_g, acc_u, limit)
     w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
@@ -329,7 +327,7 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
              mask=(rt[:, None] < T) & (ri[None, :] < inter))
 
 
-@triton.jit
+@jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, I, I_S, D_MAX,
                  D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -408,7 +406,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
         _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES)
 
 
-@triton.jit
+@jit
 def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
     """Expert e's (-1: none) down rows rh at columns ri [BLOCK_H, BLOCK_I] and the tokens' weights for it [16]
     (the shared expert weighs 1), and its width."""
@@ -422,7 +420,7 @@ def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
     return wt, tl.where(live & shared & (rt < T), 1.0, w), inter
 
 
-@triton.jit
+@jit
 def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: tl.constexpr, FMA: tl.constexpr,
                      F32_DOT: tl.constexpr):
     """Slot d's share of the weighted sum: its tokens' activations through the rows wt, times their weights w."""
@@ -437,7 +435,7 @@ def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: t
     return acc, acc2
 
 
-@triton.jit
+@jit
 def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr):
     if HAS_RES:
         acc += tl.load(res_ptr + rt[:, None] * H + rh[None, :], mask=mask, other=0.0).to(tl.float32)

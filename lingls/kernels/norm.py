@@ -20,23 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch wheels ship without Triton: the references serve there
-    triton = tl = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
-
-
 NUM_WARPS = 8  # one row of 2560 per program; the fused all-reduce kernel uses the same, for the same sum order
 
 
-@_jit
+@jit
 def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.constexpr):
     """One row's arithmetic: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h)).
     Shared with the peer all-reduce's fused kernel, which must produce the same bits."""
@@ -48,7 +40,7 @@ def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.co
     tl.store(out_ptr + offs, _rms_norm_row(h, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@_jit
+@jit
 def _rms_norm_row(h, w, N, eps):
     """w * h / rms(h) in fp32 (w fp32; h's lanes past N are 0), the normed row rounded to h's dtype before the
     weight multiply, as the reference rounds it."""
@@ -57,7 +49,7 @@ def _rms_norm_row(h, w, N, eps):
     return w * (hf * rms).to(h.dtype).to(tl.float32)
 
 
-@_jit
+@jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
                          BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per row (`_add_rms_norm_row`)."""
@@ -89,14 +81,14 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
     return out, r
 
 
-@_jit
+@jit
 def _embedding_row(ids_ptr, table_ptr, row, offs, m, N):
     """The table's row for token ids[row] (lanes past N are 0)."""
     token = tl.load(ids_ptr + row).to(tl.int64)
     return tl.load(table_ptr + token * N + offs, mask=m, other=0.0)
 
 
-@_jit
+@jit
 def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, res_ptr, out_ptr, N, eps, BLOCK: tl.constexpr,
                            USE_PDL: tl.constexpr):
     """One program per row: the embedding row table[ids[row]] to res[row] (the residual stream) and its norm to
@@ -111,7 +103,7 @@ def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, res_ptr, out_ptr, N, eps, 
     tl.store(out_ptr + row * N + offs, _rms_norm_row(x, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@_jit
+@jit
 def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr, sh, so, N, eps,
                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row, half): half 0 writes enorm(table[ids[row]]) to out[row, :N], half 1 hnorm(norm(h[row])) to

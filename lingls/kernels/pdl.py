@@ -33,11 +33,7 @@ for.
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references serve
-    triton = tl = None
+from lingls.kernels import jit, tl
 
 OFF, LATE, EARLY = 0, 1, 2
 # The launches that trigger EARLY (by kernel kind) and up to how many tokens: the policy measured best on the
@@ -56,14 +52,13 @@ def mode(pdl: bool, kind: str, tokens: int) -> int:
     return EARLY if early else LATE
 
 
-if triton is not None:
-    @triton.jit
-    def wait_previous(USE_PDL: tl.constexpr):
-        """Wait for the previous kernel and let the next one launch, in the order `USE_PDL` says (2: EARLY,
-        1 or True: LATE, 0: no PDL)."""
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        elif USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+@jit
+def wait_previous(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel and let the next one launch, in the order `USE_PDL` says (2: EARLY,
+    1 or True: LATE, 0: no PDL)."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -25,9 +25,8 @@ hash keyed by global id makes the sampled token independent of the number of ran
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from lingls.kernels import jit, tl, triton
 from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, counters
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
 from lingls.kernels.reference import uniform_hash
@@ -35,7 +34,7 @@ from lingls.kernels.reference import uniform_hash
 ARGMAX_BLOCK = 4096  # logits per program of `argmax_rows` (39 programs per row for Ling's 157,184 tokens)
 
 
-@triton.jit
+@jit
 def _uniform(seed, pos, ids):
     """`uniform_hash` on int64 tensors (all constants int64, so the arithmetic wraps as torch's does)."""
     m32 = tl.full((), 0xFFFFFFFF, tl.int64)
@@ -50,7 +49,7 @@ def _uniform(seed, pos, ids):
     return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
-@triton.jit
+@jit
 def _lm_head_kernel(x_ptr, w_ptr, logits_ptr, pv_ptr, pi_ptr, cnt_ptr, val_ptr, idx_ptr,
                     pos_ptr, temp_ptr, seed_ptr, T, V, K, vocab_offset,
                     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, NB: tl.constexpr,
@@ -161,7 +160,7 @@ def choose(x, w, sample: bool = False, positions=None, temperature=None, seed=No
     return lm_head_choose_reference(x, w, sample, positions, temperature, seed, vocab_offset)
 
 
-@triton.jit
+@jit
 def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, ids_ptr, msg_ptr, V, stride, offset, T, rank,
                    NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr,
                    RANKS: tl.constexpr):
@@ -194,7 +193,7 @@ def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, ids_ptr, msg_ptr, V, strid
         tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-@triton.jit
+@jit
 def _pick_kernel(msg_ptr, out_ptr, T, RANKS: tl.constexpr):
     """Program row: the token of the best score among the ranks' slots of a summed exchange message (the first
     rank among equal scores)."""

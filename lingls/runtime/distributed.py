@@ -11,6 +11,10 @@ counts, in shared memory, how many tokens its consumer has taken; a follower tak
 decode loop and stops when rank 0 marks the request done (stop rules, cancellation and preemption are host
 decisions that only rank 0 makes). NVLink multicast is kept off (NCCL_NVLS_ENABLE=0 and friends).
 
+The followers live and die with rank 0: Ctrl+C (which the terminal sends to the whole process group) is rank 0's
+to answer, and stopping the engine stops them; a follower whose rank 0 is gone, however it went (SIGKILL
+included), exits at once, wherever it waits (`_live_and_die_with_rank0`).
+
 The all-reduces of the decode and verify steps (two per layer, one to sixteen tokens of hidden state) go through
 `peer_allreduce.PeerAllReduce` on GPUs: one Triton kernel that writes into the peers' memory, 3.7 us per call in
 a CUDA graph on 2 x H200 where NCCL takes ~20 us. `LINGLS_ALLREDUCE=nccl` turns it off; it also steps aside by
@@ -20,9 +24,14 @@ chunks).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import os
+import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 
@@ -108,8 +117,35 @@ def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dty
     return runner
 
 
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread: the processes it starts inherit the mask and so ignore a Ctrl+C that comes
+    before `_live_and_die_with_rank0` runs (while they import torch)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _live_and_die_with_rank0() -> None:
+    """In a follower: ignore SIGINT (rank 0 answers Ctrl+C and stops the followers), and exit as soon as rank 0's
+    process ends. multiprocessing hands every child a sentinel, the read end of a pipe whose write end only the
+    parent holds; the kernel closes that end when the parent ends, however it ends, so a thread waiting on it
+    wakes even while the main thread is stuck in a queue or a collective that will never complete."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank0 = multiprocessing.parent_process()
+
+    def watch() -> None:
+        rank0.join()
+        os._exit(0)  # nothing to hand back to a rank 0 that is gone
+
+    threading.Thread(target=watch, name="lingls-rank0-watch", daemon=True).start()
+
+
 def _follower(rank, size, port, model_dir, device, dtype, capacity, draft, commands, taken, done, ready) -> None:
-    """Ranks 1..N-1: replay rank 0's runner calls until told to stop (None)."""
+    """Ranks 1..N-1: replay rank 0's runner calls until told to stop (None) or until rank 0 is gone."""
+    _live_and_die_with_rank0()
     try:
         runner = _load_rank(rank, size, port, model_dir, device, dtype, capacity, draft)
         ready.put((rank, None))
@@ -201,34 +237,57 @@ class TensorParallelEngine(LocalEngine):
             taken, done, ready = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False), ctx.Queue()
             self._queues = [ctx.Queue() for _ in range(1, self.tp)]
             self.load_progress = f"starting {self.tp} ranks"
-            for rank in range(1, self.tp):
-                p = ctx.Process(target=_follower, daemon=True, args=(
-                    rank, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity, draft,
-                    self._queues[rank - 1], taken, done, ready))
-                p.start()
-                self._procs.append(p)
+            with _sigint_blocked():
+                for rank in range(1, self.tp):
+                    p = ctx.Process(target=_follower, daemon=True, args=(
+                        rank, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity, draft,
+                        self._queues[rank - 1], taken, done, ready))
+                    p.start()
+                    self._procs.append(p)
             t0 = time.perf_counter()
             self.load_progress = f"loading {self.tp} shards of {self.model_dir}"
             try:
                 runner = _load_rank(0, self.tp, port, str(self.model_dir), self.kind, self.dtype, self.capacity, draft)
             except Exception as e:
-                self._stop_followers()
+                self._stop_followers(grace=0.0)
                 raise EngineError(f"cannot load the model on {self.tp} ranks: {e}") from None
-            for _ in range(1, self.tp):
-                rank, error = ready.get()
-                if error:
-                    self._stop_followers()
-                    raise EngineError(f"rank {rank} failed to load: {error.strip().splitlines()[-1]}")
+            try:
+                self._await_followers(ready)
+            except EngineError:
+                self._stop_followers(grace=0.0)
+                raise
             self.runner = _Rank0Runner(runner, self._queues, taken, done)
             self.load_progress = f"ready on {self.tp} ranks ({time.perf_counter() - t0:.1f} s)"
 
-    def _stop_followers(self) -> None:
+    def _await_followers(self, ready) -> None:
+        """Every follower's word that it loaded; a follower that failed, or exited without a word (killed, out of
+        memory), is an EngineError rather than a wait forever."""
+        waiting = set(range(1, self.tp))
+        while waiting:
+            try:
+                rank, error = ready.get(timeout=0.5)
+            except queue.Empty:
+                gone = [(r, self._procs[r - 1].exitcode) for r in sorted(waiting) if not self._procs[r - 1].is_alive()]
+                if gone:
+                    raise EngineError(f"rank {gone[0][0]} exited (code {gone[0][1]}) while loading") from None
+                continue
+            if error:
+                raise EngineError(f"rank {rank} failed to load: {error.strip().splitlines()[-1]}")
+            waiting.discard(rank)
+
+    def _stop_followers(self, grace: float = 5.0) -> None:
+        """Tell the followers to stop, give them `grace` seconds to finish the step they are in, then end them."""
         for q in self._queues:
             q.put(None)
+        deadline = time.monotonic() + grace
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
         self._procs.clear()
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ On CPU the same code runs eagerly (no graphs, no events).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ class _Fence:
     def __init__(self, device: torch.device, slots: int, width: int):
         cuda = device.type == "cuda"
         self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=cuda)
-        self.view = self.host.numpy()  # read on the host without going through torch ops
+        # The same memory as a ctypes array (self.host keeps it alive), whose slice is a list of ints: a read costs
+        # no torch op (~9 us a read on a CPU, against ~0.5 us) and needs no NumPy (not a dependency of lingls).
+        self.view = (ctypes.c_int64 * self.host.numel()).from_address(self.host.data_ptr())
+        self.width = width
         self.events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
 
     def post(self, slot: int, values: torch.Tensor) -> None:
@@ -58,7 +62,7 @@ class _Fence:
         if self.events:
             while not self.events[slot].query():
                 time.sleep(0)
-        return [int(x) for x in self.view[slot, :n]]
+        return self.view[slot * self.width: slot * self.width + n]
 
 
 def fused_step(model: LingForCausalLM):

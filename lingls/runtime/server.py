@@ -18,8 +18,11 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -407,21 +410,48 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 # ---- the command ---------------------------------------------------------------------------------------------
 async def serve(server: Server, host: str, port: int) -> None:
+    """Listen, load the model, and answer until SIGTERM or SIGINT (Ctrl+C); then stop listening, end the running
+    generation and close the engine, and with it every process it started."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     app_runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await app_runner.setup()
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    site = web.SockSite(app_runner, sock)
-    await site.start()
-    bound = sock.getsockname()[1]
-    log.info("listening on http://%s:%d (model %s)", host, bound, server.model_name)
     try:
-        await server.load()
-        if server.load_error is None:
-            await asyncio.Event().wait()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        site = web.SockSite(app_runner, sock)
+        await site.start()
+        bound = sock.getsockname()[1]
+        log.info("listening on http://%s:%d (model %s)", host, bound, server.model_name)
+        loading = asyncio.ensure_future(server.load())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if server.load_error is None:  # loaded (or still loading): serve until a signal
+            await stopping
+            log.info("stopping")
+        loading.cancel()
+        stopping.cancel()
     finally:
         await app_runner.cleanup()
+        await server.engine.close()
+
+
+def _exit_when_idle(grace: float) -> None:
+    """Return once the threads that would hold the interpreter's exit (the engine's worker: a step ends within
+    milliseconds) have ended; if one is still busy after `grace` seconds (loading weights, or waiting on a rank
+    that is gone), end the process here rather than hang."""
+    deadline = time.monotonic() + grace
+    busy = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for t in busy:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in busy):
+        log.info("stopped (the engine's worker was still busy)")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -444,9 +474,10 @@ def main(args: argparse.Namespace) -> int:
     server = Server(engine, engine.name, args.api_key)
     try:
         asyncio.run(serve(server, args.host, args.port))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the loop's handler was in place
         pass
     except OSError as e:
         print(f"lingls serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
+    _exit_when_idle(grace=5.0)
     return 1 if server.load_error is not None else 0
