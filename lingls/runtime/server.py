@@ -27,6 +27,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from lingls.runtime.engine import EngineError, GenerateRequest
 
@@ -408,6 +409,21 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                              status=status)
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a malformed HTTP request (a control byte in a header, broken framing) with a 400 and
+    logs a traceback for it: a client's mistake, logged here as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
+            why = (exc.message or type(exc).__name__).strip().splitlines()[0].rstrip(":")
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "a client"
+            record.msg, record.args = f"refused a malformed HTTP request from {remote}: {why}", ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 async def serve(server: Server, host: str, port: int) -> None:
     """Listen, load the model, and answer until SIGTERM or SIGINT (Ctrl+C); then stop listening, end the running
@@ -416,6 +432,7 @@ async def serve(server: Server, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequests())
     app_runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await app_runner.setup()
     try:
