@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from lingls import __version__
 
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # torch warns on import where NumPy is absent (torch's CPU wheels do not bring it); lingls does not use it
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if args.command == "serve":
         from lingls.runtime.server import main as serve_main
 
