@@ -9,6 +9,10 @@ running: the older request stops within one decode step and ends with finish_rea
 only wants the completion for where the cursor is now). A client that disconnects, or a request whose
 handler is cancelled, stops its generation within one decode step too. With --api-key every endpoint but
 /health needs `Authorization: Bearer KEY`. The server binds 127.0.0.1 unless told otherwise.
+
+A completion request is validated whole before any response starts, so every client error is a 4xx with an
+OpenAI-style error body ({"error": {"message", "type", "param", "code"}}), in streaming mode too; a 503 means
+the server itself failed.
 """
 
 from __future__ import annotations

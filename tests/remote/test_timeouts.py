@@ -24,7 +24,7 @@ class SilentServer:
     def __init__(self):
         self.posts = 0
         self._server: asyncio.base_events.Server | None = None
-        self._open: set[asyncio.StreamWriter] = set()
+        self._open: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self.url = ""
 
     async def __aenter__(self) -> "SilentServer":
@@ -38,13 +38,15 @@ class SilentServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for w in self._open:
-                w.close()
+            handlers = list(self._open.values())
+            for w in list(self._open):
+                w.close()  # each handler sees its connection end and returns
+            await asyncio.gather(*handlers, return_exceptions=True)
             await self._server.wait_closed()
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open.add(writer)
+        self._open[writer] = asyncio.current_task()
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -54,14 +56,15 @@ class SilentServer:
                 await reader.readexactly(length)
                 if method == b"POST":
                     self.posts += 1
-                    await asyncio.Event().wait()  # accepted, never answered
+                    await reader.read()  # accepted, never answered: until the client gives up
+                    return
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(MODELS), MODELS))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            self._open.discard(writer)
+            self._open.pop(writer, None)
             writer.close()
 
 
