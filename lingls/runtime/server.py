@@ -173,7 +173,9 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Every client error is found here, before any response starts: 400 (or 415) with an OpenAI-style
         error body, in streaming mode too. 503 is left for the server's own failures."""
-        if request.content_type not in ("application/json", "application/octet-stream"):  # the latter: no header
+        # application/octet-stream is aiohttp's name for no header; x-www-form-urlencoded is what `curl -d` sends
+        if request.content_type not in ("application/json", "application/octet-stream",
+                                        "application/x-www-form-urlencoded"):
             return _error(415, f"Content-Type {request.content_type} is not supported: send application/json")
         try:
             body = _json_body(await request.read())

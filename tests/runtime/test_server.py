@@ -232,6 +232,9 @@ async def test_bodies_that_are_not_json_objects_are_400(server):
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
         async with s.post(url + "/v1/completions", data=b'{"prompt": "x"}', headers=dict(AUTH, **{"Content-Type": "text/plain"})) as r:
             assert r.status == 415 and "application/json" in (await r.json())["error"]["message"]
+        form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends: the body is still JSON
+        async with s.post(url + "/v1/completions", data=b'{"prompt": "x", "max_tokens": 1}', headers=dict(AUTH, **form)) as r:
+            assert r.status == 200, await r.text()
         async with s.post(url + "/v1/completions", data=b"x" * (2 << 20), headers=AUTH) as r:
             assert r.status == 413 and (await r.json())["error"]["type"] == "invalid_request_error"
     assert "Traceback" not in log.read_text()
