@@ -127,9 +127,14 @@ class _Protocol(LanguageServerProtocol):
             return False
         core = self._server.core
         if method == lsp.TEXT_DOCUMENT_DID_CHANGE:
-            version = doc.get("version")
-            if "id" in data or type(version) is not int or (changes := _changes(params.get("contentChanges"))) is None:
+            if "id" in data:
                 return False
+            version = doc.get("version")
+            if type(version) is not int or (changes := _changes(params.get("contentChanges"))) is None:
+                # pygls' converter would read it anyway (`"text": 5` as "5") and corrupt the document
+                self._server.report_server_error(ValueError(f"didChange of {uri} with malformed params: ignored"),
+                                                 JsonRpcException)
+                return True
             try:
                 core.change(uri, version, changes)
             except Exception as exc:
@@ -225,7 +230,7 @@ def _position(p: Any) -> tuple[int, int] | None:
 
 
 def _changes(raw: Any) -> list | None:
-    """didChange's contentChanges as (text, start, end) tuples, or None if they are not the usual shape."""
+    """didChange's contentChanges as (text, start, end) tuples, or None if they are malformed."""
     if type(raw) is not list:
         return None
     out = []
@@ -233,8 +238,6 @@ def _changes(raw: Any) -> list | None:
         if type(c) is not dict or type(c.get("text")) is not str:
             return None
         if "range" not in c:
-            if len(c) != 1:
-                return None
             out.append((c["text"], None, None))
             continue
         r = c["range"]

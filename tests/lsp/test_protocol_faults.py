@@ -180,3 +180,21 @@ def test_exit_code_with_stdin_from_a_file(tmp_path, shutdown):
         run = subprocess.run([sys.executable, "-m", "lingls.cli", "--stdio"], stdin=stdin, capture_output=True,
                              env=server_env({}), timeout=30)
     assert run.returncode == (0 if shutdown else 1) and b"Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("changes", [[{"text": 5}], "x", [{"range": 5, "text": "q"}], [{"text": ["q"]}]])
+async def test_a_malformed_did_change_leaves_the_document_alone(changes):
+    """pygls' converter reads `"text": 5` as "5": such a change must not replace the document."""
+    raw = await RawClient.start({"default": "1"})
+    try:
+        await raw.initialize()
+        uri = "file:///w/a.py"
+        raw.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+            "uri": uri, "languageId": "python", "version": 1, "text": "x = "}}})
+        raw.send({"method": "textDocument/didChange", "params": {"textDocument": {"uri": uri, "version": 2},
+                                                                "contentChanges": changes}})
+        answer = await raw.request("textDocument/inlineCompletion", {
+            "textDocument": {"uri": uri}, "position": {"line": 0, "character": 4}, "context": {"triggerKind": 1}})
+        assert [i["insertText"] for i in answer["result"]] == ["1"]
+    finally:
+        await raw.close()
