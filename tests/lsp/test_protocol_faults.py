@@ -64,6 +64,24 @@ async def test_a_framing_fault_costs_one_message(fault):
         await raw.close()
 
 
+async def test_a_length_too_large_with_nothing_after_is_answered():
+    """The client waits for the answer, so no next header shows the fault: a stalled whole message does."""
+    raw = await RawClient.start({"default": "1"})
+    try:
+        await raw.initialize()
+        raw.write(frame(request(7), len(request(7)) + 3))
+        answer, _ = await raw.until_answered(7)
+        assert answer["error"]["code"] == PARSE_ERROR
+        # a message written slowly, in parts, is not cut
+        data = frame(request(8))
+        raw.write(data[:-5])
+        await asyncio.sleep(1.5)
+        raw.write(data[-5:])
+        assert "result" in (await raw.until_answered(8))[0]
+    finally:
+        await raw.close()
+
+
 async def test_headers_in_any_case_and_order_are_read():
     raw = await RawClient.start({"default": "1"})
     try:
