@@ -127,9 +127,14 @@ class _Protocol(LanguageServerProtocol):
             return False
         core = self._server.core
         if method == lsp.TEXT_DOCUMENT_DID_CHANGE:
-            version = doc.get("version")
-            if "id" in data or type(version) is not int or (changes := _changes(params.get("contentChanges"))) is None:
+            if "id" in data:
                 return False
+            version = doc.get("version")
+            if type(version) is not int or (changes := _changes(params.get("contentChanges"))) is None:
+                # pygls' converter would read it anyway (`"text": 5` as "5") and corrupt the document
+                self._server.report_server_error(ValueError(f"didChange of {uri} with malformed params: ignored"),
+                                                 JsonRpcException)
+                return True
             try:
                 core.change(uri, version, changes)
             except Exception as exc:
@@ -225,7 +230,7 @@ def _position(p: Any) -> tuple[int, int] | None:
 
 
 def _changes(raw: Any) -> list | None:
-    """didChange's contentChanges as (text, start, end) tuples, or None if they are not the usual shape."""
+    """didChange's contentChanges as (text, start, end) tuples, or None if they are malformed."""
     if type(raw) is not list:
         return None
     out = []
@@ -233,8 +238,6 @@ def _changes(raw: Any) -> list | None:
         if type(c) is not dict or type(c.get("text")) is not str:
             return None
         if "range" not in c:
-            if len(c) != 1:
-                return None
             out.append((c["text"], None, None))
             continue
         r = c["range"]
@@ -337,6 +340,7 @@ _CONTENT_LENGTH = re.compile(rb"content-length:[ \t]*(\d+)[ \t]*\r\n", re.IGNORE
 _HEADER_LINE = re.compile(rb"[!-9;-~]+:[^\r\n]*\r\n")  # another header (Content-Type): skipped
 _HEADER_LINES = re.compile(rb"(?:[!-9;-~]+:[^\r\n]*\r\n)*")
 MAX_HEADER = 8192  # bytes without a header in them: not a client speaking LSP; dropped
+BODY_STALL_S = 1.0  # a declared body still short this long after the last read, holding a whole JSON value: misframed
 SHUTDOWN_S = 5.0  # how long the engine gets to stop when the client leaves without `shutdown`
 
 
@@ -391,9 +395,13 @@ class _Framer(asyncio.Protocol):
         self._buf = bytearray()
         self._arrived = 0.0
         self._scanned = 0  # how far the body being waited for was searched for a next header
+        self._stall: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         buf = self._buf
         if not buf:
             self._arrived = now
@@ -424,6 +432,7 @@ class _Framer(asyncio.Protocol):
                 error = f"Content-Length {length} does not frame the message: the next one starts after {len(body)} bytes"
             elif len(buf) < stop:
                 self._scanned = max(start, len(buf) - 64)
+                self._stall = asyncio.get_running_loop().call_later(BODY_STALL_S, self._stalled, start, length)
                 return
             else:
                 body, error = bytes(buf[start:stop]), None
@@ -438,6 +447,21 @@ class _Framer(asyncio.Protocol):
             if self._server._stop_event.is_set():
                 self._finish()
                 return
+
+    def _stalled(self, start: int, length: int) -> None:
+        """Nothing came for BODY_STALL_S and the body so far is a whole JSON value: the Content-Length is too
+        large and no message follows to show it (a client waiting for the answer would wait for ever)."""
+        self._stall = None
+        body = bytes(self._buf[start:])
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError):
+            return  # a message still being written
+        self._buf.clear()
+        self._scanned = 0
+        error = f"Content-Length {length} but the message ended after {len(body)} bytes"
+        log.warning("%s", error)
+        _reply_error(self._protocol, _id_of(body), JsonRpcParseError(f"lingls: {error}"))
 
     def _drop(self, count: int, what: str) -> None:
         """Drop `count` bytes that belong to no message, answering a parse error (the id is unknown: null)."""
@@ -488,6 +512,8 @@ class _Framer(asyncio.Protocol):
         self._finish()
 
     def _finish(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
         if not self._done.done():
             self._done.set_result(None)
 

@@ -32,7 +32,7 @@ from lsp_harness import server_env
 ENCODINGS = ("utf-16", "utf-8", "utf-32")
 EOLS = ("\n", "\r\n", "\r")
 ANSWER_S = 10.0  # a well-formed request not answered within this is a hang
-EXAMPLES = 40  # documents per encoding
+EXAMPLES = 50  # documents per encoding
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
 STATS = {"command": "lingls.stats", "arguments": []}
@@ -61,14 +61,15 @@ def lines_of(text: str) -> list[tuple[int, int]]:
 
 
 def offset_of(text: str, line: int, column: int, encoding: str) -> int:
-    """The LSP's reading of a position: past the last line is the end, past a line's end is that end."""
+    """The LSP's reading of a position: past the last line is the end, past a line's end is that end; inside a
+    character (half an emoji in UTF-16, a byte inside 中 in UTF-8) it is that character's start."""
     spans = lines_of(text)
     if line >= len(spans):
         return len(text)
     start, end = spans[line]
-    for i in range(start, end + 1):
-        if units(text[start:i], encoding) >= column:
-            return i
+    for i in range(start + 1, end + 1):
+        if units(text[start:i], encoding) > column:
+            return i - 1
     return end
 
 
@@ -184,7 +185,8 @@ def texts(eol: str):
 
 
 def position(data, text: str, encoding: str) -> tuple[int, int]:
-    """A position in `text`: on a character boundary, sometimes past a line's end or past the last line."""
+    """A position in `text`: on a character boundary, or some units further (inside a character, past the
+    line's end), or past the last line."""
     spans = lines_of(text)
     line = data.draw(st.integers(0, len(spans)))
     if line == len(spans):

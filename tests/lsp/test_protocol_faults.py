@@ -64,6 +64,24 @@ async def test_a_framing_fault_costs_one_message(fault):
         await raw.close()
 
 
+async def test_a_length_too_large_with_nothing_after_is_answered():
+    """The client waits for the answer, so no next header shows the fault: a stalled whole message does."""
+    raw = await RawClient.start({"default": "1"})
+    try:
+        await raw.initialize()
+        raw.write(frame(request(7), len(request(7)) + 3))
+        answer, _ = await raw.until_answered(7)
+        assert answer["error"]["code"] == PARSE_ERROR
+        # a message written slowly, in parts, is not cut
+        data = frame(request(8))
+        raw.write(data[:-5])
+        await asyncio.sleep(1.5)
+        raw.write(data[-5:])
+        assert "result" in (await raw.until_answered(8))[0]
+    finally:
+        await raw.close()
+
+
 async def test_headers_in_any_case_and_order_are_read():
     raw = await RawClient.start({"default": "1"})
     try:
@@ -180,3 +198,21 @@ def test_exit_code_with_stdin_from_a_file(tmp_path, shutdown):
         run = subprocess.run([sys.executable, "-m", "lingls.cli", "--stdio"], stdin=stdin, capture_output=True,
                              env=server_env({}), timeout=30)
     assert run.returncode == (0 if shutdown else 1) and b"Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("changes", [[{"text": 5}], "x", [{"range": 5, "text": "q"}], [{"text": ["q"]}]])
+async def test_a_malformed_did_change_leaves_the_document_alone(changes):
+    """pygls' converter reads `"text": 5` as "5": such a change must not replace the document."""
+    raw = await RawClient.start({"default": "1"})
+    try:
+        await raw.initialize()
+        uri = "file:///w/a.py"
+        raw.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+            "uri": uri, "languageId": "python", "version": 1, "text": "x = "}}})
+        raw.send({"method": "textDocument/didChange", "params": {"textDocument": {"uri": uri, "version": 2},
+                                                                "contentChanges": changes}})
+        answer = await raw.request("textDocument/inlineCompletion", {
+            "textDocument": {"uri": uri}, "position": {"line": 0, "character": 4}, "context": {"triggerKind": 1}})
+        assert [i["insertText"] for i in answer["result"]] == ["1"]
+    finally:
+        await raw.close()
