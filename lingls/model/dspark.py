@@ -42,9 +42,9 @@ from torch import nn
 from lingls.kernels import reference as ref
 from lingls.model.config import LingConfig
 from lingls.model.ling import Parallel, RMSNorm, SwiGLU
+from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, _shard, write_shards
 
 ARCHITECTURE = "DSparkDraftModel"
-WEIGHTLESS = "random_weights.json"  # as lingls.model.loader: random weights built at load time (benchmarks)
 IGNORED_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored in the checkpoint, not used
 FLASH_TARGET_LAYERS = [1, 11, 23, 29, 35]
 
@@ -360,8 +360,6 @@ class _Tensors:
             return
         from safetensors import safe_open
 
-        from lingls.model.loader import CheckpointError, CheckpointReader
-
         try:
             files = CheckpointReader._files(path)
         except CheckpointError as e:
@@ -414,8 +412,6 @@ def fill_shards(cfg: DSparkConfig, par: Parallel, device, dtype: torch.dtype, te
     """A DSparkDrafter (rank `par.rank`'s shard) from checkpoint tensors under the module's names, after
     checking every name and shape: the embed_tokens / lm_head copies may be present (shape-checked, not
     loaded), the confidence head is loaded when the config enables it and ignored otherwise."""
-    from lingls.model.loader import _shard
-
     if isinstance(tensors, dict):
         tensors = _Tensors(tensors=tensors)
     with torch.device("meta"):
@@ -467,8 +463,6 @@ def save_dspark(drafter: DSparkDrafter, out_dir: str | Path, dtype: torch.dtype 
                 max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write an unsharded drafter in the published layout: config.json, safetensors (numbered shards + index past
     `max_shard_bytes`), names under `prefix`; `copies`: embed_tokens / lm_head tensors to store beside it."""
-    from lingls.model.loader import write_shards
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")

@@ -119,8 +119,8 @@ def write_random_dspark(cfg: DSparkConfig, out_dir: str | Path, dtype: torch.dty
                                                        "for benchmarks: the drafts are noise"}, indent=1) + "\n")
         return out_dir
     gen = torch.Generator().manual_seed(seed)
-    write_shards(((prefix + name, random_tensor(name, shape, dtype, gen, std)) for name, shape in checkpoint_tensors(cfg)),
-                 out_dir, max_shard_bytes)
+    tensors = ((prefix + name, random_tensor(name, shape, dtype, gen, std)) for name, shape in checkpoint_tensors(cfg))
+    write_shards(tensors, out_dir, max_shard_bytes)
     return out_dir
 
 

@@ -416,7 +416,8 @@ def test_refusals_of_tensors(tmp_path, tiny, dirs):
         tmp_path, tiny, src, tensors=lambda w: w.pop("layers.1.self_attn.k_norm.weight"))
     assert "lm_head.weight has shape" in _refused(
         tmp_path, tiny, src, tensors=lambda w: w.update({"lm_head.weight": torch.zeros(3, 3)}))
-    assert "unexpected tensor" in _refused(tmp_path, tiny, src, tensors=lambda w: w.update({"extra.weight": torch.zeros(1)}))
+    assert "unexpected tensor" in _refused(tmp_path, tiny, src,
+                                           tensors=lambda w: w.update({"extra.weight": torch.zeros(1)}))
 
 
 def test_top_level_keys_and_rope_parameters_are_read(tmp_path, tiny, dirs):
@@ -494,7 +495,8 @@ def test_tensor_parallel_shards_draft_as_the_whole_drafter(tmp_path, tiny, dirs)
 
     save_checkpoint(tiny, tmp_path / "target", dtype=torch.float32)
     draft = dirs["gqa"]
-    feats = features(tiny, PROMPT, DSparkConfig.from_dict(json.loads((draft / "config.json").read_text())).target_layer_ids)
+    layers = DSparkConfig.from_dict(json.loads((draft / "config.json").read_text())).target_layer_ids
+    feats = features(tiny, PROMPT, layers)
     torch.save(feats, tmp_path / "feats.pt")
     out = tmp_path / "rank0.pt"
     mp.spawn(_tp_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path / "target"), str(draft),

@@ -81,7 +81,8 @@ async def test_weightless_checkpoints_serve_with_simulated_acceptance(tmp_path):
     from lingls.runtime.local import tiny_config_dict
 
     LingConfig.from_dict(tiny_config_dict(512)).save(tmp_path / "cfg.json")
-    assert random_checkpoint_main([str(tmp_path / "target"), "--config", str(tmp_path / "cfg.json"), "--weightless"]) == 0
+    target = [str(tmp_path / "target"), "--config", str(tmp_path / "cfg.json"), "--weightless"]
+    assert random_checkpoint_main(target) == 0
     assert random_checkpoint_main([str(tmp_path / "draft"), "--dspark", "--target", str(tmp_path / "target"),
                                    "--small", "--weightless"]) == 0
     engine = LocalEngine(str(tmp_path / "target"), device="cpu", draft=str(tmp_path / "draft"), simulate_accept=5)

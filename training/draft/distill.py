@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     heads = args.heads or t.num_attention_heads
     cfg = DSparkConfig.for_target(t, block_size=args.block_size, num_hidden_layers=args.layers,
                                   num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads,
-                                  head_dim=t.hidden_size // heads, intermediate_size=args.intermediate or 3 * t.hidden_size,
+                                  head_dim=t.hidden_size // heads,
+                                  intermediate_size=args.intermediate or 3 * t.hidden_size,
                                   markov_rank=args.markov_rank, confidence_head=False)
     drafter = DSparkDrafter(cfg)
     drafter.init_weights(generator=torch.Generator().manual_seed(0))
