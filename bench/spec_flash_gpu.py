@@ -145,7 +145,7 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
     r = spec.runner
     kv = r.bucket(context)
     graphs = {"target_step": lambda: r.run_step(k + 1, kv, True),
-              "draft": spec._graphs[("draft", kv)].replay,
+              "draft": spec._graphs[("draft", kv, True)].replay,
               "verify": spec._graphs[("verify", kv, True, True)].replay}
     out = {}
     for name, fn in graphs.items():

@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--draft", default="none",
-                       help="speculative drafter: none, mtp, lookup, a block-drafter directory, or lookup+DRAFTER")
-    serve.add_argument("--draft-k", type=int, default=None, help="drafted tokens per round (default 2 on CPU, 4 on GPU)")
+                       help="speculative drafter: none, mtp, lookup, a drafter directory (a DSpark checkpoint such "
+                            "as Ling-3.0-flash-DSpark), or lookup+DRAFTER")
+    serve.add_argument("--draft-k", type=int, default=None,
+                       help="drafted tokens per round (default: a DSpark drafter's block size; else 2 on CPU, 4 on GPU)")
     serve.add_argument("--draft-vocab", metavar="FILE", default=None,
                        help="the MTP drafter's head scores only these token ids (a JSON list, most frequent first; "
                             "make one with `lingls draft-vocab`): less to read per drafted token")

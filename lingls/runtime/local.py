@@ -147,17 +147,14 @@ def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_acce
         return
     import torch
 
-    from lingls.runtime.speculative import DEFAULT_K, attach
+    from lingls.runtime.speculative import attach
 
-    # on CPU a verify step costs ~1.6 decode steps at K=4, so short drafts pay best there
-    # (bench/results/spec_cpu*.json); on a GPU it costs about one
-    k = draft_k or (DEFAULT_K if runner.device.type == "cuda" else 2)
-    if simulate_accept is not None and not 0 <= simulate_accept <= k:
-        raise EngineError(f"--simulate-accept {simulate_accept}: must be 0..{k} (the drafted tokens per round)")
-    try:
-        spec = attach(runner, draft, k, draft_vocab)
+    try:  # draft_k None: a block drafter's block size, else speculative.default_k
+        spec = attach(runner, draft, draft_k, draft_vocab)
     except ValueError as e:
         raise EngineError(str(e)) from None
+    if simulate_accept is not None and not 0 <= simulate_accept <= spec.k:
+        raise EngineError(f"--simulate-accept {simulate_accept}: must be 0..{spec.k} (the drafted tokens per round)")
     if simulate_accept is not None:
         log.warning("--simulate-accept %d: every round accepts %d drafts; the output is NOT the model's",
                     simulate_accept, simulate_accept)

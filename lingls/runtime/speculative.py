@@ -21,9 +21,11 @@ On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a
 
 Drafters share one small interface (`Drafter`): MTP (the checkpoint's next-token-prediction layer chained K
 times), prompt lookup (the longest recent n-gram match in the prompt and the text generated so far, found on
-the device), the DSpark-style block drafter (`lingls.model.draft`), and `Fallback(lookup, model drafter)`.
-`--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first that has a
-draft wins: lookup when it matches, else the model drafter).
+the device), the DSpark block drafter (`lingls.model.dspark`: the published Ling-3.0-flash-DSpark layout, or
+lingls' older block-drafter format converted by `lingls.model.draft`; `DSparkRuntime`), and `Fallback(lookup,
+model drafter)`. `--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first
+that has a draft wins: lookup when it matches, else the model drafter). K, the drafts per round, defaults to a
+block drafter's block size (the verify window is K+1 tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from lingls.runtime.sampling import argmax_shards, uniform_hash
 
 DEFAULT_K = 4
 COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)
+DRAFT_KEY = -2  # a drafter's draw of token t at a position is keyed by DRAFT_KEY - t: apart from the verify's draws
 
 
 # ---- sampling ------------------------------------------------------------------------------------------------
@@ -96,7 +99,8 @@ class Drafter:
       positions start..; h is the target's pre-norm hidden [T, hidden].
     - `begin(tokens, cur, pos)`: before the first round; tokens = what the state has consumed (host list),
       cur [1] the first sampled token at position pos [1] (device).
-    - `propose(cur, pos, kv_len) -> (drafts [K], q [K, V] or None)`.
+    - `propose(cur, pos, kv_len, greedy) -> (drafts [K], q [K, V] or None)`: q, the distributions the drafts
+      were sampled from, only when not greedy (None: deterministic drafts, a one-hot q).
     - `accept(h, feats, tokens, n, positions, kv_len)`: after a verify over positions P..P+K; tokens[i] is
       the token at position P+i+1 for i <= n (rows past n are garbage and must only land where masked).
     - `live()`: device tensors that carry state between rounds (saved around CUDA-graph capture).
@@ -114,7 +118,7 @@ class Drafter:
     def begin(self, tokens: list[int], cur: torch.Tensor, pos: torch.Tensor) -> None:
         pass
 
-    def propose(self, cur, pos, kv_len: int):
+    def propose(self, cur, pos, kv_len: int, greedy: bool = True):
         raise NotImplementedError
 
     def accept(self, h, feats, tokens, n, positions, kv_len: int) -> None:
@@ -145,7 +149,7 @@ class LookupDrafter(Drafter):
         self.hist[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
         self.hist[n:n + 1].copy_(cur)
 
-    def propose(self, cur, pos, kv_len):
+    def propose(self, cur, pos, kv_len, greedy=True):
         hist, size = self.hist, self.hist.shape[0]
         run = torch.ones(size, dtype=torch.bool, device=hist.device)
         length = torch.zeros(size, dtype=torch.long, device=hist.device)
@@ -211,7 +215,7 @@ class MTPDrafter(Drafter):
         if self.last_at == len(tokens) - 1:
             self._keep(self.mtp_step(self.h_last, cur, self.state, pos - 1, kv_len=len(tokens), normed=True))
 
-    def propose(self, cur, pos, kv_len):
+    def propose(self, cur, pos, kv_len, greedy=True):
         x, y = self.xy[:1], self.xy[1:]
         tok = self._argmax(x, y)
         drafts = [tok]
@@ -233,23 +237,37 @@ class MTPDrafter(Drafter):
         return [self.xy]
 
 
-class BlockDrafterRuntime(Drafter):
-    """The DSpark-style block drafter at run time: its context KV cache (one row per consumed position, from the
-    target's hidden states after `target_layers`) and the block forward + semi-autoregressive Markov sampling."""
+class DSparkRuntime(Drafter):
+    """The DSpark block drafter (`lingls.model.dspark`) at run time: its context KV cache (one row per consumed
+    position, from the target's residual stream after `target_layer_ids`, appended by every prefill and verify
+    forward) and one round: the B-row block forward, then K <= B drafts sampled left to right through the
+    Markov head. Every round runs all B rows (fixed shapes; attention inside the block is bidirectional, so
+    fewer rows would change the drafts) and takes the first K.
 
-    name = "block"
+    Greedy: slot by slot argmax over the vocabulary shards (`argmax_shards`, no gathered logits). Sampling:
+    each draft is drawn from the drafter's own corrected distribution q_i = target_probs(logits_i +
+    markov(d_{i-1})) (the temperature and top-p the target uses), which is returned as the q of the rejection
+    rule, so the output is distributed as the target's samples."""
 
-    def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int):
-        super().__init__(k)
+    name = "dspark"
+
+    def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int, runner: ModelRunner):
         cfg = drafter.config
-        self.model, self.drafter = model, drafter
-        self.target_layers = tuple(cfg.target_layers)
+        if not 1 <= k <= cfg.block_size:
+            raise ValueError(f"K={k}: a DSpark round drafts 1..block_size ({cfg.block_size}) tokens")
+        super().__init__(k)
+        self.model, self.drafter, self.runner = model, drafter, runner
+        self.target_layers = tuple(cfg.target_layer_ids)
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        shape = (cfg.num_layers, capacity + k + 1, cfg.num_heads, cfg.head_dim)
+        attn = drafter.layers[0].self_attn
+        shape = (cfg.num_hidden_layers, capacity + k + 1, attn.kv_heads, attn.head_dim)
         self.ctx_k = torch.zeros(shape, device=dev, dtype=dtype)
         self.ctx_v = torch.zeros(shape, device=dev, dtype=dtype)
-        self.steps = torch.arange(k, device=dev)
-        self.block_mask = torch.ones(k, k, dtype=torch.bool, device=dev)
+        b = cfg.block_size
+        self.masks = torch.full((b - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)  # the block after the anchor
+        self.slots = torch.arange(b, device=dev)
+        self.block_mask = torch.ones(b, b, dtype=torch.bool, device=dev)
+        self.vocab = torch.arange(model.config.vocab_size, device=dev)
 
     def _absorb(self, feats, positions):
         k, v = self.drafter.context_kv(feats, positions)
@@ -259,18 +277,31 @@ class BlockDrafterRuntime(Drafter):
     def prefill(self, h, feats, ids, positions, start):
         self._absorb(feats, positions)
 
-    def propose(self, cur, pos, kv_len):
+    def block_logits(self, cur, pos, kv_len: int) -> torch.Tensor:
+        """This rank's vocabulary shard of the block's logits [B, V_local] before the Markov bias: the block
+        [cur, mask x (B-1)] at pos.. against the context rows before pos."""
         m, dr = self.model, self.drafter
-        x = dr.block_input(m.model.word_embeddings, cur[0], self.k)
-        ctx_rows = torch.arange(kv_len, device=x.device)
-        visible = torch.cat([(ctx_rows < pos).expand(self.k, kv_len), self.block_mask], -1)
-        h = dr.blocks(x, pos + self.steps, self.ctx_k[:, :kv_len], self.ctx_v[:, :kv_len], visible)
-        logits = m.par.all_gather_last(m.lm_head(h)).float()
-        prev, drafts = cur[0], []
+        x = dr.block_input(m.model.word_embeddings, torch.cat([cur, self.masks]))
+        b = x.shape[0]
+        visible = torch.cat([(torch.arange(kv_len, device=x.device) < pos).expand(b, kv_len), self.block_mask], -1)
+        h = dr.block_hidden(x, pos + self.slots, self.ctx_k[:, :kv_len], self.ctx_v[:, :kv_len], visible)
+        return m.lm_head(h)
+
+    def propose(self, cur, pos, kv_len, greedy=True):
+        m, dr, r = self.model, self.drafter, self.runner
+        local = self.block_logits(cur, pos, kv_len)
+        prev, drafts, qs = cur, [], []
         for i in range(self.k):  # semi-autoregressive: each draft biases the next through the Markov head
-            prev = (logits[i] + dr.markov_bias(prev).float()).argmax()
+            row = local[i:i + 1] + dr.markov_bias(prev).to(local.dtype)
+            if greedy:
+                prev = argmax_shards(row, m.par)
+            else:
+                q = target_probs(m.par.all_gather_last(row), r.temperature, r.top_p)
+                noise = -torch.log(uniform_hash(r.seed, pos + 1 + i, DRAFT_KEY - self.vocab))
+                prev = (q / noise).argmax(-1)
+                qs.append(q)
             drafts.append(prev)
-        return torch.stack(drafts), None
+        return torch.cat(drafts), None if greedy else torch.cat(qs)
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
         self._absorb(feats, positions)
@@ -294,10 +325,14 @@ class Fallback(Drafter):
         self.lookup.begin(*a)
         self.other.begin(*a)
 
-    def propose(self, cur, pos, kv_len):
-        d_lookup, _ = self.lookup.propose(cur, pos, kv_len)
-        d_other, _ = self.other.propose(cur, pos, kv_len)
-        return torch.where(self.lookup.found, d_lookup, d_other), None
+    def propose(self, cur, pos, kv_len, greedy=True):
+        d_lookup, _ = self.lookup.propose(cur, pos, kv_len, greedy)
+        d_other, q_other = self.other.propose(cur, pos, kv_len, greedy)
+        drafts = torch.where(self.lookup.found, d_lookup, d_other)
+        if q_other is None:
+            return drafts, None
+        one_hot = torch.nn.functional.one_hot(d_lookup, q_other.shape[-1]).to(q_other.dtype)
+        return drafts, torch.where(self.lookup.found, one_hot, q_other)
 
     def accept(self, *a):
         self.lookup.accept(*a)
@@ -307,9 +342,17 @@ class Fallback(Drafter):
         return self.lookup.live() + self.other.live()
 
 
-def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K, vocab: str | None = None) -> Drafter | None:
-    """Build the drafter named by a `--draft` string (None for "none"); vocab: a draft-vocabulary file for the
-    MTP drafter's head (`draft_vocab`)."""
+def default_k(device: torch.device) -> int:
+    """K for lookup and MTP when none is given: on CPU a verify step costs ~1.6 decode steps at K=4, so short
+    drafts pay best there (bench/results/spec_cpu*.json); on a GPU it costs about one. A block drafter's
+    default is its block size."""
+    return DEFAULT_K if device.type == "cuda" else 2
+
+
+def make_drafter(spec: str, runner: ModelRunner, k: int | None = None, vocab: str | None = None) -> Drafter | None:
+    """Build the drafter named by a `--draft` string (None for "none"); k: drafted tokens per round (None: the
+    block drafter's block size, else `default_k`; a block drafter drafts at most its block size); vocab: a
+    draft-vocabulary file for the MTP drafter's head (`draft_vocab`)."""
     parts = [p for p in spec.split("+") if p]
     if not parts or parts == ["none"]:
         if vocab is not None:
@@ -317,7 +360,16 @@ def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K, vocab: str 
         return None
     if vocab is not None and "mtp" not in parts:
         raise ValueError("--draft-vocab applies to the MTP drafter's head (--draft mtp or lookup+mtp)")
-    made = [_one_drafter(p, runner, k, vocab) for p in parts]
+    if k is not None and k < 1:
+        raise ValueError(f"--draft-k {k}: must be >= 1")
+    blocks = {p: _load_block_drafter(p, runner) for p in parts if p not in ("lookup", "mtp")}
+    if blocks:  # the model drafter decides K: its block size by default, never more
+        size = next(iter(blocks.values())).config.block_size
+        k = size if k is None else min(k, size)
+    elif k is None:
+        k = default_k(runner.device)
+    made = [DSparkRuntime(runner.model, blocks[p], k, runner.capacity, runner) if p in blocks
+            else _one_drafter(p, runner, k, vocab) for p in parts]
     if len(made) == 1:
         return made[0]
     if len(made) != 2 or not isinstance(made[0], LookupDrafter) or isinstance(made[1], LookupDrafter):
@@ -328,19 +380,26 @@ def make_drafter(spec: str, runner: ModelRunner, k: int = DEFAULT_K, vocab: str 
 def _one_drafter(name: str, runner: ModelRunner, k: int, vocab: str | None = None) -> Drafter:
     if name == "lookup":
         return LookupDrafter(k, runner.capacity, runner.device)
-    if name == "mtp":
-        return MTPDrafter(runner.model, runner.state, k, runner.fused,
-                          DraftVocab.load(vocab, runner.model) if vocab is not None else None)
-    from lingls.model.draft import DraftConfigError, is_drafter_dir, load_drafter
+    return MTPDrafter(runner.model, runner.state, k, runner.fused,
+                      DraftVocab.load(vocab, runner.model) if vocab is not None else None)
 
-    if not is_drafter_dir(name):
-        raise ValueError(f"--draft {name}: not none, mtp, lookup or a block-drafter directory")
+
+def _load_block_drafter(path: str, runner: ModelRunner):
+    """The block drafter in directory `path` (the DSpark layout, or lingls' older format), this rank's shard."""
+    from lingls.model import draft, dspark
+
     model = runner.model
+    if dspark.is_dspark_dir(path):
+        load = dspark.load_dspark
+    elif draft.is_drafter_dir(path):
+        load = draft.load_drafter
+    else:
+        raise ValueError(f"--draft {path}: not none, mtp, lookup or a drafter directory (a DSpark checkpoint or "
+                         "a lingls block drafter)")
     try:
-        drafter = load_drafter(name, model.config, device=runner.device, dtype=model.lm_head.weight.dtype)
-    except DraftConfigError as e:
-        raise ValueError(f"--draft {name}: {e}") from None
-    return BlockDrafterRuntime(model, drafter, min(k, drafter.config.block_size), runner.capacity)
+        return load(path, model.config, par=model.par, device=runner.device, dtype=model.lm_head.weight.dtype)
+    except dspark.DSparkConfigError as e:
+        raise ValueError(f"--draft {path}: {e}") from None
 
 
 # ---- the speculative runner ------------------------------------------------------------------------------------
@@ -459,9 +518,9 @@ class Speculator:
         return h
 
     # ---- one round ---------------------------------------------------------------------------------------------
-    def _draft(self, kv_len: int) -> None:
+    def _draft(self, kv_len: int, greedy: bool) -> None:
         r = self.runner
-        drafts, q = self.drafter.propose(r.ids[:1], r.pos, kv_len)
+        drafts, q = self.drafter.propose(r.ids[:1], r.pos, kv_len, greedy)
         self.ids[1:].copy_(drafts)  # ids[0], the current token, was written by the last round's settle
         self.q = q
 
@@ -484,7 +543,7 @@ class Speculator:
 
     def _launch(self, kv_len: int, greedy: bool, slot: int) -> None:
         self.clock.mark(slot, 0)
-        self._run(("draft", kv_len), lambda: self._draft(kv_len))
+        self._run(("draft", kv_len, greedy), lambda: self._draft(kv_len, greedy))
         self.clock.mark(slot, 1)
         self._run(("verify", kv_len, greedy, self.force_accept is not None), lambda: self._verify(kv_len, greedy))
         self.clock.mark(slot, 2)
@@ -584,8 +643,8 @@ class Speculator:
             self.runner.cache.tokens.extend(tokens[:n] + (tokens[n:] if unread else []))
 
 
-def attach(runner: ModelRunner, spec: str, k: int = DEFAULT_K, vocab: str | None = None) -> Speculator | None:
-    """Make `runner` decode speculatively with the drafter(s) named by `spec` (None for "none"); vocab: a
-    draft-vocabulary file for the MTP head."""
+def attach(runner: ModelRunner, spec: str, k: int | None = None, vocab: str | None = None) -> Speculator | None:
+    """Make `runner` decode speculatively with the drafter(s) named by `spec` (None for "none"); k: drafted
+    tokens per round (`make_drafter`); vocab: a draft-vocabulary file for the MTP head."""
     drafter = make_drafter(spec, runner, k, vocab)
     return Speculator(runner, drafter) if drafter is not None else None

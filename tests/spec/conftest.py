@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lingls.model import LingConfig, LingForCausalLM, load_model
-from lingls.model.draft import write_random_drafter
+from lingls.model.dspark import DSparkConfig
+from lingls.model.random_checkpoint import SMALL_DSPARK, write_random_dspark
 from lingls.runtime.local import EMBEDDED, tiny_config_dict
 from lingls.runtime.runner import ModelRunner, Sampling
 from lingls.runtime.speculative import Drafter
@@ -30,13 +31,17 @@ def tiny():
     return random_model(8192, seed=1)
 
 
+def dspark_dir(target, out, block_size: int = 8, std: float = 0.2, **kw):
+    """A random DSpark checkpoint (published layout, small widths) for `target`: its drafts are noise, which is
+    what the exactness tests need."""
+    cfg = DSparkConfig.for_target(target.config, block_size=block_size, **{**SMALL_DSPARK, **kw})
+    return write_random_dspark(cfg, out, dtype=torch.float32, std=std)
+
+
 @pytest.fixture(scope="session")
 def block_dirs(tmp_path_factory, nano, tiny):
-    """A random block drafter for each model: its drafts are noise, which is what the exactness tests need."""
     root = tmp_path_factory.mktemp("drafters")
-    return {"nano": write_random_drafter(nano.config, root / "nano", block_size=4),
-            "tiny": write_random_drafter(tiny.config, root / "tiny", block_size=4, num_heads=2, head_dim=16,
-                                         intermediate_size=64, markov_rank=8)}
+    return {"nano": dspark_dir(nano, root / "nano"), "tiny": dspark_dir(tiny, root / "tiny")}
 
 
 def plain(model, prompt, n, sampling=Sampling(), capacity=512) -> list[int]:
@@ -56,5 +61,5 @@ class ScriptedDrafter(Drafter):
         self.table = ((table + 1) % vocab if miss else table).to(device)
         self.steps = torch.arange(1, k + 1, device=device)
 
-    def propose(self, cur, pos, kv_len):
+    def propose(self, cur, pos, kv_len, greedy=True):
         return self.table.gather(0, (pos + self.steps).clamp(max=self.table.shape[0] - 1)), None

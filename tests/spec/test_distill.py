@@ -1,11 +1,11 @@
 """training/draft at a tiny size on CPU: the losses are sound, a few steps lower the held-out KL, and the result
-loads as a drafter that the runtime can use (exactly, as every drafter)."""
+(a DSpark-layout checkpoint) loads as a drafter that the runtime can use (exactly, as every drafter)."""
 
 from __future__ import annotations
 
 import torch
 
-from lingls.model.draft import BlockDrafter, DraftConfig, load_drafter
+from lingls.model.dspark import DSparkConfig, DSparkDrafter, load_dspark, save_dspark
 from lingls.runtime.runner import ModelRunner
 from lingls.runtime.speculative import attach
 from training.draft.distill import DistillSettings, losses, train
@@ -29,18 +29,19 @@ def test_a_few_steps_of_distillation_help_and_the_result_runs(tmp_path):
     stream = phrases[torch.randint(0, 12, (600,), generator=g)].flatten()
     windows = stream[: 3200].view(-1, 64)
     held = stream[3200: 3584].view(-1, 64)
-    cfg = DraftConfig.for_target(target.config, block_size=3, num_layers=1, num_heads=2, head_dim=16,
-                                 intermediate_size=64, markov_rank=8)
-    drafter = BlockDrafter(cfg)
+    cfg = DSparkConfig.for_target(target.config, block_size=3, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, intermediate_size=64, markov_rank=8,
+                                  confidence_head=False)
+    drafter = DSparkDrafter(cfg)
     drafter.init_weights(generator=torch.Generator().manual_seed(1))
     settings = DistillSettings(seq_len=64, batch_size=2, anchors=4, lr=5e-3, warmup_steps=2, seconds=120,
                                max_steps=15, eval_every=15)
     log = train(target, drafter, windows, held, settings, log=lambda _: None)
     assert log[-1]["heldout_kl"] < log[0]["heldout_kl"]
-    from lingls.model.draft import save_drafter
-
-    out = save_drafter(drafter, tmp_path / "draft")
-    assert load_drafter(out, target.config).config == cfg
+    out = save_dspark(drafter, tmp_path / "draft", dtype=torch.float32)
+    loaded = load_dspark(out, target.config)
+    assert loaded.config == cfg
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
     runner = ModelRunner(target, capacity=128)
     spec = attach(runner, f"lookup+{out}", k=3)
     prompt = windows[0, :20].tolist()

@@ -26,8 +26,8 @@ class PartlyRight(ScriptedDrafter):
         self.wrong = (torch.arange(K) >= right).long()
         self.vocab = vocab
 
-    def propose(self, cur, pos, kv_len):
-        drafts, _ = super().propose(cur, pos, kv_len)
+    def propose(self, cur, pos, kv_len, greedy=True):
+        drafts, _ = super().propose(cur, pos, kv_len, greedy)
         return (drafts + self.wrong) % self.vocab, None
 
 

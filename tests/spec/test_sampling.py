@@ -61,7 +61,7 @@ class RandomQDrafter(Drafter):
         self.g = torch.Generator().manual_seed(seed)
         self.qs = torch.softmax(torch.randn(k, vocab, generator=self.g), -1)
 
-    def propose(self, cur, pos, kv_len):
+    def propose(self, cur, pos, kv_len, greedy=True):
         return torch.multinomial(self.qs, 1, generator=self.g).view(-1), self.qs
 
 

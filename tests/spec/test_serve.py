@@ -39,3 +39,56 @@ async def test_a_bad_draft_is_a_clear_error(draft, message):
             await engine.start()
     finally:
         await engine.close()
+
+
+async def test_serve_with_a_dspark_checkpoint(tmp_path, nano):
+    """`lingls serve --model DIR --draft DSPARK_DIR` (and lookup+DSPARK_DIR): K defaults to the block size, the
+    greedy text is the plain model's; a DSpark checkpoint for another target is refused by the engine, naming
+    the key."""
+    from .conftest import dspark_dir
+
+    draft = dspark_dir(nano, tmp_path / "dspark")
+    plain = LocalEngine(str(EMBEDDED), device="cpu")
+    try:
+        want = await _complete(plain, temperature=0.0)
+        for spec in (str(draft), f"lookup+{draft}"):
+            engine = LocalEngine(str(EMBEDDED), device="cpu", draft=spec)
+            try:
+                assert await _complete(engine, temperature=0.0) == want
+                assert engine.runner.spec.k == 8 and engine.runner.spec.stats.rounds > 0
+            finally:
+                await engine.close()
+    finally:
+        await plain.close()
+    import json
+
+    raw = json.loads((draft / "config.json").read_text())
+    raw["hidden_size"] = 128
+    (draft / "config.json").write_text(json.dumps(raw))
+    engine = LocalEngine(str(EMBEDDED), device="cpu", draft=str(draft))
+    try:
+        with pytest.raises(EngineError, match="hidden_size 128 does not match the target's 256"):
+            await engine.start()
+    finally:
+        await engine.close()
+
+
+async def test_weightless_checkpoints_serve_with_simulated_acceptance(tmp_path):
+    """Benchmarks: a weightless target and a weightless DSpark drafter (random weights built at load time)
+    serve end to end with --simulate-accept."""
+    from lingls.model.config import LingConfig
+    from lingls.model.random_checkpoint import main as random_checkpoint_main
+    from lingls.runtime.local import tiny_config_dict
+
+    LingConfig.from_dict(tiny_config_dict(512)).save(tmp_path / "cfg.json")
+    target = [str(tmp_path / "target"), "--config", str(tmp_path / "cfg.json"), "--weightless"]
+    assert random_checkpoint_main(target) == 0
+    assert random_checkpoint_main([str(tmp_path / "draft"), "--dspark", "--target", str(tmp_path / "target"),
+                                   "--small", "--weightless"]) == 0
+    engine = LocalEngine(str(tmp_path / "target"), device="cpu", draft=str(tmp_path / "draft"), simulate_accept=5)
+    try:
+        text = "".join([t async for t in engine.generate(GenerateRequest(prompt="t1 t2 t3", max_tokens=18))])
+        st = engine.runner.spec.stats
+        assert text and st.rounds > 0 and st.accepted == 5 * st.rounds
+    finally:
+        await engine.close()

@@ -1,1 +1,1 @@
-"""Distillation of the DSpark-style block drafter (`lingls.model.draft`) from ling-nano."""
+"""Distillation of a DSpark drafter (`lingls.model.dspark`, the published layout) from a frozen target."""

@@ -1,4 +1,5 @@
-"""Distil a block drafter from a frozen target: match its output distribution and reward acceptance length.
+"""Distil a DSpark drafter (`lingls.model.dspark`, the published layout) from a frozen target: match its output
+distribution and reward acceptance length.
 
     python -m training.draft.distill --out DIR [--seconds 600] [--device cuda]
 
@@ -6,11 +7,11 @@ Data: the same examples ling-nano was trained on (this machine's Python source, 
 packed into windows. Each step:
 1. The frozen target runs the window once (full-sequence form) and gives, per position, its residual stream
    after the drafter's `target_layers` (the features) and its logits (the teacher).
-2. A anchors per window are drawn; the drafter runs every block [token at a, mask x (K-1)] at positions
-   a..a+K-1 against the context rows < a (one batched forward, blocks never see each other). Block slot i
-   predicts position a+1+i; its logits are the target's lm_head over the drafter's output plus the Markov bias
-   of the token before (the window's own token: the chain the drafter continues at run time is the one the
-   target accepted, which the teacher's context also is).
+2. A anchors per window are drawn; the drafter runs every block [token at a, mask_token_id x (K-1)] (embedded
+   by the target) at positions a..a+K-1 against the context rows < a (one batched forward, blocks never see
+   each other). Block slot i predicts position a+1+i; its logits are the target's lm_head over the drafter's
+   output plus the Markov bias of the token before (the window's own token: the chain the drafter continues at
+   run time is the one the target accepted, which the teacher's context also is).
 3. Loss = KL(teacher || drafter) averaged over slots - lambda * E[accepted] / K, where E[accepted] =
    sum_i prod_{j<=i} alpha_j and alpha_j = sum_v min(p_v, q_v) is the probability that the standard rejection
    rule accepts slot j. The KL fits every slot; the second term weights early slots more, since a miss there
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lingls.model import LingForCausalLM, load_model
-from lingls.model.draft import BlockDrafter, DraftConfig, save_drafter
+from lingls.model.dspark import DSparkConfig, DSparkDrafter, save_dspark
 
 
 @dataclass
@@ -67,7 +68,7 @@ def draw_anchors(b: int, s: int, k: int, a: int, gen: torch.Generator, device) -
     return torch.randint(1, s - k + 1, (b, a), generator=gen).to(device)
 
 
-def block_logits(drafter: BlockDrafter, target: LingForCausalLM, feats, ids, anchors, k: int) -> torch.Tensor:
+def block_logits(drafter: DSparkDrafter, target: LingForCausalLM, feats, ids, anchors, k: int) -> torch.Tensor:
     """The drafter's logits [B, A, K, V] for every block (Markov bias included)."""
     b, s = ids.shape
     a = anchors.shape[1]
@@ -75,12 +76,13 @@ def block_logits(drafter: BlockDrafter, target: LingForCausalLM, feats, ids, anc
     ctx_k, ctx_v = drafter.context_kv(feats, torch.arange(s, device=dev))  # [N, B, S, H, D]
     slots = torch.arange(k, device=dev)
     positions = (anchors[..., None] + slots).reshape(b, a * k)
-    x = drafter.block_input(target.model.word_embeddings, ids.gather(1, anchors), k).reshape(b, a * k, -1)
+    block_ids = torch.where(slots == 0, ids.gather(1, anchors)[..., None], drafter.config.mask_token_id)
+    x = drafter.block_input(target.model.word_embeddings, block_ids).reshape(b, a * k, -1)
     ctx_visible = torch.arange(s, device=dev) < anchors.reshape(b, a, 1, 1)  # [B, A, 1, S]
     ctx_visible = ctx_visible.expand(b, a, k, s).reshape(b, a * k, s)
     block_id = torch.arange(a * k, device=dev) // k
     own = (block_id[:, None] == block_id[None, :]).expand(b, a * k, a * k)
-    h = drafter.blocks(x, positions, ctx_k, ctx_v, torch.cat([ctx_visible, own], -1))
+    h = drafter.block_hidden(x, positions, ctx_k, ctx_v, torch.cat([ctx_visible, own], -1))
     prev = ids.gather(1, positions)  # slot i follows the token at a + i
     logits = target.lm_head(h) + drafter.markov_bias(prev)
     return logits.float().view(b, a, k, -1)
@@ -103,7 +105,7 @@ def losses(teacher_logits, draft_logits, accept_weight: float):
 def step_batch(drafter, target, ids, settings: DistillSettings, gen, bf16: bool):
     cfg = drafter.config
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        feats, logits = teacher(target, ids, cfg.target_layers)
+        feats, logits = teacher(target, ids, cfg.target_layer_ids)
         anchors = draw_anchors(ids.shape[0], ids.shape[1], cfg.block_size, settings.anchors, gen, ids.device)
         k = cfg.block_size
         want = logits.gather(1, (anchors[..., None] + torch.arange(k, device=ids.device)).reshape(ids.shape[0], -1)
@@ -112,7 +114,7 @@ def step_batch(drafter, target, ids, settings: DistillSettings, gen, bf16: bool)
     return losses(want.float(), got, settings.accept_weight)
 
 
-def train(target: LingForCausalLM, drafter: BlockDrafter, windows: torch.Tensor, held: torch.Tensor,
+def train(target: LingForCausalLM, drafter: DSparkDrafter, windows: torch.Tensor, held: torch.Tensor,
           settings: DistillSettings, log=print) -> list[dict]:
     """windows/held: [N, seq_len] token ids. Trains `drafter` in place; returns the log records."""
     device = target.lm_head.weight.device
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=EMBEDDED)
     ap.add_argument("--out", type=Path, required=True, help="drafter directory to write (e.g. lingls/assets/ling-nano/draft)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 3 x hidden)")
+    ap.add_argument("--markov-rank", type=int, default=32)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--max-steps", type=int, default=None)
@@ -185,14 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     windows, held = windows_from(train_ids, args.seq_len), windows_from(held_ids, args.seq_len)
     settings = DistillSettings(seq_len=args.seq_len, batch_size=args.batch_size, seconds=args.seconds,
                                max_steps=args.max_steps, accept_weight=args.accept_weight)
-    cfg = DraftConfig.for_target(target.config, block_size=args.block_size, num_layers=args.layers,
-                                 num_heads=target.config.num_attention_heads, head_dim=target.config.hidden_size
-                                 // target.config.num_attention_heads)
-    drafter = BlockDrafter(cfg)
+    t = target.config
+    heads = args.heads or t.num_attention_heads
+    cfg = DSparkConfig.for_target(t, block_size=args.block_size, num_hidden_layers=args.layers,
+                                  num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads,
+                                  head_dim=t.hidden_size // heads,
+                                  intermediate_size=args.intermediate or 3 * t.hidden_size,
+                                  markov_rank=args.markov_rank, confidence_head=False)
+    drafter = DSparkDrafter(cfg)
     drafter.init_weights(generator=torch.Generator().manual_seed(0))
     drafter.to(args.device)
     records = train(target, drafter, windows, held, settings)
-    save_drafter(drafter, args.out, dtype=torch.bfloat16)  # shipped like ling-nano: bf16
+    save_dspark(drafter, args.out, dtype=torch.bfloat16)  # shipped like ling-nano: bf16
     (args.out / "distill_log.json").write_text(json.dumps({"settings": asdict(settings), "config": cfg.to_dict(),
                                                            "train_windows": len(windows), "heldout_windows": len(held),
                                                            "log": records}, indent=2) + "\n")
