@@ -1,7 +1,9 @@
 """One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
 launches, in the same run.
 
-    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...]
+    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT,...] [--no-timeline]
+
+VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (default: all three).
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -59,7 +61,7 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
 BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
 
 
-def variants(program_counts: list[int]) -> list[tuple[str, int, pk.LayerShape, bool]]:
+def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple[str, int, pk.LayerShape, bool]]:
     """(name, programs, shape with its tile sizes, norm_tasks): the norms as tasks or recomputed by every
     consumer; and twice the rows per GEMV task (twice the bytes each task has in flight)."""
     base = pk.LayerShape()
@@ -67,7 +69,7 @@ def variants(program_counts: list[int]) -> list[tuple[str, int, pk.LayerShape, b
     for p in program_counts:
         out += [(f"persistent_p{p}_norm_tasks", p, base, True), (f"persistent_p{p}_recompute", p, base, False),
                 (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True)]
-    return out
+    return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
 def rel(a, b) -> float:
@@ -139,7 +141,10 @@ def plot_timeline(tl: dict, path: Path) -> None:
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
+    with_timeline = "--no-timeline" not in argv
+    argv = [a for a in argv if a != "--no-timeline"]
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
+    only = argv[3].split(",") if len(argv) > 3 else None
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -168,7 +173,7 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check = {}
-    for name, programs, shape, norm_tasks in variants(program_counts):
+    for name, programs, shape, norm_tasks in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
@@ -207,7 +212,7 @@ def main(argv: list[str]) -> int:
         return g
 
     graphs = {"chain": graph(chain_all)}
-    for name, programs, shape, norm_tasks in variants(program_counts):
+    for name, programs, shape, norm_tasks in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
@@ -218,7 +223,7 @@ def main(argv: list[str]) -> int:
                 pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
 
         graphs[name] = graph(pers_all)
-        if name == variants(program_counts)[0][0]:
+        if with_timeline and name == variants(program_counts, only)[0][0]:
             tl_graph = graph(lambda: pers_all(tl_=True))
             tl_ws, tl_schedule = ws, schedule
     reps = 200
@@ -227,21 +232,25 @@ def main(argv: list[str]) -> int:
         for name, g in graphs.items():
             timings[name].append(median_ms(g.replay, reps=reps, warm=10) * 1e3 / n_layers)
     result["per_layer_us"] = timings
-    tl_graph.replay()
-    wait_or_die("timeline replay")
-    tl = timeline(tl_schedule, tl_ws.stamps)
-    (out_dir / "persistent_timeline.json").write_text(json.dumps(tl, indent=1))
-    try:
-        plot_timeline(tl, out_dir / "persistent_timeline.png")
-    except Exception as e:  # the numbers matter more than the picture
-        print(f"plot failed: {e}")
-    result["timeline_summary"] = {k: v for k, v in tl.items() if k != "tasks"}
+    tl = None
+    if with_timeline:
+        tl_graph.replay()
+        wait_or_die("timeline replay")
+        tl = timeline(tl_schedule, tl_ws.stamps)
+        (out_dir / "persistent_timeline.json").write_text(json.dumps(tl, indent=1))
+        try:
+            plot_timeline(tl, out_dir / "persistent_timeline.png")
+        except Exception as e:  # the numbers matter more than the picture
+            print(f"plot failed: {e}")
+        result["timeline_summary"] = {k: v for k, v in tl.items() if k != "tasks"}
     (out_dir / "persistent_layer.json").write_text(json.dumps(result, indent=1))
 
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
     for name, ts in timings.items():
         print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
+    if tl is None:
+        return 0
     print(f"timeline (last layer of a replay): span {tl['span_us']:.1f} us")
     for k, v in tl["by_kind"].items():
         print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
