@@ -302,7 +302,9 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
     """Deal the layer's tasks to `programs` programs by a list schedule over a simple model (each program
     streams at bandwidth / programs; a task's inputs are ready `hop_us` after its last producer ends; weights
     requested before the wait stream during it). Tasks are taken in the topological order and each goes to the
-    program where it would end first, appended to its list, so every list is in topological order."""
+    program where it would end first, appended to its list, so every list is in topological order. A wait on a
+    counter an earlier task of the same program already waited for is left out of the table (its slot -1): the
+    count has been reached, and a poll costs a round trip to L2."""
     tasks, cnt = layer_tasks(shape, norm_tasks)
     per_us = bandwidth / programs / 1e6  # bytes per us per program
     free = [0.0] * programs
@@ -325,8 +327,10 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
     table[:, :, 2:7] = -1
     table[:, :, 3] = table[:, :, 5] = 0
     for p, lst in enumerate(lists):
+        reached: set = set()  # counters an earlier task of this program already waited for (counts only grow)
         for i, t in enumerate(lst):
-            waits = t.waits + [(-1, 0)] * (2 - len(t.waits))
+            waits = [(c, n) if c not in reached else (-1, 0) for c, n in t.waits] + [(-1, 0)] * (2 - len(t.waits))
+            reached.update(c for c, _ in t.waits)
             table[p, i] = torch.tensor([t.kind, t.tile, waits[0][0], waits[0][1], waits[1][0], waits[1][1], t.signal,
                                         t.index], dtype=torch.int32)
     return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"], norm_tasks)

@@ -36,7 +36,7 @@ def test_check_schedule_refuses_a_missing_dependency():
         pk.check_schedule(broken, interleavings=5)
     # a wait for fewer tiles than signal the counter
     table = schedule.table.clone()
-    kda = (table[..., 0] == pk.KDA).nonzero()[0]
+    kda = ((table[..., 0] == pk.KDA) & (table[..., 2] >= 0)).nonzero()[0]
     table[kda[0], kda[1], 3] -= 1
     with pytest.raises(AssertionError, match="waits for"):
         pk.check_schedule(dataclasses.replace(schedule, table=table), interleavings=0)
