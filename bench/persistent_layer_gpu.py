@@ -1,7 +1,10 @@
 """One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
 launches, in the same run.
 
-    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...]
+    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
+
+VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (default: all three, the first with a timeline); +tl: record
+that variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -15,8 +18,8 @@ launches, in the same run.
   All graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
   (`persistent.layer_bytes`) over the copy rate measured in the same run. A/B/A/B to show the spread.
 - Timeline: the persistent kernel with globaltimer stamps per task (start, weights requested, inputs ready,
-  end), the last layer of one graph replay: JSON and PNG.
-Writes OUT_DIR/persistent_layer.json, OUT_DIR/persistent_timeline.json, OUT_DIR/persistent_timeline.png.
+  end), the last layer of one graph replay: JSON and PNG per variant asked for.
+Writes OUT_DIR/persistent_layer.json and OUT_DIR/persistent_timeline_VARIANT.json / .png.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
 BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
 
 
-def variants(program_counts: list[int]) -> list[tuple[str, int, pk.LayerShape, bool]]:
+def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple[str, int, pk.LayerShape, bool]]:
     """(name, programs, shape with its tile sizes, norm_tasks): the norms as tasks or recomputed by every
     consumer; and twice the rows per GEMV task (twice the bytes each task has in flight)."""
     base = pk.LayerShape()
@@ -67,7 +70,7 @@ def variants(program_counts: list[int]) -> list[tuple[str, int, pk.LayerShape, b
     for p in program_counts:
         out += [(f"persistent_p{p}_norm_tasks", p, base, True), (f"persistent_p{p}_recompute", p, base, False),
                 (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True)]
-    return out
+    return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
 def rel(a, b) -> float:
@@ -111,7 +114,7 @@ def timeline(schedule: pk.Schedule, stamps: torch.Tensor) -> dict:
                 tasks=tasks)
 
 
-def plot_timeline(tl: dict, path: Path) -> None:
+def plot_timeline(tl: dict, path: Path, label: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -131,7 +134,7 @@ def plot_timeline(tl: dict, path: Path) -> None:
     ax.set_ylabel("program")
     ax.set_ylim(-1, tl["programs"])
     ax.legend(loc="upper right", fontsize=8)
-    ax.set_title(f"persistent KDA + MoE layer, T=1, TP=4 rank shapes: span {tl['span_us']:.1f} us")
+    ax.set_title(f"persistent KDA + MoE layer ({label}), T=1, TP=4 rank shapes: span {tl['span_us']:.1f} us")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -140,6 +143,9 @@ def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
+    asked = argv[3].split(",") if len(argv) > 3 else ["norm_tasks+tl", "recompute", "norm_tasks_2x_rows"]
+    only = [a.removesuffix("+tl") for a in asked]
+    with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -168,7 +174,7 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check = {}
-    for name, programs, shape, norm_tasks in variants(program_counts):
+    for name, programs, shape, norm_tasks in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
@@ -207,7 +213,8 @@ def main(argv: list[str]) -> int:
         return g
 
     graphs = {"chain": graph(chain_all)}
-    for name, programs, shape, norm_tasks in variants(program_counts):
+    tl_graphs = {}
+    for name, programs, shape, norm_tasks in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
@@ -218,35 +225,39 @@ def main(argv: list[str]) -> int:
                 pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
 
         graphs[name] = graph(pers_all)
-        if name == variants(program_counts)[0][0]:
-            tl_graph = graph(lambda: pers_all(tl_=True))
-            tl_ws, tl_schedule = ws, schedule
+        if name.split("_", 2)[2] in with_timeline:
+            tl_graphs[name] = (graph(lambda pers_all=pers_all: pers_all(tl_=True)), ws, schedule)
     reps = 200
     timings = {name: [] for name in graphs}
     for _ in range(2):  # A B A B
         for name, g in graphs.items():
             timings[name].append(median_ms(g.replay, reps=reps, warm=10) * 1e3 / n_layers)
     result["per_layer_us"] = timings
-    tl_graph.replay()
-    wait_or_die("timeline replay")
-    tl = timeline(tl_schedule, tl_ws.stamps)
-    (out_dir / "persistent_timeline.json").write_text(json.dumps(tl, indent=1))
-    try:
-        plot_timeline(tl, out_dir / "persistent_timeline.png")
-    except Exception as e:  # the numbers matter more than the picture
-        print(f"plot failed: {e}")
-    result["timeline_summary"] = {k: v for k, v in tl.items() if k != "tasks"}
+    tls = {}
+    for name, (tl_graph, tl_ws, tl_schedule) in tl_graphs.items():
+        tl_graph.replay()
+        wait_or_die("timeline replay")
+        tls[name] = tl = timeline(tl_schedule, tl_ws.stamps)
+        label = name.split("_", 2)[2]
+        (out_dir / f"persistent_timeline_{label}.json").write_text(json.dumps(tl, indent=1))
+        try:
+            plot_timeline(tl, out_dir / f"persistent_timeline_{label}.png", label)
+        except Exception as e:  # the numbers matter more than the picture
+            print(f"plot failed: {e}")
+    result["timeline_summary"] = {n: {k: v for k, v in tl.items() if k != "tasks"} for n, tl in tls.items()}
     (out_dir / "persistent_layer.json").write_text(json.dumps(result, indent=1))
 
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
     for name, ts in timings.items():
-        print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor")
-    print(f"timeline (last layer of a replay): span {tl['span_us']:.1f} us")
-    for k, v in tl["by_kind"].items():
-        print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
-              f" last end {v['last_end_us']:6.1f} mean issue {v['mean_issue_us']:5.2f} wait {v['mean_wait_us']:5.2f}"
-              f" after {v['mean_after_ready_us']:5.2f} us")
+        print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor"
+              f"  {min(ts) / min(timings['chain']):.2f}x chain")
+    for name, tl in tls.items():
+        print(f"timeline of {name} (last layer of a replay): span {tl['span_us']:.1f} us")
+        for k, v in tl["by_kind"].items():
+            print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
+                  f" last end {v['last_end_us']:6.1f} mean issue {v['mean_issue_us']:5.2f} wait"
+                  f" {v['mean_wait_us']:5.2f} after {v['mean_after_ready_us']:5.2f} us")
     return 0
 
 

@@ -1,12 +1,22 @@
-"""Next-line completion on held-out files: ling-nano against the two baselines, on the same cases.
+"""Completion on held-out files: ling-nano against the two baselines, on the same cases.
 
-A case is a cursor in a held-out file and the rest of that line as the expected completion:
+A case is a cursor in a held-out file and the text the user would want inserted there (never more than the rest
+of one line). Next-line kinds (the rest of the line is the expected completion):
 - line_start: the cursor after the line's indentation (where an editor leaves it after Enter); the expected
   completion is the whole code of the line.
 - mid_line: the cursor at a random column inside the line's code; the expected completion is the rest of it.
-The text after the current line is the suffix (the model sees it in a FIM prompt; the baselines don't use it).
+Suffix-aware (fill-in-the-middle) kinds, where code after the cursor says what belongs there:
+- block_middle: line_start on a line in the middle of an indented block (the block goes on after it).
+- arg_list: the cursor just after an opening bracket whose closing bracket is already on the line; expected: the
+  text between them.
+- line_end_typed: the line's closing punctuation (`):`, `)`, `]`, ...) is already typed; the cursor at a random
+  column before it; expected: the text between the cursor and that end.
+The text after the cursor is the suffix (the model sees it in a FIM prompt; the baselines don't use it). Every
+predictor's raw line goes through lingls' own post-processing (lingls.lsp.postprocess.clean, one-line rules: the
+degeneration guard, and the end that repeats the text after the cursor dropped), as a user would see it.
 Metrics per predictor and kind: exact match (after stripping trailing whitespace) and edit similarity
-(rapidfuzz's normalised Indel similarity, 0-1).
+(rapidfuzz's normalised Indel similarity, 0-1); degenerate raw lines (a repeated line or a looping unit, what
+the guard removes) are counted before and after post-processing.
 """
 
 from __future__ import annotations
@@ -17,12 +27,16 @@ from dataclasses import asdict, dataclass
 import torch
 from rapidfuzz import fuzz
 
+from lingls.lsp.postprocess import PYTHON, Site, clean, is_degenerate
 from lingls.runtime.healing import Candidates, heal, strip_tail
 from training.baselines import first_line
 from training.fim import SPECIAL_ID
 from training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
 
-KINDS = ("line_start", "mid_line")
+NEXT_LINE_KINDS = ("line_start", "mid_line")
+FIM_KINDS = ("block_middle", "arg_list", "line_end_typed")
+KINDS = NEXT_LINE_KINDS + FIM_KINDS
+_CLOSERS = ")]}:,;'\""
 
 
 @dataclass(frozen=True)
@@ -36,35 +50,120 @@ class Case:
     target: str
 
 
-def make_cases(files, per_kind: int, seed: int, max_line_chars: int = 120) -> list[Case]:
-    """`per_kind` cases of each kind, sampled (seeded) from the non-blank code lines of the files."""
+def make_cases(files, per_kind: int, seed: int, max_line_chars: int = 120, fim_per_kind: int | None = None) -> list[Case]:
+    """`per_kind` next-line cases of each kind and `fim_per_kind` (default: the same) of each suffix-aware kind,
+    sampled (seeded) from the non-blank code lines of the files."""
     rng = random.Random(seed)
     spots = []  # (file index, line index, char offset of line start)
     for fi, f in enumerate(files):
         offset = 0
         for li, line in enumerate(f.text.split("\n")):
             code = line.strip()
-            if li > 0 and 2 <= len(code) and len(line) <= max_line_chars:
+            if li > 0 and 2 <= len(code) and len(line) <= max_line_chars and not code.startswith("#"):
                 spots.append((fi, li, offset))
             offset += len(line) + 1
+    lines = [f.text.split("\n") for f in files]
     cases = []
     for kind in KINDS:
-        for fi, li, start in rng.sample(spots, min(per_kind, len(spots))):
+        want = per_kind if kind in NEXT_LINE_KINDS else (per_kind if fim_per_kind is None else fim_per_kind)
+        made = 0
+        for fi, li, start in rng.sample(spots, len(spots)):
+            if made >= want:
+                break
+            line = lines[fi][li]
+            span = _span(kind, line, lines[fi], li, rng)
+            if span is None:
+                continue
+            a, b = span
             text = files[fi].text
-            line = text.split("\n")[li]
-            body = line.rstrip()
-            indent = len(line) - len(line.lstrip())
-            col = indent if kind == "line_start" else rng.randint(indent + 1, len(body) - 1)
-            cases.append(Case(files[fi].name, kind, li + 1, col + 1, text[: start + col],
-                              text[start + len(line):], body[col:]))
+            cases.append(Case(files[fi].name, kind, li + 1, a + 1, text[: start + a], text[start + b:], line[a:b]))
+            made += 1
     return cases
 
 
+def _span(kind: str, line: str, lines: list[str], li: int, rng: random.Random) -> tuple[int, int] | None:
+    """(cursor column, end column) of the expected completion on `line` for a case of `kind`, or None when the
+    line does not offer one."""
+    body = line.rstrip()
+    indent = len(line) - len(line.lstrip())
+    if kind == "line_start":
+        return indent, len(body)
+    if kind == "mid_line":
+        return (rng.randint(indent + 1, len(body) - 1), len(body)) if len(body) - indent >= 2 else None
+    if kind == "block_middle":
+        nxt = next((x for x in lines[li + 1: li + 6] if x.strip()), "")
+        prev = lines[li - 1] if li > 0 else ""
+        same = lambda x: len(x) - len(x.lstrip()) == indent  # noqa: E731
+        if indent >= 4 and prev.strip() and same(prev) and nxt and same(nxt):
+            return indent, len(body)
+        return None
+    if kind == "arg_list":
+        opens = [i for i, ch in enumerate(body) if ch in "([{" and i >= indent]
+        rng.shuffle(opens)
+        for i in opens:
+            j = _matching(body, i)
+            if j is not None and 2 <= j - i - 1 <= 60 and body[i + 1:j].strip() == body[i + 1:j]:
+                return i + 1, j
+        return None
+    if kind == "line_end_typed":
+        end = len(body)
+        while end > indent and body[end - 1] in _CLOSERS:
+            end -= 1
+        if end == len(body) or end - indent < 3:
+            return None
+        return rng.randint(indent, end - 1), end
+    raise ValueError(f"unknown case kind {kind!r}")
+
+
+def _matching(text: str, i: int) -> int | None:
+    """Index of the bracket closing the one at `i` on the same line (ignoring brackets in strings), or None."""
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    depth, quote = 0, None
+    for j in range(i, len(text)):
+        ch = text[j]
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in pairs:
+            depth += 1
+        elif ch in pairs.values():
+            depth -= 1
+            if depth == 0:
+                return j if ch == pairs[text[i]] else None
+    return None
+
+
+def site_of(case: Case) -> Site:
+    """The post-processing site of a case's cursor, as the language server builds it."""
+    line_prefix = case.prefix[case.prefix.rfind("\n") + 1:]
+    line_suffix = case.suffix.split("\n", 1)[0]
+    above = case.prefix[: len(case.prefix) - len(line_prefix)].rstrip("\n").split("\n")
+    prev_line = next((x for x in reversed(above) if x.strip()), "")
+    next_line = next((x for x in case.suffix.split("\n")[1:33] if x.strip()), "")
+    return Site(line_prefix, line_suffix, next_line, PYTHON, prev_line=prev_line)
+
+
+def postprocess(cases: list[Case], raw: list[str]) -> tuple[list[str], int, int]:
+    """(what lingls would show for each raw line, degenerate raw lines, degenerate shown lines)."""
+    shown, before, after = [], 0, 0
+    for c, r in zip(cases, raw):
+        site = site_of(c)
+        before += is_degenerate(r, site)
+        text = clean(r, site, SPECIAL_TOKENS, final=True, block=False).text
+        after += is_degenerate(text, site)
+        shown.append(text)
+    return shown, before, after
+
+
 def score(cases: list[Case], predictions: list[str]) -> dict:
-    """{kind: {exact_match, edit_similarity, n}} plus 'all'."""
+    """{kind: {exact_match, edit_similarity, n}} plus 'next_line' (line_start and mid_line), 'fim' (the
+    suffix-aware kinds) and 'all'."""
     out = {}
-    for kind in (*KINDS, "all"):
-        pairs = [(c, p) for c, p in zip(cases, predictions) if kind in ("all", c.kind)]
+    groups = {"next_line": NEXT_LINE_KINDS, "fim": FIM_KINDS, "all": KINDS}
+    for kind in (*KINDS, *groups):
+        pairs = [(c, p) for c, p in zip(cases, predictions) if c.kind in groups.get(kind, (kind,))]
         if not pairs:
             continue
         em = sum(p.rstrip() == c.target.rstrip() for c, p in pairs) / len(pairs)
@@ -94,7 +193,7 @@ class ModelCompleter:
     """
 
     def __init__(self, model, tok, device: str, mode: str = "psm", prefix_tokens: int = 768,
-                 suffix_tokens: int = 256, max_new_tokens: int = 48, batch: int = 96):
+                 suffix_tokens: int = 256, max_new_tokens: int = 40, batch: int = 256):
         if mode not in PROMPT_MODES:
             raise ValueError(f"mode must be one of {PROMPT_MODES}")
         self.model, self.tok, self.device, self.mode = model, tok, device, mode

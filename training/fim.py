@@ -26,9 +26,15 @@ SPECIAL_ID = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
 
 @dataclass(frozen=True)
 class FimMix:
-    fim_rate: float = 0.5  # share of examples that are FIM; the rest are plain
-    spm_rate: float = 0.5  # share of FIM examples in SPM order
-    line_rate: float = 0.6  # share of FIM middles that run from a cursor to a line end (what completion asks for)
+    """The example mix. FIM examples train the plain continuation too (the loss covers every token, prefix and
+    suffix included), so most examples are FIM; SPM order dominates because it keeps the prefix next to the
+    middle, which a small model with two softmax-attention layers finds far easier than PSM's jump back over the
+    suffix (the first ling-nano: PSM exact match 0.003, SPM 0.069 on the same cases)."""
+
+    fim_rate: float = 0.75  # share of examples that are FIM; the rest are plain
+    spm_rate: float = 0.7  # share of FIM examples in SPM order
+    line_rate: float = 0.5  # share of FIM middles that run from a cursor to a line end (what completion asks for)
+    inline_rate: float = 0.25  # share that end inside the cursor's line (an argument list, a line whose end is typed)
     context_rate: float = 0.2  # share of examples preceded by a chunk of another file and the file's header
     header_rate: float = 0.1  # share preceded by the file's header alone
     chunk_chars: int = 4000  # files are cut at line boundaries into chunks of at most this many characters
@@ -69,6 +75,22 @@ def line_middle(text: str, rng: random.Random) -> tuple[int, int]:
     return begin, end
 
 
+def inline_middle(text: str, rng: random.Random) -> tuple[int, int]:
+    """A span inside one line that stops before the line's end: before its closing punctuation (`):`, `)`),
+    or at a later random column."""
+    pos = rng.randint(0, len(text))
+    start = text.rfind("\n", 0, pos) + 1
+    end = text.find("\n", start)
+    end = len(text) if end < 0 else end
+    stop = end
+    while stop > start and text[stop - 1] in ")]}:,;'\" ":
+        stop -= 1
+    if stop == end or rng.random() < 0.5:
+        stop = rng.randint(start, end)
+    begin = rng.randint(start, stop)
+    return begin, stop
+
+
 def random_middle(text: str, rng: random.Random) -> tuple[int, int]:
     a, b = sorted((rng.randint(0, len(text)), rng.randint(0, len(text))))
     return a, b
@@ -84,7 +106,13 @@ def make_example(chunk: str, name: str, rng: random.Random, mix: FimMix, other: 
         header += [SPECIAL_ID[FILE_SEP], f"{display_path(name)}\n"]
     if rng.random() >= mix.fim_rate:
         return header + [chunk, SPECIAL_ID[EOS]]
-    a, b = line_middle(chunk, rng) if rng.random() < mix.line_rate else random_middle(chunk, rng)
+    roll = rng.random()
+    if roll < mix.line_rate:
+        a, b = line_middle(chunk, rng)
+    elif roll < mix.line_rate + mix.inline_rate:
+        a, b = inline_middle(chunk, rng)
+    else:
+        a, b = random_middle(chunk, rng)
     prefix, middle, suffix = chunk[:a], chunk[a:b], chunk[b:]
     pre = [SPECIAL_ID[FIM_PREFIX], prefix]
     suf = [SPECIAL_ID[FIM_SUFFIX], suffix]

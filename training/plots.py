@@ -40,8 +40,9 @@ def training_curve(log_path: Path, out: Path, title: str) -> None:
 def eval_chart(results: dict, out: Path) -> None:
     """Grouped bars: predictor x case kind, for exact match and edit similarity."""
     names = list(results)
-    kinds = ["line_start", "mid_line", "all"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = [k for k in ("line_start", "mid_line", "next_line", "block_middle", "arg_list", "line_end_typed", "fim")
+             if all(k in r for r in results.values())]
+    fig, axes = plt.subplots(2, 1, figsize=(13, 8))
     width = 0.8 / len(names)
     for ax, metric in zip(axes, ("exact_match", "edit_similarity")):
         for j, name in enumerate(names):
@@ -52,7 +53,7 @@ def eval_chart(results: dict, out: Path) -> None:
         ax.set_ylim(0, 1)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("next-line completion on held-out files")
+    fig.suptitle("completion on held-out packages: next-line and suffix-aware (FIM) cases")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -3,8 +3,11 @@
     python -m training.reproduce --out DIR
 
 data (this machine's Python source) -> tokenizer -> FIM examples -> training (GPU) -> bf16 checkpoint ->
-held-out loss and next-line evaluation against both baselines -> plots -> model card. Writes
-DIR/ling-nano/ (what lingls/assets/ling-nano/ ships) and DIR/results/ (bench/results/nano_* and logs).
+held-out loss and the evaluation (next-line and suffix-aware cases) against both baselines and the model shipped
+before -> plots -> model card. Writes DIR/ling-nano/ (what lingls/assets/ling-nano/ ships) and DIR/results/
+(bench/results/nano_* and logs, with train_state.json).
+
+    python -m training.reproduce --out DIR --resume PREV    # train on from PREV's ling-nano/ and train_state
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from training import card, plots
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.data import collect, package_bytes, write_manifest
 from training.evaluate import (MODE_NAMES, PROMPT_MODES, ModelCompleter, case_record, make_cases, newline_token_ids,
-                               score, summary_table)
+                               postprocess, score, summary_table)
 from training.fim import FimMix, build_examples, encode_examples
 from training.licenses import package_licenses
 from training.ngram import NGramModel
@@ -32,6 +35,7 @@ from training.tokenizer import SPECIAL_TOKENS, save_tokenizer, special_ids, trai
 from training.train import TrainSettings, mean_loss, train, windows_of
 
 CONFIG = Path(__file__).parent / "configs" / "ling-nano.json"
+SHIPPED = Path(__file__).resolve().parents[1] / "lingls" / "assets" / "ling-nano"  # the model to beat
 TOKENIZER_SAMPLE_BYTES = 40_000_000
 NGRAM_ORDERS = (3, 4, 5, 6)
 
@@ -58,11 +62,20 @@ def stream_of(tok, texts: list[str]) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--config", type=Path, default=CONFIG, help="the model's architecture (LingConfig JSON)")
     ap.add_argument("--max-train-bytes", type=int, default=200_000_000)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
     ap.add_argument("--train-seconds", type=float, default=TrainSettings.max_seconds)
-    ap.add_argument("--cases-per-kind", type=int, default=400)
+    ap.add_argument("--cases-per-kind", type=int, default=300, help="next-line cases of each kind")
+    ap.add_argument("--fim-cases-per-kind", type=int, default=200, help="suffix-aware cases of each kind")
+    ap.add_argument("--max-new-tokens", type=int, default=40, help="per evaluated completion")
+    ap.add_argument("--lr", type=float, default=TrainSettings.lr)
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="an earlier --out DIR: train on from its ling-nano/ and results/train_state.json")
+    ap.add_argument("--compare", type=Path, default=SHIPPED,
+                    help="a model evaluated on the same cases, prompted as its tokenizer_config says (default: "
+                         "the shipped ling-nano, read before this run replaces anything)")
     ap.add_argument("--heldout-windows", type=int, default=None, help="cap on held-out windows for the loss (default: all)")
     ap.add_argument("--seed", type=int, default=TrainSettings.seed)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(corpus.stats), flush=True)
     t = mark("collect", t)
 
-    cfg_dict = json.loads(CONFIG.read_text())
+    cfg_dict = json.loads(args.config.read_text())
     cfg_dict["vocab_size"] = args.vocab_size
     cfg = LingConfig.from_dict(cfg_dict)
     sample, size = [], 0
@@ -98,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             break
         sample.append(f.text)
         size += len(f.text)
-    if args.eval_only:
+    if args.resume:
+        tok = Tokenizer.from_file(str(args.resume / "ling-nano" / "tokenizer.json"))
+        save_tokenizer(tok, model_dir, cfg.max_position_embeddings)
+    elif args.eval_only:
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     else:
         tok = train_tokenizer(sample, args.vocab_size)
@@ -117,12 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
     t = mark("ngram", t)
 
-    settings = TrainSettings(batch_size=args.batch_size, max_seconds=args.train_seconds, seed=args.seed)
+    settings = TrainSettings(batch_size=args.batch_size, max_seconds=args.train_seconds, seed=args.seed, lr=args.lr)
+    compare = None
+    if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
+        compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
+                   Tokenizer.from_file(str(args.compare / "tokenizer.json")),
+                   json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm"))
     if args.eval_only:
         previous = json.loads((res_dir / "nano_eval.json").read_text())
         summary, timings["train"] = previous["training"], previous["timings_seconds"]["train"]
     else:
-        model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device)
+        init, resume = None, None
+        if args.resume:
+            init = load_model(args.resume / "ling-nano", device=args.device, dtype=torch.float32)
+            resume = json.loads((args.resume / "results" / "train_state.json").read_text())
+            log = args.resume / "results" / "train_log.jsonl"
+            if log.resolve() != (res_dir / "train_log.jsonl").resolve():
+                (res_dir / "train_log.jsonl").write_bytes(log.read_bytes())
+        model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device,
+                               init=init, resume=resume)
+        (res_dir / "train_state.json").write_text(json.dumps(summary["state"], indent=1) + "\n")
         t = mark("train", t)
         save_checkpoint(model, model_dir, dtype=torch.bfloat16)
         (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
@@ -132,22 +162,36 @@ def main(argv: list[str] | None = None) -> int:
     held_loss, held_mtp = mean_loss(shipped, held_windows, 16, args.device, bf16=False, with_mtp=True)
     t = mark("heldout_loss", t)
 
-    cases = make_cases(corpus.heldout, args.cases_per_kind, args.seed)
-    preds, model_seconds = {}, {}
+    cases = make_cases(corpus.heldout, args.cases_per_kind, args.seed, fim_per_kind=args.fim_cases_per_kind)
+    raw, model_seconds = {}, {}
     for mode in PROMPT_MODES:
         t_mode = time.time()
-        preds[f"ling-nano ({MODE_NAMES[mode]})"] = ModelCompleter(shipped, tok, args.device, mode).complete_all(cases)
+        raw[f"ling-nano ({MODE_NAMES[mode]})"] = ModelCompleter(shipped, tok, args.device, mode,
+                                                                 max_new_tokens=args.max_new_tokens).complete_all(cases)
         model_seconds[mode] = round(time.time() - t_mode, 1)
-    preds["repeat previous line"] = [repeat_previous_line(c.prefix) for c in cases]
+    if compare is not None:
+        old, old_tok, old_mode = compare
+        t_mode = time.time()
+        raw[f"shipped before ({MODE_NAMES[old_mode]})"] = ModelCompleter(
+            old, old_tok, args.device, old_mode, max_new_tokens=args.max_new_tokens).complete_all(cases)
+        model_seconds["shipped_before"] = round(time.time() - t_mode, 1)
+        del old, compare
+    raw["repeat previous line"] = [repeat_previous_line(c.prefix) for c in cases]
     newline_ids = newline_token_ids(tok)
     ngram_scores = {}
     for order in NGRAM_ORDERS:
         ngram.order = order
         completer = NGramCompleter(ngram, tok, newline_ids, set(range(len(SPECIAL_TOKENS))))
-        p = [completer.complete(c.prefix) for c in cases]
+        p, _, _ = postprocess(cases, [completer.complete(c.prefix) for c in cases])
         ngram_scores[order] = (score(cases, p), p)
     best = max(ngram_scores, key=lambda o: ngram_scores[o][0]["all"]["edit_similarity"])
-    preds[f"token {best}-gram"] = ngram_scores[best][1]
+    ngram.order = best
+    completer = NGramCompleter(ngram, tok, newline_ids, set(range(len(SPECIAL_TOKENS))))
+    raw[f"token {best}-gram"] = [completer.complete(c.prefix) for c in cases]
+    preds, degenerate = {}, {}
+    for name, lines in raw.items():
+        preds[name], before, after = postprocess(cases, lines)
+        degenerate[name] = {"raw": before, "shown": after}
     results = {name: score(cases, p) for name, p in preds.items()}
     lingls_mode = max(PROMPT_MODES, key=lambda m: results[f"ling-nano ({MODE_NAMES[m]})"]["all"]["edit_similarity"])
     config_path = model_dir / "tokenizer_config.json"
@@ -171,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         "heldout": {"loss_nats_per_token": round(held_loss, 4), "mtp_loss_nats_per_token": round(held_mtp, 4),
                     "windows": len(held_windows), "seq_len": settings.seq_len,
                     "note": "shipped bf16 weights computed in fp32, plain left-to-right held-out files"},
-        "evaluation": {"cases_per_kind": args.cases_per_kind, "results": results,
+        "evaluation": {"cases_per_kind": args.cases_per_kind, "fim_cases_per_kind": args.fim_cases_per_kind,
+                       "results": results, "degenerate": degenerate,
                        "ngram_by_order": {str(o): s for o, (s, _) in ngram_scores.items()},
-                       "model_eval_seconds": model_seconds, "lingls_mode": lingls_mode, "max_new_tokens": 48,
+                       "model_eval_seconds": model_seconds, "lingls_mode": lingls_mode, "max_new_tokens": args.max_new_tokens,
                        "prompt": "last 768 prefix tokens (the last one healed), first 256 suffix tokens; "
-                                 "greedy, cut at the first newline"},
+                                 "greedy, cut at the first newline, then lingls' one-line post-processing"},
         "timings_seconds": timings,
-        "samples": [case_record(cases[i], {n: p[i] for n, p in preds.items()})
-                    for i in sorted(set(range(min(20, len(cases)))) | set(range(max(0, len(cases) - 20), len(cases))))],
+        "samples": [case_record(c, {n: p[i] for n, p in preds.items()}) for kind in {c.kind: 0 for c in cases}
+                    for i, c in [(i, c) for i, c in enumerate(cases) if c.kind == kind][:8]],
     }
     report["timings_seconds"]["total"] = round(sum(timings.values()), 1)  # --eval-only: with the earlier training
     (res_dir / "nano_eval.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -186,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"ling-nano: {n_params / 1e6:.1f}M parameters, {summary['train_tokens'] / 1e6:.0f}M tokens")
     plots.eval_chart(results, res_dir / "nano_eval.png")
     (model_dir / "training_curve.png").write_bytes((res_dir / "nano_training_curve.png").read_bytes())
-    licenses = package_licenses(list(package_bytes(corpus.train))[:40])
+    licenses = package_licenses(list(package_bytes(corpus.train)) + corpus.stats["heldout_packages"])
     (res_dir / "data_licenses.json").write_text(json.dumps(licenses, indent=1) + "\n")
     draft_log = model_dir / "draft" / "distill_log.json"  # a drafter distilled earlier (training.draft.distill)
     (model_dir / "MODEL_CARD.md").write_text(card.model_card(
@@ -194,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(draft_log.read_text()) if draft_log.is_file() else None))
     mark("report", t)
     print(summary_table(results), flush=True)
+    print("degenerate completions (raw -> shown):", json.dumps(degenerate), flush=True)
     print(json.dumps({"heldout": report["heldout"], "training": summary, "timings": timings}), flush=True)
     return 0
 

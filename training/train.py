@@ -5,6 +5,11 @@ MoE balance is aux-loss-free, as in Ling/DeepSeek-V3: a forward hook on every ro
 many tokens each expert received; after each optimizer step every expert's selection bias moves by
 `bias_rate` towards the mean load (up when under-used, down when over-used). The bias only changes which
 experts are chosen, never their weights, so no gradient flows through it.
+
+Resuming: a run continues from a saved model (the shipped bf16 weights, expert biases included) and its
+`train_state.json` (tokens and steps so far, where the data order stood). Only that comes back from the GPU
+machine within its transfer limits, so AdamW's moments start afresh; with betas 0.9/0.95 they are re-estimated
+within a few dozen steps, which the resumed segment's own short warm-up covers.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
     bias_rate: float = 1e-3
-    eval_seconds: float = 30.0  # held-out probe loss at the first log step after this many seconds
+    eval_seconds: float = 45.0  # held-out probe loss at the first log step after this many seconds
     log_every: int = 10
     seed: int = 1234
     tf32: bool = True  # TF32 for the fp32 matmuls left under autocast (the chunked KDA's): bench/train_throughput.py
@@ -50,22 +55,37 @@ class PackedStream:
             raise ValueError(f"stream of {stream.numel()} tokens is shorter than one window of {seq_len + 1}")
         self.starts = torch.arange(n, device=stream.device) * seq_len
         self.gen = torch.Generator().manual_seed(seed)
-        self.order, self.pos, self.epochs = torch.randperm(n, generator=self.gen), 0, 0
+        self.pos, self.epochs = 0, 0
+        self.order = self._shuffle()
         self.offsets = torch.arange(seq_len + 1, device=stream.device)
+
+    def _shuffle(self) -> torch.Tensor:
+        """The next epoch's window order, on the stream's device (indexing with it needs no host copy)."""
+        return torch.randperm(len(self.starts), generator=self.gen).to(self.starts.device)
 
     def __len__(self) -> int:
         return self.starts.numel()
 
+    def state(self) -> dict:
+        return {"epochs": self.epochs, "pos": self.pos}
+
+    def restore(self, state: dict) -> None:
+        """Move to where `state()` was taken on a stream built the same way (same tokens, seq_len and seed)."""
+        for _ in range(state["epochs"]):
+            self.order = self._shuffle()
+        self.epochs, self.pos = state["epochs"], min(state["pos"], len(self))
+
     def batch(self, size: int) -> torch.Tensor:
-        picks = []
-        while len(picks) < size:
+        picks, got = [], 0
+        while got < size:
             if self.pos == len(self.order):
-                self.order, self.pos = torch.randperm(len(self), generator=self.gen), 0
+                self.order, self.pos = self._shuffle(), 0
                 self.epochs += 1
-            take = min(size - len(picks), len(self.order) - self.pos)
-            picks.extend(self.order[self.pos:self.pos + take].tolist())
+            take = min(size - got, len(self.order) - self.pos)
+            picks.append(self.order[self.pos:self.pos + take])
             self.pos += take
-        starts = self.starts[torch.tensor(picks, device=self.starts.device)]
+            got += take
+        starts = self.starts[torch.cat(picks)]
         return self.stream[starts[:, None] + self.offsets].long()
 
 
@@ -81,20 +101,21 @@ class ExpertBalancer:
     def _hook(self, i: int):
         def hook(module, inputs, output):
             _, idx = output
-            self.counts[i] += torch.bincount(idx.flatten(), minlength=self.counts[i].numel()).float()
+            flat = idx.flatten()  # index_add_, not bincount: CUDA's bincount reads the max back to the host
+            self.counts[i].index_add_(0, flat, torch.ones_like(flat, dtype=self.counts[i].dtype))
         return hook
 
     @torch.no_grad()
-    def update(self) -> float:
-        """Apply the bias step; returns the mean over routers of max load / mean load since the last update."""
+    def update(self) -> torch.Tensor:
+        """Apply the bias step; returns (as a tensor: no host sync in the training loop) the mean over routers of
+        max load / mean load since the last update."""
         ratios = []
         for router, c in zip(self.routers, self.counts):
             mean = c.mean()
-            if mean > 0:
-                router.expert_bias += self.rate * torch.sign(mean - c)
-                ratios.append(c.max() / mean)
+            router.expert_bias += self.rate * torch.sign(mean - c)  # all zero (no change) when nothing was routed
+            ratios.append(c.max() / mean.clamp(min=1e-9))
             c.zero_()
-        return float(torch.stack(ratios).mean()) if ratios else 1.0
+        return torch.stack(ratios).mean() if ratios else torch.ones(())
 
     def remove(self) -> None:
         for h in self.handles:
@@ -146,6 +167,30 @@ def mean_loss(model: LingForCausalLM, windows: torch.Tensor, batch: int, device:
     return total / max(n, 1), (total_mtp / max(n, 1) if with_mtp else None)
 
 
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}  # dense bf16, the datasheets
+
+
+def model_flops_per_token(model: LingForCausalLM, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward) of the work the model needs, not of the
+    implementation: every matrix product a token takes part in (2 x its active weights: routed experts at
+    top-k / experts, the embedding lookup free), MLA's attention over the causal mean of seq_len / 2 keys,
+    and KDA's chunked recurrence (per head: the state read and write, 4 dk dv, and the chunk's pairwise
+    products, 4 C (dk + dv))."""
+    cfg = model.config
+    k_over_e = cfg.num_experts_per_tok / cfg.num_experts
+    forward = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or "conv1d" in name:
+            continue
+        share = k_over_e if name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name else 1.0
+        forward += 2 * p.numel() * share
+    n_mla = len(cfg.mla_layers) + cfg.num_nextn_predict_layers
+    forward += n_mla * 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
+    chunk = 16
+    forward += len(cfg.kda_layers) * cfg.num_attention_heads * (4 * cfg.head_dim ** 2 + 8 * chunk * cfg.head_dim)
+    return 3 * forward
+
+
 def windows_of(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     n = (stream.numel() - 1) // seq_len
     idx = torch.arange(n)[:, None] * seq_len + torch.arange(seq_len + 1)
@@ -153,12 +198,18 @@ def windows_of(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: TrainSettings, log_path: Path,
-          device: str = "cuda") -> tuple[LingForCausalLM, dict]:
-    """Train from scratch; returns the model and a summary. One JSON line per log step goes to log_path."""
+          device: str = "cuda", init: LingForCausalLM | None = None, resume: dict | None = None
+          ) -> tuple[LingForCausalLM, dict]:
+    """Train from scratch, or on from `init` (a loaded model) and `resume` (the previous run's train_state);
+    returns the model and a summary, whose `state` is the next run's `resume`. One JSON line per log step
+    goes to log_path (appended to when resuming)."""
     torch.manual_seed(s.seed)
     torch.backends.cuda.matmul.allow_tf32 = s.tf32
-    model = LingForCausalLM(cfg).to(device)
-    model.init_weights(0.02, generator=torch.Generator(device=device).manual_seed(s.seed))
+    if init is None:
+        model = LingForCausalLM(cfg).to(device)
+        model.init_weights(0.02, generator=torch.Generator(device=device).manual_seed(s.seed))
+    else:
+        model = init.to(device=device, dtype=torch.float32)
     model.train()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -169,11 +220,14 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.startswith("cuda"))
     data = PackedStream(stream.to(device), s.seq_len, s.seed)
+    before = resume or {"tokens": 0, "steps": 0, "seconds": 0.0, "segments": 0}
+    if resume:
+        data.restore(resume["data"])
     held = windows_of(heldout, s.seq_len)
-    held_probe = held[: max(1, min(len(held), 2 * s.batch_size))]
+    held_probe = held[: max(1, min(len(held), 32))]
     balancer = ExpertBalancer(model, s.bias_rate)
     autocast = dict(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device.startswith("cuda"))
-    log = log_path.open("w")
+    log = log_path.open("a" if resume else "w")
     t0 = time.time()
     tokens = 0
     acc = {"loss": 0.0, "mtp": 0.0, "imbalance": 0.0, "n": 0}
@@ -196,15 +250,17 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
         opt.step()
         imbalance = balancer.update()
         tokens += x.shape[0] * s.seq_len
-        acc["loss"] += main.item()
-        acc["mtp"] += mtp.item() if mtp is not None else 0.0
+        # summed on the GPU and read at log steps only: a read per step would stall the launch queue
+        acc["loss"] += main.detach()
+        acc["mtp"] += mtp.detach() if mtp is not None else 0.0
         acc["imbalance"] += imbalance
         acc["n"] += 1
         step += 1
         if step % s.log_every == 0 or step == 1:
-            rec = {"step": step, "tokens": tokens, "seconds": round(time.time() - t0, 2), "lr": lr,
-                   "loss": acc["loss"] / acc["n"], "mtp_loss": acc["mtp"] / acc["n"],
-                   "expert_max_over_mean": acc["imbalance"] / acc["n"]}
+            rec = {"step": before["steps"] + step, "tokens": before["tokens"] + tokens,
+                   "seconds": round(before["seconds"] + time.time() - t0, 2), "lr": lr,
+                   "loss": float(acc["loss"]) / acc["n"], "mtp_loss": float(acc["mtp"]) / acc["n"],
+                   "expert_max_over_mean": float(acc["imbalance"]) / acc["n"]}
             if time.time() - last_eval >= s.eval_seconds:
                 last_eval = time.time()
                 rec["heldout_loss"] = mean_loss(model, held_probe, s.batch_size, device)[0]
@@ -215,10 +271,18 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
     steps_done = step
     seconds = time.time() - t0
     balancer.remove()
-    summary = {"steps": steps_done, "stopped_by": stopped_by, "train_seconds": round(seconds, 1),
-               "train_tokens": tokens, "tokens_per_second": round(tokens / max(seconds, 1e-9)),
-               "epochs_over_data": round(tokens / stream.numel(), 3), "settings": asdict(s)}
-    rec = {"step": steps_done, "tokens": tokens, "seconds": round(seconds, 2), "final": True}
+    flops = model_flops_per_token(model, s.seq_len)
+    tps = tokens / max(seconds, 1e-9)
+    peak = PEAK_BF16_FLOPS.get(torch.cuda.get_device_name() if device.startswith("cuda") else "", 0.0)
+    state = {"tokens": before["tokens"] + tokens, "steps": before["steps"] + steps_done,
+             "seconds": round(before["seconds"] + seconds, 1), "segments": before["segments"] + 1,
+             "data": data.state(), "seq_len": s.seq_len, "seed": s.seed}
+    summary = {"steps": state["steps"], "stopped_by": stopped_by, "train_seconds": state["seconds"],
+               "train_tokens": state["tokens"], "segment_seconds": round(seconds, 1), "segment_tokens": tokens,
+               "tokens_per_second": round(tps), "model_flops_per_token": round(flops),
+               "mfu": round(flops * tps / peak, 4) if peak else None, "peak_flops": peak,
+               "epochs_over_data": round(state["tokens"] / stream.numel(), 3), "settings": asdict(s), "state": state}
+    rec = {"step": state["steps"], "tokens": state["tokens"], "seconds": state["seconds"], "final": True}
     log.write(json.dumps(rec) + "\n")
     log.close()
     return model, summary

@@ -302,7 +302,9 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
     """Deal the layer's tasks to `programs` programs by a list schedule over a simple model (each program
     streams at bandwidth / programs; a task's inputs are ready `hop_us` after its last producer ends; weights
     requested before the wait stream during it). Tasks are taken in the topological order and each goes to the
-    program where it would end first, appended to its list, so every list is in topological order."""
+    program where it would end first, appended to its list, so every list is in topological order. A wait on a
+    counter an earlier task of the same program already waited for is left out of the table (its slot -1): the
+    count has been reached, and a poll costs a round trip to L2."""
     tasks, cnt = layer_tasks(shape, norm_tasks)
     per_us = bandwidth / programs / 1e6  # bytes per us per program
     free = [0.0] * programs
@@ -325,8 +327,10 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
     table[:, :, 2:7] = -1
     table[:, :, 3] = table[:, :, 5] = 0
     for p, lst in enumerate(lists):
+        reached: set = set()  # counters an earlier task of this program already waited for (counts only grow)
         for i, t in enumerate(lst):
-            waits = t.waits + [(-1, 0)] * (2 - len(t.waits))
+            waits = [(c, n) if c not in reached else (-1, 0) for c, n in t.waits] + [(-1, 0)] * (2 - len(t.waits))
+            reached.update(c for c, _ in t.waits)
             table[p, i] = torch.tensor([t.kind, t.tile, waits[0][0], waits[0][1], waits[1][0], waits[1][1], t.signal,
                                         t.index], dtype=torch.int32)
     return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"], norm_tasks)
@@ -740,6 +744,15 @@ def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h
 
 
 @_jit
+def _task_row(row, valid):
+    """A task's table row (kind, tile, c0, n0, c1, n1, signal, index); kind 0 where not valid."""
+    return (tl.load(row, mask=valid, other=0), tl.load(row + 1, mask=valid, other=0),
+            tl.load(row + 2, mask=valid, other=0), tl.load(row + 3, mask=valid, other=0),
+            tl.load(row + 4, mask=valid, other=0), tl.load(row + 5, mask=valid, other=0),
+            tl.load(row + 6, mask=valid, other=0), tl.load(row + 7, mask=valid, other=0))
+
+
+@_jit
 def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                   in_norm_ptr, proj_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, oproj_ptr, post_norm_ptr,
                   router_ptr, bias_ptr, gu_ptr, dn_ptr, sgu_ptr, sdn_ptr, state_ptr, conv_ptr,
@@ -755,16 +768,12 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
     pid = tl.program_id(0)
     C: tl.constexpr = NH * D
     gen = tl.atomic_add(cnt_ptr + EPOCH, 0, sem="acquire", scope="gpu") + 1  # this launch's generation
+    base = tasks_ptr + pid * MAX_TASKS * 8
+    kind, tile, c0, n0, c1, n1, sig, idx = _task_row(base, True)
     for i in range(MAX_TASKS):
-        row = tasks_ptr + (pid * MAX_TASKS + i) * 8
-        kind = tl.load(row)
-        tile = tl.load(row + 1)
-        c0 = tl.load(row + 2)
-        n0 = tl.load(row + 3)
-        c1 = tl.load(row + 4)
-        n1 = tl.load(row + 5)
-        sig = tl.load(row + 6)
-        idx = tl.load(row + 7)
+        # the next task's row goes out before this task runs: read at its start, it cost a round trip per task
+        # before the task's weight loads could issue
+        n_kind, n_tile, n_c0, n_n0, n_c1, n_n1, n_sig, n_idx = _task_row(base + (i + 1) * 8, i + 1 < MAX_TASKS)
         if kind != 0:
             _stamp(stamp_ptr, idx, 0, TIMELINE)
             if kind == 1:  # PROJ
@@ -824,6 +833,7 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
             if sig >= 0:
                 tl.atomic_add(cnt_ptr + sig, 1, sem="release", scope="gpu")
             _stamp(stamp_ptr, idx, 3, TIMELINE)
+        kind, tile, c0, n0, c1, n1, sig, idx = n_kind, n_tile, n_c0, n_n0, n_c1, n_n1, n_sig, n_idx
     arrived = tl.atomic_add(cnt_ptr + DONE, 1, sem="acq_rel", scope="gpu")
     if arrived == gen * P - 1:  # the last program of this launch: the next launch waits for need * (gen + 1)
         tl.atomic_add(cnt_ptr + EPOCH, 1, sem="release", scope="gpu")

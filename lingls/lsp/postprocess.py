@@ -142,7 +142,7 @@ def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = Fa
 # A repeated line is one equal (ignoring indentation) to the previous non-blank line of the completion, or to
 # the line above the cursor when the completion starts on a blank line; lines without a letter or digit
 # (`)`, `}`, `#`, `"""`) may repeat: nested brackets close that way.
-MAX_LOOP_UNIT = 16
+MAX_LOOP_UNIT = 32
 _RULERS = set("-=#*~_^.+/")
 
 

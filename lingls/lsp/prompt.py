@@ -1,5 +1,6 @@
 """The prompt for one cursor: the model's FIM template around prefix and suffix windows, plus context chunks
-from other documents, within a token budget. Models without FIM tokens get the prefix alone (left to right).
+from other documents, within a token budget, in the template's order (PSM, or SPM where the model's card asks for
+it). Models without FIM tokens get the prefix alone (left to right).
 
 Budget: the suffix may take a fifth and the context chunks a quarter; the prefix gets the rest, including
 whatever those two left unused. Windows grow a whole line at a time, so a model never sees half a line
@@ -114,7 +115,10 @@ def build_prompt(
     pieces = [f"{fim.file_sep}{label}\n{body}\n" for label, body in context] if fim.file_sep else []
     if pieces and path:
         pieces.append(f"{fim.file_sep}{path}\n")
-    pieces.append(f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}")
+    if fim.order == "spm":  # the prefix next to the middle: what small models learn more easily
+        pieces.append(f"{fim.suffix}{suffix}{fim.prefix}{prefix}{fim.middle}")
+    else:
+        pieces.append(f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}")
     tokens = prefix_tokens + suffix_tokens + (chunk_tokens if pieces[:-1] else 0)
     return Prompt("".join(pieces), offset - prefix_start, suffix_end - offset, tokens, parts)
 

@@ -22,6 +22,7 @@ class FimTemplate:
     middle: str = "<|fim_middle|>"
     file_sep: str | None = "<|file_sep|>"
     eos: tuple[str, ...] = ("<|endoftext|>",)
+    order: str = "psm"  # psm: prefix, suffix, middle; spm: suffix, prefix, middle (the model's card says which)
 
     def special_tokens(self) -> tuple[str, ...]:
         """Every token that must never appear in a completion shown to a user."""

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -170,9 +170,11 @@ class LocalEngine:
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         check_model_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        # a model whose card says it completes best from the prefix alone (ling-nano: MODEL_CARD.md) gets
-        # left-to-right prompts from the language server, though it knows the FIM tokens
-        self.fim = None if self.tokenizer.completion_prompt == "prefix" else self.tokenizer.fim
+        # a model whose card says it completes best from the prefix alone gets left-to-right prompts from the
+        # language server, though it knows the FIM tokens; one whose card says spm gets the suffix first
+        how = self.tokenizer.completion_prompt
+        fim = self.tokenizer.fim
+        self.fim = None if how == "prefix" or fim is None else replace(fim, order="spm") if how == "spm" else fim
         self.name = self.model_dir.name
         self.stats = EngineStats()
         self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)

@@ -14,8 +14,8 @@ TINY = pk.LayerShape(hidden=64, heads=2, head_dim=16, experts=16, inter=8, share
                      topk_group=2, proj_rows=8, oproj_rows=16, router_rows=8, gu_rows=4, down_rows=16, block_k=32, kda_bv=8)
 
 
-@pytest.mark.parametrize("norm_tasks", [True, False])
-@pytest.mark.parametrize("shape,programs", [(pk.LayerShape(), 132), (TINY, 1), (TINY, 3), (TINY, 40)])
+@pytest.mark.parametrize("shape,programs,norm_tasks", [(pk.LayerShape(), 132, True)] + [
+    (TINY, p, n) for p in (1, 3, 40) for n in (True, False)])
 def test_schedule_is_correct_under_any_interleaving(shape, programs, norm_tasks):
     schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
     pk.check_schedule(schedule, interleavings=2 if shape.hidden > 1000 else 30, seed=programs)
@@ -36,7 +36,7 @@ def test_check_schedule_refuses_a_missing_dependency():
         pk.check_schedule(broken, interleavings=5)
     # a wait for fewer tiles than signal the counter
     table = schedule.table.clone()
-    kda = (table[..., 0] == pk.KDA).nonzero()[0]
+    kda = ((table[..., 0] == pk.KDA) & (table[..., 2] >= 0)).nonzero()[0]
     table[kda[0], kda[1], 3] -= 1
     with pytest.raises(AssertionError, match="waits for"):
         pk.check_schedule(dataclasses.replace(schedule, table=table), interleavings=0)
@@ -94,7 +94,8 @@ def test_kernel_matches_reference(programs, norm_tasks):
     s = TINY
     schedule = pk.build_schedule(s, programs, norm_tasks=norm_tasks)
     ws = pk.workspace(schedule, dev)
-    for seed in (programs, programs + 10):  # two launches: the second waits on the next generation
+    seeds = (programs, programs + 10) if norm_tasks else (programs,)  # two launches: the second waits on the
+    for seed in seeds:  # next generation (once: the interpreter is slow)
         w, h, state, conv = _inputs(s, seed)
         w = pk.LayerWeights(*(t.to(dev) for t in w))
         ref_state, ref_conv = state.clone(), conv.clone()
@@ -105,4 +106,4 @@ def test_kernel_matches_reference(programs, norm_tasks):
         assert rel(out.cpu(), expect) < tol
         assert rel(st.cpu(), ref_state) < tol
         assert rel(cv.cpu(), ref_conv) < tol
-    assert ws.counters[schedule.epoch].item() == 2
+    assert ws.counters[schedule.epoch].item() == len(seeds)

@@ -126,6 +126,9 @@ def test_looping_word_piece_is_empty_not_noise():
     assert done("def _run_run_run_run_run_run_run_run", site) == ""
     assert done("import os\ndef _run_run_run_run", site) == "import os"
     assert done("_run_run_run_run", py("    x = foo(", ")")) == ""
+    # a long unit (17 characters) looping inside a call, as ling-nano wrote after `def main():`
+    raw = '"""\n    Run.\n    """\n    return _parse_args(\n        _parse_args(' + "self._parse_args(" * 8
+    assert done(raw, py("    ")) == '"""\n    Run.\n    """\n    return _parse_args('
 
 
 def test_looping_punctuation_keeps_the_text_before_the_loop():

@@ -7,7 +7,7 @@ import torch
 
 from training import data
 from training.baselines import NGramCompleter, repeat_previous_line
-from training.evaluate import make_cases, score
+from training.evaluate import make_cases, postprocess, score
 from training.fim import FimMix, build_examples, chunk_text, encode_examples, line_middle, make_example
 from training.ngram import NGramModel
 from training.train import ExpertBalancer, PackedStream, TrainSettings, lr_at
@@ -123,14 +123,39 @@ def test_ngram_completer_heals_a_cut_token(tokenizer):
 def test_cases_and_scores():
     files = [data.SourceFile("site/a.py", "import os\n\ndef f(x):\n    y = x + 1\n    return y\n")]
     cases = make_cases(files, 3, seed=0)
-    assert {c.kind for c in cases} == {"line_start", "mid_line"}
+    assert {c.kind for c in cases} >= {"line_start", "mid_line"}
     for c in cases:
         line = files[0].text.split("\n")[c.line - 1]
-        assert c.prefix.endswith(line[: c.column - 1]) and line.rstrip().endswith(c.target)
-        assert c.suffix == "" or c.suffix.startswith("\n")
+        assert c.prefix.endswith(line[: c.column - 1]) and c.prefix + c.target + c.suffix == files[0].text
+        if c.kind in ("line_start", "mid_line"):
+            assert line.rstrip().endswith(c.target) and (c.suffix == "" or c.suffix.startswith("\n"))
     s = score(cases, [c.target for c in cases])
     assert s["all"]["exact_match"] == 1.0 and s["all"]["edit_similarity"] == 1.0
     assert score(cases, ["" for _ in cases])["all"]["exact_match"] == 0.0
+
+
+def test_suffix_aware_cases_leave_the_typed_end_in_the_suffix():
+    text = ("def area(width, height):\n    total = width * height\n    scaled = scale(total, factor=2)\n"
+            "    print(total)\n    return scaled\n")
+    cases = make_cases([data.SourceFile("site/g.py", text)], 0, seed=1, fim_per_kind=20)
+    kinds = {c.kind for c in cases}
+    assert kinds == {"block_middle", "arg_list", "line_end_typed"}
+    for c in cases:
+        assert c.prefix + c.target + c.suffix == text and c.target
+        rest = c.suffix.split("\n", 1)[0]
+        if c.kind == "arg_list":
+            assert c.prefix[-1] in "([{" and rest[:1] in ")]}"
+        if c.kind == "line_end_typed":
+            assert rest and set(rest) <= set(")]}:,;'\"")
+        if c.kind == "block_middle":
+            assert rest == "" and c.prefix.endswith("\n    ")
+
+
+def test_postprocessing_of_predictions_counts_degenerate_lines():
+    text = "import os\n\ndef f(x):\n    y = x + 1\n    return y\n"
+    cases = [c for c in make_cases([data.SourceFile("site/a.py", text)], 2, seed=0) if c.kind == "line_start"]
+    shown, before, after = postprocess(cases, ["_run_run_run_run_run" for _ in cases])
+    assert shown == ["" for _ in cases] and before == len(cases) and after == 0
 
 
 def test_lr_schedule_warms_up_then_decays():

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lingls.model import LingForCausalLM, load_model
 from lingls.model.dspark import DSparkConfig, DSparkDrafter, save_dspark
