@@ -437,8 +437,17 @@ class Core:
                 next_line = text[pos + 1 : nl]
                 break
             pos = nl
+        prev_line, pos = "", start - 1
+        for _ in range(32):  # the last non-blank line before the cursor's, not far: the degeneration guard's anchor
+            if pos <= 0:
+                break
+            begin = text.rfind("\n", 0, pos) + 1
+            if text[begin:pos].strip():
+                prev_line = text[begin:pos]
+                break
+            pos = begin - 1
         return Site(text[max(start, offset - 2000) : offset], text[offset:end].rstrip("\r"), next_line.rstrip("\r"),
-                    lang_for(language_id), self.settings.max_lines)
+                    lang_for(language_id), self.settings.max_lines, prev_line=prev_line.rstrip("\r"))
 
     def _item(self, state: _DocState, gen: Generation, place: "_Place", typed: str, text: str) -> Item | None:
         """The answer with its range: from the request's position over what was typed since the request

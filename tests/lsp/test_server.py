@@ -200,3 +200,12 @@ async def test_close_forgets_the_document():
         open_doc(client, "x = ")
         client.text_document_did_close(lsp.DidCloseTextDocumentParams(lsp.TextDocumentIdentifier(URI)))
         assert await complete(client, 0, 4) == []
+
+
+async def test_a_completion_that_repeats_the_line_above_the_cursor_is_not_shown():
+    """The degeneration guard sees the line above a blank cursor line (ling-nano wrote `if key in line:` again)."""
+    above = "for line in f:\n    key, _, value = line.partition('=')\n    if key in line:\n"
+    script = {"rules": [[above + "        ", "if key in line:\n            pass\n"]]}
+    async with serve(script) as client:
+        open_doc(client, above + "        \n")
+        assert await complete(client, 3, 8) == []
