@@ -292,6 +292,6 @@ class TensorParallelEngine(LocalEngine):
 
     async def close(self) -> None:
         await super().close()
-        self._stop_followers()
-        if dist.is_initialized():
+        self._stop_followers(grace=5.0 if self.runner is not None else 0.0)  # a loading follower has no step to end
+        if dist.is_initialized() and not self._load_lock.locked():  # a load still running uses the group
             dist.destroy_process_group()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -437,7 +438,8 @@ async def serve(server: Server, host: str, port: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        with contextlib.suppress(NotImplementedError):  # Windows: Ctrl+C stays a KeyboardInterrupt (main)
+            loop.add_signal_handler(sig, stop.set)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequests())
     app_runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await app_runner.setup()
