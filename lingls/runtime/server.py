@@ -267,7 +267,6 @@ class Server:
             prompt_ids, prompt = list(prompt), ""
         elif not isinstance(prompt, str):
             raise RequestError("prompt: must be a string, a list of one string, or a list of token ids", "prompt")
-        _check_unicode(prompt, "prompt")
         suffix = _optional_text(body, "suffix")
         if suffix is not None:
             if prompt_ids is not None:
@@ -281,8 +280,6 @@ class Server:
             raise RequestError("stop: must be a string or a list of strings", "stop")
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
-        for s in stop:
-            _check_unicode(s, "stop")
         capacity = self.engine.runner.capacity
         max_tokens = _number(body, "max_tokens", 16, int, 0, capacity - 2,
                              f"the context of {capacity} tokens holds the completion and at least one prompt token")
@@ -351,20 +348,11 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def _check_unicode(text: str, param: str) -> None:
-    """JSON can escape a lone surrogate (\\ud800), which is not a character: no tokenizer can encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{param}: not valid Unicode (a lone surrogate at index {e.start})", param) from None
-
-
 def _optional_text(body: dict, key: str) -> str | None:
     value = body.get(key)
     if value is not None:
         if not isinstance(value, str):
             raise RequestError(f"{key}: must be a string", key)
-        _check_unicode(value, key)
     return value
 
 
