@@ -1,7 +1,7 @@
 """One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
 launches, in the same run.
 
-    python bench/persistent_layer_gpu.py OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
+    python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (default: all three, the first with a timeline); +tl: record
 that variant's timeline too.
@@ -35,11 +35,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lingls.bench.step import copy_bandwidth, median_ms  # noqa: E402
-from lingls.kernels import gemv, kda, moe, norm  # noqa: E402
-from lingls.kernels import persistent as pk  # noqa: E402
+from lingls.bench.step import copy_bandwidth, median_ms
+from lingls.kernels import gemv, kda, moe, norm
+from lingls.kernels import persistent as pk
 
 
 def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_norm):
