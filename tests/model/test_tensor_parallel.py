@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lingls.model import load_model, save_checkpoint
-from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.model.ling import LingForCausalLM
+from lingls.runtime.distributed import make_parallel
 
 from .conftest import randomize, small_config
 
@@ -18,22 +19,14 @@ def _rank(rank: int, size: int, rendezvous: str, ckpt: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
 
-    def all_reduce(x):
-        dist.all_reduce(x)
-        return x
-
-    def all_gather_last(x):
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, -1)
-
-    model = load_model(ckpt, par=Parallel(rank, size, all_reduce, all_gather_last))
+    par = make_parallel(rank, size)  # the runtime's collectives, on gloo
+    model = load_model(ckpt, par=par)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model.logits(ids)
         state = model.new_state(capacity=48)
-        steps = [all_gather_last(model.head(model.step(ids[:30], state, torch.arange(30))))]
-        steps += [all_gather_last(model.head(model.step(ids[i:i + 1], state, torch.arange(i, i + 1)))) for i in range(30, 40)]
+        steps = [par.all_gather_last(model.head(model.step(ids[:30], state, torch.arange(30))))]
+        steps += [par.all_gather_last(model.head(model.step(ids[i:i + 1], state, torch.arange(i, i + 1)))) for i in range(30, 40)]
     if rank == 0:
         torch.save({"full": full, "steps": torch.cat(steps)}, out)
     dist.barrier()  # no rank tears its connections down while another still reads from them

@@ -447,21 +447,12 @@ def _tp_rank(rank: int, size: int, rendezvous: str, target_dir: str, draft_dir: 
     import torch.distributed as dist
 
     from lingls.model import load_model
-    from lingls.model.ling import Parallel
+    from lingls.runtime.distributed import make_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
 
-    def all_reduce(x):
-        dist.all_reduce(x)
-        return x
-
-    def all_gather_last(x):
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, -1)
-
-    model = load_model(target_dir, par=Parallel(rank, size, all_reduce, all_gather_last))
+    model = load_model(target_dir, par=make_parallel(rank, size))  # the runtime's collectives, on gloo
     got = _round_outputs(model, draft_dir, torch.load(feats_path))
     if rank == 0:
         torch.save(got, out)
