@@ -328,8 +328,7 @@ def main(args: Any) -> int:
         log.setLevel(logging.DEBUG)
     server = build_server(from_cli(args))
     if getattr(args, "tcp", False):
-        server.start_tcp(args.host, args.port)
-        return 0
+        return start_tcp(server, args.host, args.port)
     return start_stdio(server)
 
 
@@ -590,6 +589,35 @@ def _reply_error(protocol: _Protocol, msg_id: Any, error: JsonRpcException) -> N
     protocol.writer.write(b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
 
 
+class _SocketFramer(_Framer):
+    """The framer over a TCP connection: answers go back through the same socket; `on_connect` runs once the
+    connection is made (the listener may be closed only then: asyncio attaches the connection to it first)."""
+
+    def __init__(self, server: "_Server", done: asyncio.Future, on_connect):
+        super().__init__(server, done)
+        self._on_connect = on_connect
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._protocol.set_writer(transport)
+        self._on_connect()
+
+
+def _event_loop(server: LanguageServer) -> tuple[asyncio.AbstractEventLoop, asyncio.Future]:
+    """A loop for one client session and the future that ends it (exit, the client gone, SIGTERM, SIGINT)."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    server._stop_event = threading.Event()  # what pygls' shutdown() sets (on exit)
+    done = loop.create_future()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _end, done)
+    return loop, done
+
+
+def _end(done: asyncio.Future) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
 def start_stdio(server: LanguageServer) -> int:
     """Serve over stdin/stdout, reading stdin as an asyncio pipe (see _Framer); returns the exit code.
 
@@ -597,23 +625,35 @@ def start_stdio(server: LanguageServer) -> int:
     if not stat.S_ISFIFO(mode := os.fstat(sys.stdin.fileno()).st_mode) and not stat.S_ISSOCK(mode):
         server.start_io()
         return server.protocol.exit_code
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    server._stop_event = threading.Event()  # what pygls' shutdown() sets (on exit)
-    done = loop.create_future()
-
-    def end() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, end)
+    loop, done = _event_loop(server)
     sys.stdout.flush()
-    server.protocol.set_writer(_FdWriter(sys.stdout.fileno(), end))
+    server.protocol.set_writer(_FdWriter(sys.stdout.fileno(), partial(_end, done)))
     try:
         loop.run_until_complete(loop.connect_read_pipe(lambda: _Framer(server, done), sys.stdin.buffer))
         loop.run_until_complete(done)
     finally:
+        _close(server, loop)
+    return server.protocol.exit_code
+
+
+def start_tcp(server: LanguageServer, host: str, port: int) -> int:
+    """Serve one client over TCP with the same framing as stdio (see _Framer); returns the exit code.
+
+    Like a stdio server, the process belongs to one client: it stops listening once that client connects, and
+    the session ends when the client sends `exit`, disconnects, or on SIGTERM/SIGINT."""
+    loop, done = _event_loop(server)
+    listener: asyncio.AbstractServer | None = None
+
+    def stop_listening() -> None:
+        listener.close()
+
+    listener = loop.run_until_complete(loop.create_server(lambda: _SocketFramer(server, done, stop_listening), host,
+                                                          port))
+    log.info("listening on %s:%d", host, port)
+    try:
+        loop.run_until_complete(done)
+    finally:
+        listener.close()
         _close(server, loop)
     return server.protocol.exit_code
 
