@@ -16,6 +16,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect once the server listens (it is still starting)."""
+    for _ in range(200):
+        try:
+            return await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
 async def _read_message(reader: asyncio.StreamReader) -> dict:
     length = 0
     while (line := await asyncio.wait_for(reader.readline(), 10)) != b"\r\n":
@@ -37,12 +47,7 @@ async def test_tcp_session_survives_a_framing_fault_and_exits_with_the_lsp_code(
                                                 env=server_env({"default": "1"}), cwd=REPO,
                                                 stderr=subprocess.PIPE)
     try:
-        for _ in range(200):
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
+        reader, writer = await _connect(port)
         init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
                 "params": {"processId": None, "rootUri": None, "capabilities": {}}}
         writer.write(b"Content-Length: 5\r\n\r\n{\"a\":" + _frame(init))
@@ -72,12 +77,7 @@ async def test_tcp_transport():
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "lingls.cli", "--tcp", "--port", str(port),
                                                 env=server_env({"default": "1"}), cwd=REPO)
     try:
-        for _ in range(100):
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
+        reader, writer = await _connect(port)
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
                            "params": {"processId": None, "rootUri": None, "capabilities": {}}}).encode()
         writer.write(b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
