@@ -4,7 +4,8 @@ launches, in the same run.
     python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
-CUDA C++ runner of `persistent_cuda` on the norm_tasks tables, as a programmatic dependent launch or not);
+CUDA C++ runner of `persistent_cuda` on the norm_tasks tables, as a programmatic dependent launch or not),
+cuda_f1, cuda_f2, cuda_f3, cuda_f5 (the runner with 1, 2, 3, 5 ring stages in flight; `cuda` has the default);
 default: norm_tasks, cuda+tl, cuda_nopdl. +tl: record that variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
@@ -69,9 +70,9 @@ def _triton(h, out, w, st, cv, schedule, ws, table, timeline=False):
     return pk.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline)
 
 
-def _cuda(pdl):
+def _cuda(pdl, inflight=pc.INFLIGHT):
     def launch(h, out, w, st, cv, schedule, ws, table, timeline=False):
-        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl)
+        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, inflight=inflight)
     return launch
 
 
@@ -86,6 +87,7 @@ def variants(program_counts: list[int], only: list[str] | None = None) -> list[t
                 (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True, _triton),
                 (f"persistent_p{p}_cuda", p, base, True, _cuda(True)),
                 (f"persistent_p{p}_cuda_nopdl", p, base, True, _cuda(False))]
+        out += [(f"persistent_p{p}_cuda_f{n}", p, base, True, _cuda(True, n)) for n in (1, 2, 3, 5)]
     return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
@@ -241,7 +243,7 @@ def main(argv: list[str]) -> int:
         if run is _triton:
             check[name].update(registers=compiled.n_regs, spills=compiled.n_spills)
         else:
-            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)))
+            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT)
             tri = outs.get(f"persistent_p{programs}_norm_tasks")
             if tri is not None:
                 check[name].update(out_vs_triton=rel(out, tri[0]), out_equal_triton=bool(torch.equal(out, tri[0])),

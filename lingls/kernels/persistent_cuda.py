@@ -33,7 +33,11 @@ SMEM_LIMIT = 227 * 1024  # a Hopper block's dynamic shared memory
 MAX_STAGES = 8
 CONSUMERS = 256  # the kernel's consumer threads
 RED_FLOATS = 8 * 32 + 32 + 8
-GEMV_ROWS = (8, 16, 32)  # the row counts the kernel's GEMV is instantiated for
+GEMV_ROWS = (8, 16, 32)
+# stages in flight per SM: the bytes a loader has requested queue ahead of its consumers' own loads (inputs,
+# polls) on the way back to the SM, so more in flight than the bandwidth needs makes every dependent step
+# slower (first H200 run, a full ring of 5 x 40 KB in flight: 84 us per layer; see docs/kernel-log.md)
+INFLIGHT = 2  # the row counts the kernel's GEMV is instantiated for
 NVCC_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
 
 _ptr = ctypes.c_void_p
@@ -43,7 +47,7 @@ _POINTERS = ["tasks", "cnt", "stamps", "h", "out", "in_norm", "proj", "conv_w", 
 _FLOATS = ["eps", "q_scale", "lower_bound", "scale", "limit", "shared_limit"]
 _INTS = ["H", "NH", "D", "E", "I", "I_S", "I_PAD", "TOP_K", "G", "TOPK_GROUP", "proj_rows", "oproj_rows",
          "router_rows", "gu_rows", "down_rows", "max_tasks", "programs", "epoch", "done", "route_counter", "stages",
-         "stage_bytes", "scratch_floats", "timeline"]
+         "stage_bytes", "scratch_floats", "timeline", "inflight"]
 
 
 class _Params(ctypes.Structure):
@@ -78,7 +82,8 @@ def smem_plan(schedule: pk.Schedule) -> RingPlan:
     s = schedule.shape
     stage = _up(max(stage_bytes_by_kind(s).values()), 128)
     scratch = max(5 * s.head_dim + 2 * CONSUMERS, 2 * s.experts + 2 * s.n_group)
-    rest = (_up(max(s.hidden, s.channels) * 2) + RED_FLOATS * 4 + _up(scratch * 4)
+    acts = (1 + s.top_k) * max(s.inter, s.shared_inter)
+    rest = (_up(max(s.hidden, s.channels) * 2) + RED_FLOATS * 4 + _up(scratch * 4) + _up(acts * 4)
             + _up(schedule.max_tasks * pk.FIELDS * 4) + 16 + 16)
     stages = min(MAX_STAGES, (SMEM_LIMIT - rest - 16 * MAX_STAGES) // stage)
     if stages < 2:
@@ -119,7 +124,8 @@ def _build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build beside, then rename: no half-written library
         out = Path(tmp) / lib.name
-        done = subprocess.run([str(nvcc), *NVCC_FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([str(nvcc), *NVCC_FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True,
+                              check=False)
         if done.returncode:
             raise RuntimeError(f"nvcc failed on {SOURCE}:\n{done.stderr[-4000:]}")
         os.replace(out, lib)
@@ -157,10 +163,11 @@ def _check_tensors(h, out, w: pk.LayerWeights, state, conv_state, s: pk.LayerSha
 
 def launch(h: torch.Tensor, out: torch.Tensor, w: pk.LayerWeights, state: torch.Tensor, conv_state: torch.Tensor,
            schedule: pk.Schedule, ws: pk.Workspace, table: torch.Tensor | None = None, timeline: bool = False,
-           pdl: bool = True) -> torch.Tensor:
+           pdl: bool = True, inflight: int = INFLIGHT) -> torch.Tensor:
     """The layer in one launch, as `persistent.persistent_layer`: h [1, H] -> out [1, H]; state and conv_state
     updated in place. `table`: the schedule's table on h's device (default: copied here). pdl: launched as a
-    programmatic dependent launch, so its loader streams weights while the previous kernel finishes."""
+    programmatic dependent launch, so its loader streams weights while the previous kernel finishes.
+    inflight: ring stages the loader keeps in flight at once (at most the ring's stages)."""
     s = schedule.shape
     check_supported(schedule)
     _check_tensors(h, out, w, state, conv_state, s)
@@ -180,7 +187,7 @@ def launch(h: torch.Tensor, out: torch.Tensor, w: pk.LayerWeights, state: torch.
         s.hidden, s.heads, s.head_dim, s.experts, s.inter, s.shared_inter, ws.act.shape[1], s.top_k, s.n_group,
         s.topk_group, s.proj_rows, s.oproj_rows, s.router_rows, s.gu_rows, s.down_rows, schedule.max_tasks,
         schedule.programs, schedule.epoch, schedule.done, cnt["route"], plan.stages, plan.stage_bytes,
-        plan.scratch_floats, int(timeline))
+        plan.scratch_floats, int(timeline), max(1, min(inflight, plan.stages)))
     err = library().lingls_persistent_layer(ctypes.byref(params), ctypes.sizeof(_Params), plan.smem_bytes, int(pdl),
                                             ctypes.c_void_p(torch.cuda.current_stream(h.device).cuda_stream))
     if err:

@@ -67,6 +67,7 @@ struct Params {
   int proj_rows, oproj_rows, router_rows, gu_rows, down_rows;
   int max_tasks, programs, epoch, done, route_counter;
   int stages, stage_bytes, scratch_floats, timeline;
+  int inflight;  // stages the loader keeps in flight (copies issued, not yet landed); the rest of the ring waits
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------
@@ -175,6 +176,7 @@ struct Smem {
   bf16* xs;  // the GEMV input vector, max(H, NH * D) bf16
   float* red;
   float* scratch;
+  float* acts;  // the DOWN tasks' activations: [1 + TOP_K][max(I, I_S)] fp32, the routed ones times their weight
   int* tasks;
   uint64_t* full;
   uint64_t* empty;
@@ -194,6 +196,8 @@ __device__ Smem carve(unsigned char* base, const Params& P) {
   off += RED_FLOATS * 4;
   s.scratch = reinterpret_cast<float*>(base + off);
   off += ((size_t(P.scratch_floats) * 4 + 15) / 16) * 16;
+  s.acts = reinterpret_cast<float*>(base + off);
+  off += ((size_t(1 + P.TOP_K) * (P.I > P.I_S ? P.I : P.I_S) * 4 + 15) / 16) * 16;
   s.tasks = reinterpret_cast<int*>(base + off);
   off += ((size_t(P.max_tasks) * FIELDS * 4 + 15) / 16) * 16;
   s.full = reinterpret_cast<uint64_t*>(base + off);
@@ -220,8 +224,17 @@ __device__ void loader(const Params& P, const Smem& s) {
   bool after_previous = false;  // past griddepcontrol.wait: everything before this launch is visible
   int stage = 0;
   uint32_t phase = 0;
+  int issued = 0;  // stages armed so far
   const int H = P.H, C = P.NH * P.D;
-  auto next = [&](uint32_t bytes) -> unsigned char* {  // the next free stage, armed for `bytes`
+  // the next free stage, armed for `bytes`, once the stage armed `inflight` stages ago has landed: bytes in
+  // flight queue on the SM's way back from memory, ahead of every load its consumers make (inputs, polls),
+  // so the loader keeps only what the bandwidth needs in flight and lets the ring fill behind it
+  auto next = [&](uint32_t bytes) -> unsigned char* {
+    if (issued >= P.inflight) {
+      const int k = issued - P.inflight;
+      mbar_wait(&s.full[k % P.stages], uint32_t(k / P.stages) & 1);
+    }
+    ++issued;
     mbar_wait(&s.empty[stage], phase ^ 1);
     mbar_expect_tx(&s.full[stage], bytes);
     return s.ring + size_t(stage) * P.stage_bytes;
@@ -579,21 +592,35 @@ __device__ void route_task(const Params& P, const Smem& s) {
   }
 }
 
+// the activations every DOWN task of the CTA reads, into shared memory at once (one round trip to L2): the
+// shared expert's as they are, the routed experts' times their routing weight (fp32, as the chain's kernel)
+__device__ void load_acts(const Params& P, float* acts) {
+  const int width = P.I > P.I_S ? P.I : P.I_S;
+  for (int n = threadIdx.x; n < (1 + P.TOP_K) * width; n += CONSUMERS) {
+    const int j = n / width, i = n % width;
+    float v = 0.f;
+    if (i < (j ? P.I : P.I_S)) {
+      v = bf2f(ldcg_bf(P.act + j * P.I_PAD + i));
+      if (j) v *= ldcg_f(P.topk_w + j - 1);
+    }
+    acts[n] = v;
+  }
+  consumer_sync();
+}
+
 // DOWN: hidden rows tile*R..: the shared and routed experts' down rows times their activations (routed ones
 // weighted), summed, plus the residual h1 = h + a
-__device__ void down_task(const Params& P, const bf16* w, int tile) {
+__device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile) {
   const int R = P.down_rows, I = P.I, IS = P.I_S, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int width = I > IS ? I : IS;
   const bf16* routed = w + size_t(R) * IS;
   for (int r = warp; r < R; r += 8) {
+    const bf16 h1 = ldcg_bf(P.h1 + tile * R + r);  // requested before the sums
     float sum = 0.f;
     for (int i = lane; i < width; i += 32) {
-      float acc = i < IS ? bf2f(w[r * IS + i]) * bf2f(ldcg_bf(P.act + i)) : 0.f;
+      float acc = i < IS ? bf2f(w[r * IS + i]) * acts[i] : 0.f;
       if (i < I) {
-        for (int j = 0; j < P.TOP_K; ++j) {
-          const float aj = bf2f(ldcg_bf(P.act + (1 + j) * P.I_PAD + i)) * ldcg_f(P.topk_w + j);
-          acc = fmaf(bf2f(routed[(size_t(j) * R + r) * I + i]), aj, acc);
-        }
+        for (int j = 0; j < P.TOP_K; ++j) acc = fmaf(bf2f(routed[(size_t(j) * R + r) * I + i]), acts[(1 + j) * width + i], acc);
       }
       sum += acc;
     }
@@ -602,7 +629,7 @@ __device__ void down_task(const Params& P, const bf16* w, int tile) {
     if (lane == 0) {
       const int row = tile * R + r;
       const float m = bf2f(f2bf(sum));
-      P.out[row] = f2bf(bf2f(ldcg_bf(P.h1 + row)) + m);
+      P.out[row] = f2bf(bf2f(h1) + m);
     }
   }
 }
@@ -616,6 +643,7 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
   int stage = 0;
   uint32_t phase = 0;
   const bf16* cached = nullptr;  // the input vector xs holds
+  bool acts_ready = false;  // s.acts holds this launch's activations
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
     const int kind = row[0], tile = row[1], sig = row[6], idx = row[7];
@@ -673,7 +701,11 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
         break;
       }
       case DOWN:
-        down_task(P, w, tile);
+        if (!acts_ready) {
+          load_acts(P, s.acts);
+          acts_ready = true;
+        }
+        down_task(P, w, s.acts, tile);
         break;
       case KDA:
         kda_task(P, s, tile, reinterpret_cast<const float*>(w0), reinterpret_cast<const float*>(w1));
