@@ -106,8 +106,10 @@ def check_supported(schedule: pk.Schedule) -> None:
         raise ValueError("hidden, channels and the experts' widths must be multiples of 8 (16-byte copies)")
     if CONSUMERS % s.head_dim or 2 * s.head_dim > CONSUMERS or s.head_dim % 2:
         raise ValueError(f"head_dim must divide {CONSUMERS} and be at most {CONSUMERS // 2}")
-    if s.hidden > 8 * 4 * CONSUMERS:
-        raise ValueError("hidden > 8192: the norm task holds at most 4 chunks of 8 per thread")
+    if max(s.hidden, s.channels) > 8 * 2 * CONSUMERS or s.experts > 4 * CONSUMERS:
+        raise ValueError("hidden and heads * head_dim must be at most 4096, experts at most 1024")
+    if (1 + s.top_k) * max(s.inter, s.shared_inter) > 8 * CONSUMERS:
+        raise ValueError("(1 + top_k) * the experts' width must be at most 2048 (the DOWN tasks' activations)")
     pk.check_loader(schedule)
 
 

@@ -151,9 +151,9 @@ def _nvcc():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _nvcc(), reason="needs CUDA and nvcc")
-@pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("programs", [1, 3, 40])
-def test_cuda_runner_matches_reference(programs, pdl):
+@pytest.mark.parametrize("programs,pdl,inflight", [(p, pdl, None) for p in (1, 3, 40) for pdl in (True, False)]
+                         + [(3, True, 1), (40, True, 8)])
+def test_cuda_runner_matches_reference(programs, pdl, inflight):
     """Two launches (the second on the next generation of the counters) against the plain-torch layer."""
     from lingls.kernels import persistent_cuda as pc
 
@@ -168,7 +168,7 @@ def test_cuda_runner_matches_reference(programs, pdl):
         st, cv = state.cuda(), conv.cuda()
         out = torch.full_like(h, float("nan")).cuda()
         torch.cuda.synchronize()
-        pc.launch(h.cuda(), out, wd, st, cv, schedule, ws, pdl=pdl)
+        pc.launch(h.cuda(), out, wd, st, cv, schedule, ws, pdl=pdl, inflight=inflight or pc.INFLIGHT)
         assert rel(out.cpu(), expect) < 1e-2
         assert rel(st.cpu(), ref_state) < 1e-2
         assert rel(cv.cpu(), ref_conv) < 1e-2

@@ -392,28 +392,47 @@ __device__ void gemv_any(int rows, const bf16* w, const bf16* xs, int K, float* 
 }
 
 // the input vector into shared memory (once per vector and launch: every later task of the CTA reuses it)
+// (every load of a thread is issued before the first store: under the loader's stream each round trip to L2
+// costs a microsecond or more, and a store between two loads would make them two)
+constexpr int MAXC = 2;  // 8-element chunks per thread of a vector: H and NH * D <= 4096 (at 4 the kernel spilled)
+
 __device__ void load_input(const bf16* src, int K, bf16* xs) {
-  for (int c = threadIdx.x; c < K / 8; c += CONSUMERS)
-    *reinterpret_cast<uint4*>(xs + c * 8) = ldcg_v4(src + c * 8);
+  uint4 v[MAXC];
+#pragma unroll
+  for (int m = 0; m < MAXC; ++m) {
+    const int c = threadIdx.x + m * CONSUMERS;
+    if (c < K / 8) v[m] = ldcg_v4(src + c * 8);
+  }
+#pragma unroll
+  for (int m = 0; m < MAXC; ++m) {
+    const int c = threadIdx.x + m * CONSUMERS;
+    if (c < K / 8) *reinterpret_cast<uint4*>(xs + c * 8) = v[m];
+  }
   consumer_sync();
 }
 
 // NORM: tile 0 x = RMSNorm(h); tile 1 h1 = h + a, x2 = RMSNorm(h1) (the norm kernel's roundings)
 __device__ void norm_task(const Params& P, const Smem& s, int tile) {
-  constexpr int MAXC = 4;  // 8-element chunks per thread: H <= 8192
   const int H = P.H, nch = H / 8;
   const bf16* wn = tile == 0 ? P.in_norm : P.post_norm;
+  uint4 hvs[MAXC], avs[MAXC], wvs[MAXC];
+#pragma unroll
+  for (int m = 0; m < MAXC; ++m) {
+    const int c = threadIdx.x + m * CONSUMERS;
+    if (c < nch) {
+      hvs[m] = *reinterpret_cast<const uint4*>(P.h + c * 8);
+      avs[m] = tile ? ldcg_v4(P.a + c * 8) : make_uint4(0, 0, 0, 0);
+      wvs[m] = *reinterpret_cast<const uint4*>(wn + c * 8);
+    }
+  }
   float v[MAXC][8];
   float ss = 0.f;
 #pragma unroll
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
     if (c < nch) {
-      const uint4 hv = *reinterpret_cast<const uint4*>(P.h + c * 8);
-      const bf16* hb = reinterpret_cast<const bf16*>(&hv);
-      uint4 av = make_uint4(0, 0, 0, 0);
-      if (tile) av = ldcg_v4(P.a + c * 8);
-      const bf16* ab = reinterpret_cast<const bf16*>(&av);
+      const bf16* hb = reinterpret_cast<const bf16*>(&hvs[m]);
+      const bf16* ab = reinterpret_cast<const bf16*>(&avs[m]);
       uint4 h1v;
       bf16* h1b = reinterpret_cast<bf16*>(&h1v);
 #pragma unroll
@@ -435,8 +454,7 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
     if (c < nch) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(wn + c * 8);
-      const bf16* wb = reinterpret_cast<const bf16*>(&wv);
+      const bf16* wb = reinterpret_cast<const bf16*>(&wvs[m]);
       uint4 ov;
       bf16* ob = reinterpret_cast<bf16*>(&ov);
 #pragma unroll
@@ -446,9 +464,10 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
   }
 }
 
-__device__ __forceinline__ float conv_silu(const bf16* taps, const bf16* win, float xin) {
-  const float y = bf2f(taps[0]) * bf2f(win[0]) + bf2f(taps[1]) * bf2f(win[1]) + bf2f(taps[2]) * bf2f(win[2]) +
-                  bf2f(taps[3]) * xin;
+// one causal-conv output: taps t (4 bf16, 8 bytes) over the window w0..w2 (oldest first) and the input x; SiLU
+__device__ __forceinline__ float conv_silu(uint2 t, bf16 w0, bf16 w1, bf16 w2, float x) {
+  const float y = __uint_as_float(t.x << 16) * bf2f(w0) + __uint_as_float(t.x & 0xffff0000u) * bf2f(w1) +
+                  __uint_as_float(t.y << 16) * bf2f(w2) + __uint_as_float(t.y & 0xffff0000u) * x;
   return y * sigmoidf(y);
 }
 
@@ -464,29 +483,35 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   float* opart = part + CONSUMERS;  // [CONSUMERS]
   float* red = s.red + RED + 32;
   float qt = 0.f, kt = 0.f;
-  if (tid < D) {
+  const float beta_in = bf2f(ldcg_bf(P.p + 5 * C + h));
+  const float onw = bf2f(P.o_norm[tid % D]);
+  if (tid < D) {  // channel tid of q and k (every load before the first store)
     const int ck = h * D + tid;
     const bf16 q_in = ldcg_bf(P.p + ck), k_in = ldcg_bf(P.p + C + ck);
+    const float f = bf2f(ldcg_bf(P.p + 3 * C + ck));
     bf16* wq = P.conv + size_t(ck) * 3;
     bf16* wk = P.conv + size_t(C + ck) * 3;
-    const bf16 oq[3] = {wq[0], wq[1], wq[2]}, ok[3] = {wk[0], wk[1], wk[2]};
-    qt = conv_silu(P.conv_w + size_t(ck) * 4, oq, bf2f(q_in));
-    kt = conv_silu(P.conv_w + size_t(C + ck) * 4, ok, bf2f(k_in));
-    wq[0] = oq[1]; wq[1] = oq[2]; wq[2] = q_in;
-    wk[0] = ok[1]; wk[1] = ok[2]; wk[2] = k_in;
-    const float f = bf2f(ldcg_bf(P.p + 3 * C + ck));
-    const float rate = __expf(P.a_log[h]);
-    dec[tid] = __expf(P.lower_bound * sigmoidf(rate * (f + P.dt_bias[ck])));
-  } else if (tid < 2 * D) {
+    const bf16 q0 = wq[0], q1 = wq[1], q2 = wq[2], k0 = wk[0], k1 = wk[1], k2 = wk[2];
+    const uint2 tq = *reinterpret_cast<const uint2*>(P.conv_w + size_t(ck) * 4);
+    const uint2 tk = *reinterpret_cast<const uint2*>(P.conv_w + size_t(C + ck) * 4);
+    const float rate = __expf(P.a_log[h]), dtb = P.dt_bias[ck];
+    qt = conv_silu(tq, q0, q1, q2, bf2f(q_in));
+    kt = conv_silu(tk, k0, k1, k2, bf2f(k_in));
+    dec[tid] = __expf(P.lower_bound * sigmoidf(rate * (f + dtb)));
+    wq[0] = q1; wq[1] = q2; wq[2] = q_in;
+    wk[0] = k1; wk[1] = k2; wk[2] = k_in;
+  } else if (tid < 2 * D) {  // channel tid - D of v, and the output gate
     const int cv = h * D + tid - D;
     const bf16 v_in = ldcg_bf(P.p + 2 * C + cv);
+    const float zin = bf2f(ldcg_bf(P.p + 4 * C + cv));
     bf16* wv = P.conv + size_t(2 * C + cv) * 3;
-    const bf16 ov[3] = {wv[0], wv[1], wv[2]};
-    v[tid - D] = conv_silu(P.conv_w + size_t(2 * C + cv) * 4, ov, bf2f(v_in));
-    wv[0] = ov[1]; wv[1] = ov[2]; wv[2] = v_in;
-    z[tid - D] = bf2f(ldcg_bf(P.p + 4 * C + cv));
+    const bf16 v0 = wv[0], v1 = wv[1], v2 = wv[2];
+    const uint2 tv = *reinterpret_cast<const uint2*>(P.conv_w + size_t(2 * C + cv) * 4);
+    v[tid - D] = conv_silu(tv, v0, v1, v2, bf2f(v_in));
+    z[tid - D] = zin;
+    wv[0] = v1; wv[1] = v2; wv[2] = v_in;
   }
-  const float beta = sigmoidf(bf2f(ldcg_bf(P.p + 5 * C + h)));
+  const float beta = sigmoidf(beta_in);
   const float ssq = block_sum(qt * qt, red), ssk = block_sum(kt * kt, red);
   qt *= rsqrtf(ssq + 1e-6f) * P.q_scale;
   kt *= rsqrtf(ssk + 1e-6f);
@@ -520,7 +545,7 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   const float ss = block_sum(sp == 0 ? o * o : 0.f, red);
   if (sp == 0) {
     const float rms = rsqrtf(ss / D + P.eps);
-    P.o[h * D + col] = f2bf(o * rms * bf2f(P.o_norm[col]) * sigmoidf(z[col]));
+    P.o[h * D + col] = f2bf(o * rms * onw * sigmoidf(z[col]));
   }
 }
 
@@ -531,10 +556,21 @@ __device__ void route_task(const Params& P, const Smem& s) {
   float* choice = score + E;
   float* gscore = choice + E;  // [G]
   int* kept = reinterpret_cast<int*>(gscore + G);  // [G]
-  for (int e = tid; e < E; e += CONSUMERS) {
-    const float sc = sigmoidf(ldcg_f(P.logits + e));
-    score[e] = sc;
-    choice[e] = sc + P.expert_bias[e];
+  constexpr int MAXE = 4;  // experts per thread: E <= 1024
+  float lg[MAXE], bs[MAXE];
+#pragma unroll
+  for (int m = 0; m < MAXE; ++m) {
+    const int e = tid + m * CONSUMERS;
+    if (e < E) { lg[m] = ldcg_f(P.logits + e); bs[m] = P.expert_bias[e]; }
+  }
+#pragma unroll
+  for (int m = 0; m < MAXE; ++m) {
+    const int e = tid + m * CONSUMERS;
+    if (e < E) {
+      const float sc = sigmoidf(lg[m]);
+      score[e] = sc;
+      choice[e] = sc + bs[m];
+    }
   }
   consumer_sync();
   for (int g = warp; g < G; g += 8) {  // the best two of each group (a value twice counts twice)
@@ -594,16 +630,25 @@ __device__ void route_task(const Params& P, const Smem& s) {
 
 // the activations every DOWN task of the CTA reads, into shared memory at once (one round trip to L2): the
 // shared expert's as they are, the routed experts' times their routing weight (fp32, as the chain's kernel)
+constexpr int MAXA = 8;  // activations per thread: (1 + TOP_K) * max(I, I_S) <= 2048
+
 __device__ void load_acts(const Params& P, float* acts) {
   const int width = P.I > P.I_S ? P.I : P.I_S;
-  for (int n = threadIdx.x; n < (1 + P.TOP_K) * width; n += CONSUMERS) {
-    const int j = n / width, i = n % width;
-    float v = 0.f;
-    if (i < (j ? P.I : P.I_S)) {
-      v = bf2f(ldcg_bf(P.act + j * P.I_PAD + i));
-      if (j) v *= ldcg_f(P.topk_w + j - 1);
+  float a[MAXA], wt[MAXA];
+#pragma unroll
+  for (int m = 0; m < MAXA; ++m) {
+    const int n = threadIdx.x + m * CONSUMERS, j = n / width, i = n % width;
+    a[m] = 0.f;
+    wt[m] = 1.f;
+    if (n < (1 + P.TOP_K) * width && i < (j ? P.I : P.I_S)) {
+      a[m] = bf2f(ldcg_bf(P.act + j * P.I_PAD + i));
+      if (j) wt[m] = ldcg_f(P.topk_w + j - 1);
     }
-    acts[n] = v;
+  }
+#pragma unroll
+  for (int m = 0; m < MAXA; ++m) {
+    const int n = threadIdx.x + m * CONSUMERS, j = n / width;
+    if (n < (1 + P.TOP_K) * width) acts[n] = j ? a[m] * wt[m] : a[m];
   }
   consumer_sync();
 }
