@@ -276,10 +276,15 @@ def main(argv: list[str]) -> int:
 
     graphs = {"chain": graph(chain_all)}
     tl_graphs = {}
+    # a captured graph holds its buffers' addresses, not the tensors: every variant's workspace and table stay
+    # referenced here until the end, or the allocator hands their memory to the next variant, whose counters
+    # or timeline stamps would then overwrite an earlier graph's task table or counters
+    alive = []
     for name, programs, shape, norm_tasks, run in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
+        alive.append((ws, table))
 
         def pers_all(schedule=schedule, ws=ws, table=table, run=run, tl_=False):
             hs[0].copy_(h0)
