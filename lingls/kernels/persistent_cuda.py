@@ -115,6 +115,8 @@ def check_supported(schedule: pk.Schedule) -> None:
 
 def _build() -> Path:
     """The shared library for this source, compiled once per source and flags (cached by their hash)."""
+    if not SOURCE.exists():
+        raise RuntimeError(f"{SOURCE} is missing from this install: the CUDA persistent layer cannot be built")
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LINGLS_CACHE", Path.home() / ".cache" / "lingls")) / "persistent"
     lib = cache / f"persistent_layer_{digest}.so"
