@@ -3,8 +3,10 @@ launches, in the same run.
 
     python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
 
-VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (default: all three, the first with a timeline); +tl: record
-that variant's timeline too.
+VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
+CUDA C++ runner of `persistent_cuda` on the norm_tasks tables, as a programmatic dependent launch or not),
+cuda_f1, cuda_f2, cuda_f3, cuda_f5 (the runner with 1, 2, 3, 5 ring stages in flight; `cuda` has the default);
+default: norm_tasks, cuda+tl, cuda_nopdl. +tl: record that variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -12,13 +14,16 @@ that variant's timeline too.
   replay over all of them, median of many replays, per layer:
   chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
           norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
-  persistent = one `persistent.launch` per layer.
+  persistent = one `persistent.launch` (Triton) or `persistent_cuda.launch` (CUDA C++) per layer.
   Variants (`variants`): the RMSNorms as tasks of their own or recomputed by every consumer task; twice the
-  rows per GEMV task.
+  rows per GEMV task; the CUDA runner.
+- The CUDA runner also on fresh random inputs inside a CUDA graph, replayed twice (two generations of its
+  counters) against the plain-torch layer run twice.
   All graphs start with the same copy of the input into the residual stream. Byte floor: the layer's bytes
   (`persistent.layer_bytes`) over the copy rate measured in the same run. A/B/A/B to show the spread.
-- Timeline: the persistent kernel with globaltimer stamps per task (start, weights requested, inputs ready,
-  end), the last layer of one graph replay: JSON and PNG per variant asked for.
+- Timeline: the persistent kernel with globaltimer stamps per task (Triton: start, weights requested, inputs
+  ready, end; CUDA: the consumers' start, the weights in shared memory, inputs ready, end), the last layer of
+  one graph replay: JSON and PNG per variant asked for.
 Writes OUT_DIR/persistent_layer.json and OUT_DIR/persistent_timeline_VARIANT.json / .png.
 """
 
@@ -38,6 +43,7 @@ import triton
 from lingls.bench.step import copy_bandwidth, median_ms
 from lingls.kernels import gemv, kda, moe, norm
 from lingls.kernels import persistent as pk
+from lingls.kernels import persistent_cuda as pc
 
 
 def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_norm):
@@ -60,14 +66,28 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
 BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
 
 
-def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple[str, int, pk.LayerShape, bool]]:
-    """(name, programs, shape with its tile sizes, norm_tasks): the norms as tasks or recomputed by every
-    consumer; and twice the rows per GEMV task (twice the bytes each task has in flight)."""
+def _triton(h, out, w, st, cv, schedule, ws, table, timeline=False):
+    return pk.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline)
+
+
+def _cuda(pdl, inflight=pc.INFLIGHT):
+    def launch(h, out, w, st, cv, schedule, ws, table, timeline=False):
+        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, inflight=inflight)
+    return launch
+
+
+def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple]:
+    """(name, programs, shape with its tile sizes, norm_tasks, launch): the norms as tasks or recomputed by
+    every consumer; twice the rows per GEMV task (twice the bytes each task has in flight); the CUDA runner."""
     base = pk.LayerShape()
     out = []
     for p in program_counts:
-        out += [(f"persistent_p{p}_norm_tasks", p, base, True), (f"persistent_p{p}_recompute", p, base, False),
-                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True)]
+        out += [(f"persistent_p{p}_norm_tasks", p, base, True, _triton),
+                (f"persistent_p{p}_recompute", p, base, False, _triton),
+                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True, _triton),
+                (f"persistent_p{p}_cuda", p, base, True, _cuda(True)),
+                (f"persistent_p{p}_cuda_nopdl", p, base, True, _cuda(False))]
+        out += [(f"persistent_p{p}_cuda_f{n}", p, base, True, _cuda(True, n)) for n in (1, 2, 3, 5)]
     return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
@@ -76,7 +96,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
 
 
-def wait_or_die(what: str, limit_s: float = 120.0):
+def wait_or_die(what: str, limit_s: float = 30.0):
     """The persistent kernel spins on counters: a scheduling bug would hang the GPU. Give up loudly instead."""
     ev = torch.cuda.Event()
     ev.record()
@@ -112,7 +132,7 @@ def timeline(schedule: pk.Schedule, stamps: torch.Tensor) -> dict:
                 tasks=tasks)
 
 
-def plot_timeline(tl: dict, path: Path, label: str) -> None:
+def plot_timeline(tl: dict, path: Path, label: str, cuda: bool = False) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -128,7 +148,8 @@ def plot_timeline(tl: dict, path: Path, label: str) -> None:
     for name, c in colors.items():
         ax.barh(-5, 0, color=c, label=name)
     ax.barh(-5, 0, color="lightgray", label="waiting on a counter")
-    ax.set_xlabel("us since the first task started (pale: requesting weights; gray: waiting; dark: after inputs)")
+    ax.set_xlabel("us since the first task started (pale: " + ("waiting for the weights in shared memory"
+                  if cuda else "requesting weights") + "; gray: waiting for inputs; dark: after inputs)")
     ax.set_ylabel("program")
     ax.set_ylim(-1, tl["programs"])
     ax.legend(loc="upper right", fontsize=8)
@@ -137,11 +158,42 @@ def plot_timeline(tl: dict, path: Path, label: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def graph_check(schedule: pk.Schedule, run, dev) -> list[dict]:
+    """The runner captured in a CUDA graph on fresh random inputs (weights, state, input), the graph replayed
+    twice (two generations of the counters, no memset) against the plain-torch layer run twice."""
+    s = schedule.shape
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    wd = pk.random_layer(s, device=dev, generator=gen)
+    hd = torch.randn(1, s.hidden, device=dev, generator=gen).to(torch.bfloat16)
+    std = torch.randn(s.heads, s.head_dim, s.head_dim, device=dev, generator=gen) * 0.1
+    cvd = torch.randn(3, s.channels, 3, device=dev, generator=gen).to(torch.bfloat16)
+    w = pk.LayerWeights(*(t.cpu() for t in wd))
+    h, st, cv = hd.cpu(), std.cpu(), cvd.cpu()
+    ws = pk.workspace(schedule, dev)
+    table = schedule.table.to(dev)
+    out = torch.full_like(hd, float("nan"))
+    run(hd, out, wd, std.clone(), cvd.clone(), schedule, ws, table)  # warm-up (generation 1), on copies
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(hd, out, wd, std, cvd, schedule, ws, table)
+    results = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        wait_or_die("graph check replay")
+        expect = pk.layer_reference(h, w, st, cv, s)  # advances st, cv as the replay did on the device
+        results.append(dict(out_vs_ref=rel(out.cpu(), expect), state_vs_ref=rel(std.cpu(), st),
+                            conv_vs_ref=rel(cvd.cpu().float(), cv.float()),
+                            epoch=int(ws.counters[schedule.epoch].item())))
+    return results
+
+
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
-    asked = argv[3].split(",") if len(argv) > 3 else ["norm_tasks+tl", "recompute", "norm_tasks_2x_rows"]
+    asked = argv[3].split(",") if len(argv) > 3 else ["norm_tasks", "cuda+tl", "cuda_nopdl"]
     only = [a.removesuffix("+tl") for a in asked]
     with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,20 +223,32 @@ def main(argv: list[str]) -> int:
     ch_st, ch_cv, res = st0.clone(), cv0.clone(), h0.clone()
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
-    check = {}
-    for name, programs, shape, norm_tasks in variants(program_counts, only):
+    check, outs = {}, {}
+    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         ps_st, ps_cv = st0.clone(), cv0.clone()
         out = torch.full_like(h0, float("nan"))
-        compiled = pk.launch(h0, out, w, ps_st, ps_cv, schedule, ws, table)
-        wait_or_die(f"persistent, {programs} programs, first launch")
+        t_first = time.time()
+        compiled = run(h0, out, w, ps_st, ps_cv, schedule, ws, table)
+        wait_or_die(f"{name}, first launch")
         ids = sorted(ws.topk_i.tolist())
+        outs[name] = (out, ps_st)
         check[name] = dict(
-            out_vs_ref=rel(out, expect), out_vs_chain=rel(out, res), state_vs_ref=rel(ps_st, ref_st),
-            conv_vs_ref=rel(ps_cv, ref_cv), experts=ids, registers=compiled.n_regs, spills=compiled.n_spills,
-            tasks=len(schedule.tasks), max_tasks_per_program=schedule.max_tasks)
+            out_vs_ref=rel(out, expect), out_vs_chain=rel(out, res), out_equal_chain=bool(torch.equal(out, res)),
+            state_vs_ref=rel(ps_st, ref_st), conv_vs_ref=rel(ps_cv, ref_cv), experts=ids,
+            tasks=len(schedule.tasks), max_tasks_per_program=schedule.max_tasks,
+            first_call_s=round(time.time() - t_first, 1))
+        if run is _triton:
+            check[name].update(registers=compiled.n_regs, spills=compiled.n_spills)
+        else:
+            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT)
+            tri = outs.get(f"persistent_p{programs}_norm_tasks")
+            if tri is not None:
+                check[name].update(out_vs_triton=rel(out, tri[0]), out_equal_triton=bool(torch.equal(out, tri[0])),
+                                   state_vs_triton=rel(ps_st, tri[1]))
+            check[name]["graph_generations"] = graph_check(schedule, run, dev)
         print(f"check {name}: {check[name]}", flush=True)
     result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check)
     print(f"chain vs ref: out {result['check']['chain_vs_ref']:.2e}, state {result['check']['chain_state_vs_ref']:.2e}",
@@ -212,15 +276,20 @@ def main(argv: list[str]) -> int:
 
     graphs = {"chain": graph(chain_all)}
     tl_graphs = {}
-    for name, programs, shape, norm_tasks in variants(program_counts, only):
+    # a captured graph holds its buffers' addresses, not the tensors: every variant's workspace and table stay
+    # referenced here until the end, or the allocator hands their memory to the next variant, whose counters
+    # or timeline stamps would then overwrite an earlier graph's task table or counters
+    alive = []
+    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
+        alive.append((ws, table))
 
-        def pers_all(schedule=schedule, ws=ws, table=table, tl_=False):
+        def pers_all(schedule=schedule, ws=ws, table=table, run=run, tl_=False):
             hs[0].copy_(h0)
             for i, (lw, (st, cv)) in enumerate(zip(layers, states)):
-                pk.launch(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
+                run(hs[i], hs[i + 1], lw, st, cv, schedule, ws, table, timeline=tl_)
 
         graphs[name] = graph(pers_all)
         if name.split("_", 2)[2] in with_timeline:
@@ -239,7 +308,7 @@ def main(argv: list[str]) -> int:
         label = name.split("_", 2)[2]
         (out_dir / f"persistent_timeline_{label}.json").write_text(json.dumps(tl, indent=1))
         try:
-            plot_timeline(tl, out_dir / f"persistent_timeline_{label}.png", label)
+            plot_timeline(tl, out_dir / f"persistent_timeline_{label}.png", label, cuda=label.startswith("cuda"))
         except Exception as e:  # the numbers matter more than the picture
             print(f"plot failed: {e}")
     result["timeline_summary"] = {n: {k: v for k, v in tl.items() if k != "tasks"} for n, tl in tls.items()}

@@ -432,6 +432,30 @@ def check_schedule(schedule: Schedule, interleavings: int = 20, seed: int = 0) -
                 count[sig] = count.get(sig, 0) + 1
 
 
+ROUTED_WEIGHTS = (EXPERT_GU, DOWN)  # tasks whose weights' address depends on the routing
+
+
+def check_loader(schedule: Schedule) -> None:
+    """Prove that the CUDA runner's loader (`persistent_cuda`) is safe on these tables; raise AssertionError if not.
+
+    The loader walks a program's list in order, ahead of its consumers, and waits for no counter except before
+    the copies of a task whose weights depend on the routing (EXPERT_GU, DOWN: it reads the chosen experts),
+    where it waits for the ROUTE counter named in that task's table row. So every such task must carry the
+    routing wait itself or follow, in its program's list, a task that carried it (the loader passed that
+    wait first; counts only grow). Then the loader's waits are a subset of the waits its consumers make at
+    the same task or earlier, and `check_schedule`'s executions bound them: whenever the consumers reach a
+    task, the loader can have issued its copies, so the ring (stages freed in list order) cannot deadlock,
+    and the experts it reads were chosen before it reads them."""
+    route = _counters(schedule.shape)["route"]
+    for p, lst in enumerate(_table_tasks(schedule)):
+        routed_known = False
+        for i, waits, _ in lst:
+            routed_known |= any(c == route for c, _ in waits)
+            if schedule.tasks[i].kind in ROUTED_WEIGHTS:
+                assert routed_known, f"program {p}: task {i} ({KIND_NAMES[schedule.tasks[i].kind]}) would copy " \
+                    "its experts' rows before any wait for the routing"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The kernel
 

@@ -107,3 +107,69 @@ def test_kernel_matches_reference(programs, norm_tasks):
         assert rel(st.cpu(), ref_state) < tol
         assert rel(cv.cpu(), ref_conv) < tol
     assert ws.counters[schedule.epoch].item() == len(seeds)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CUDA C++ runner (lingls.kernels.persistent_cuda) on the norm_tasks tables
+
+@pytest.mark.parametrize("shape,programs", [(pk.LayerShape(), 132)] + [(TINY, p) for p in (1, 3, 40)])
+def test_cuda_runner_tables_are_proven(shape, programs):
+    """The tables the CUDA runner executes: `check_schedule` (the consumers' waits) is the test above's;
+    here `check_loader` (its loader copies routed experts' rows only after a wait for the routing) and the
+    runner's own limits, with a ring of at least two stages that fits a Hopper block's shared memory."""
+    from lingls.kernels import persistent_cuda as pc
+
+    schedule = pk.build_schedule(shape, programs)
+    pc.check_supported(schedule)
+    plan = pc.smem_plan(schedule)
+    assert 2 <= plan.stages <= pc.MAX_STAGES and plan.smem_bytes <= pc.SMEM_LIMIT
+    assert plan.stage_bytes >= max(pc.stage_bytes_by_kind(shape).values())
+
+
+def test_check_loader_refuses_routed_copies_before_the_routing():
+    from lingls.kernels import persistent_cuda as pc
+
+    schedule = pk.build_schedule(TINY, 3)
+    route = pk._counters(TINY)["route"]
+    table = schedule.table.clone()
+    for p in range(schedule.programs):  # every program's first wait for the routing dropped
+        hits = ((table[p, :, 2] == route) | (table[p, :, 4] == route)).nonzero()
+        if len(hits):
+            i = hits[0, 0]
+            slot = 2 if table[p, i, 2] == route else 4
+            table[p, i, slot:slot + 2] = torch.tensor([-1, 0])
+    with pytest.raises(AssertionError, match="before any wait for the routing"):
+        pk.check_loader(dataclasses.replace(schedule, table=table))
+    with pytest.raises(ValueError, match="norm_tasks"):
+        pc.check_supported(pk.build_schedule(TINY, 3, norm_tasks=False))
+
+
+def _nvcc():
+    import shutil
+
+    return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvcc(), reason="needs CUDA and nvcc")
+@pytest.mark.parametrize("programs,pdl,inflight", [(p, pdl, None) for p in (1, 3, 40) for pdl in (True, False)]
+                         + [(3, True, 1), (40, True, 8)])
+def test_cuda_runner_matches_reference(programs, pdl, inflight):
+    """Two launches (the second on the next generation of the counters) against the plain-torch layer."""
+    from lingls.kernels import persistent_cuda as pc
+
+    s = TINY
+    schedule = pk.build_schedule(s, programs)
+    ws = pk.workspace(schedule, "cuda")
+    for seed in (programs, programs + 10):
+        w, h, state, conv = _inputs(s, seed)
+        ref_state, ref_conv = state.clone(), conv.clone()
+        expect = pk.layer_reference(h, w, ref_state, ref_conv, s)
+        wd = pk.LayerWeights(*(t.cuda() for t in w))
+        st, cv = state.cuda(), conv.cuda()
+        out = torch.full_like(h, float("nan")).cuda()
+        torch.cuda.synchronize()
+        pc.launch(h.cuda(), out, wd, st, cv, schedule, ws, pdl=pdl, inflight=inflight or pc.INFLIGHT)
+        assert rel(out.cpu(), expect) < 1e-2
+        assert rel(st.cpu(), ref_state) < 1e-2
+        assert rel(cv.cpu(), ref_conv) < 1e-2
+    assert ws.counters[schedule.epoch].item() == 2
