@@ -75,19 +75,21 @@ def model_latency(a) -> int:
     import platform
 
     from lingls.model import load_model
-    from lingls.runtime.local import default_model_dir
+    from lingls.runtime import cpu_step
+    from lingls.runtime.local import cpu_threads, default_model_dir
     from lingls.runtime.tokenizer import Tokenizer
 
     model_dir = default_model_dir() if a.model == "nano" else Path(a.model)
     device = a.device
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    if a.threads or device == "cpu":
+        torch.set_num_threads(a.threads or cpu_threads())
     load_before = os.getloadavg()
     model = load_model(model_dir, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     tok = Tokenizer(model_dir)
     texts = tok.candidates().texts
     stop = tok.special_ids | tok.eos_ids
     runner = ModelRunner(model, capacity=a.tokens + 128)
+    lean = not a.model_step and cpu_step.install(runner)  # as LocalEngine runs it
     text = Path(a.file).read_text(encoding="utf-8")
     lines = text.split("\n")
     # the cursor's line: the first code line past the middle of the file with at least `keystrokes` characters
@@ -114,7 +116,8 @@ def model_latency(a) -> int:
         reused.append(runner.cache.stats.tokens_saved - saved)
     load_after = os.getloadavg()
     result = {"bench": "prefix", "mode": "model", "model": str(model_dir), "device": device,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "step": "cpu_step" if lean else "model", "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
               "processor": platform.processor() or platform.machine(), "file": str(a.file), "line": li + 1,
               "prompt_tokens": len(context), "keystrokes": a.keystrokes, "cold_ttft_ms": cold,
               "edit_ttft_ms": firsts, "edit_ttft_p50_ms": statistics.median(firsts),
@@ -127,7 +130,8 @@ def model_latency(a) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{model_dir.name} on {device} ({torch.get_num_threads()} threads), prompt {len(context)} tokens, "
+    print(f"{model_dir.name} on {device} ({torch.get_num_threads()} threads, {result['step']} step), "
+          f"prompt {len(context)} tokens, "
           f"cold prefill TTFT {cold:.0f} ms")
     print(f"one-line edit (prefix reused, median {statistics.median(reused):.0f} tokens): first token p50 "
           f"{result['edit_ttft_p50_ms']:.1f} ms, p95 {result['edit_ttft_p95_ms']:.1f} ms (target <= 50)")
@@ -161,7 +165,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--file", default=None, help="with --model: the Python file typed in (default: stdlib argparse.py)")
     p.add_argument("--keystrokes", type=int, default=10, help="with --model: characters of the line typed")
     p.add_argument("--threads", type=int, default=None,
-                   help="with --model on a CPU: torch threads (on a loaded 2-core machine 1 beats 2 by far)")
+                   help="with --model on a CPU: torch threads (default: LocalEngine's, LINGLS_THREADS or 1)")
+    p.add_argument("--model-step", action="store_true",
+                   help="with --model on a CPU: the model's own step instead of the lean CPU step (to compare)")
     p.add_argument("--layers", type=int, default=42)
     p.add_argument("--tp", type=int, default=4, help="run rank 0's shard of this tensor-parallel degree")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (and snapshot spacing)")
