@@ -6,8 +6,9 @@ With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real m
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
 line's indentation, the prompt is the last 1,536 tokens before it, and the user types that line one character at
 a time; after each keystroke (a one-line edit: everything before the line is reused) it times the first token
-and a whole one-line completion (greedy, up to the first newline or 48 tokens), and prints their p50 with the
-machine's load average (other work on the machine inflates the figures).
+and a whole one-line completion (greedy, up to the first newline or 48 tokens), then the same keystrokes through
+LocalEngine.stream (what the language server waits for), and prints their p50 with the machine's load average
+(other work on the machine inflates the figures).
 
 TTFT here is the wall time from handing the runner the prompt to holding the first new token on the host.
 """
@@ -64,6 +65,35 @@ def line_ms(runner: ModelRunner, prompt: list[int], texts: list[str], stop: set[
     return first or 0.0, (time.perf_counter() - t0) * 1e3, n
 
 
+def engine_ms(model_dir: Path, device: str, prompts: list[str], max_new: int = 48) -> tuple[list[float], list[float]]:
+    """(ms to the first text, ms to the end of the line) of one-line completions of `prompts` (after one more, the
+    first, as a warm-up) through LocalEngine.stream, as the language server asks for them: tokenising, token
+    healing and the stop at the newline included."""
+    import asyncio
+
+    from lingls.runtime.engine import GenerateRequest
+    from lingls.runtime.local import LocalEngine
+
+    async def run() -> tuple[list[float], list[float]]:
+        engine = LocalEngine(str(model_dir), device=device)
+        firsts, wholes = [], []
+        try:
+            await engine.start()
+            for prompt in prompts:
+                t0, first = time.perf_counter(), None
+                async for chunk in engine.stream(GenerateRequest(prompt, max_tokens=max_new, stop=("\n",))):
+                    if chunk.text and first is None:
+                        first = time.perf_counter() - t0
+                whole = time.perf_counter() - t0
+                firsts.append((whole if first is None else first) * 1e3)
+                wholes.append(whole * 1e3)
+        finally:
+            await engine.close()
+        return firsts[1:], wholes[1:]
+
+    return asyncio.run(run())
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -114,6 +144,12 @@ def model_latency(a) -> int:
         lines_ms.append(total)
         written.append(n)
         reused.append(runner.cache.stats.tokens_saved - saved)
+    engine = None
+    if device == "cpu" and not a.model_step:  # the same keystrokes through the engine the language server runs
+        if a.threads:
+            os.environ["LINGLS_THREADS"] = str(a.threads)
+        window = tok.decode(context)
+        engine = engine_ms(model_dir, device, [window] + [window + line.strip()[:k] for k in range(1, a.keystrokes + 1)])
     load_after = os.getloadavg()
     result = {"bench": "prefix", "mode": "model", "model": str(model_dir), "device": device,
               "step": "cpu_step" if lean else "model", "torch": torch.__version__,
@@ -124,6 +160,9 @@ def model_latency(a) -> int:
               "edit_ttft_p95_ms": percentile(firsts, 0.95), "line_ms": lines_ms,
               "line_p50_ms": statistics.median(lines_ms), "line_p95_ms": percentile(lines_ms, 0.95),
               "line_tokens": written, "tokens_reused": reused,
+              **({"engine_first_text_ms": engine[0], "engine_first_text_p50_ms": statistics.median(engine[0]),
+                  "engine_line_ms": engine[1], "engine_line_p50_ms": statistics.median(engine[1]),
+                  "engine_line_p95_ms": percentile(engine[1], 0.95)} if engine else {}),
               "loadavg_before": load_before, "loadavg_after": load_after,
               "targets_ms": {"edit_ttft_p50": 50, "line_p50": 150},
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -137,6 +176,10 @@ def model_latency(a) -> int:
           f"{result['edit_ttft_p50_ms']:.1f} ms, p95 {result['edit_ttft_p95_ms']:.1f} ms (target <= 50)")
     print(f"one-line completion ({statistics.median(written):.0f} tokens median): p50 {result['line_p50_ms']:.1f} ms, "
           f"p95 {result['line_p95_ms']:.1f} ms (target <= 150)")
+    if engine:
+        print(f"through LocalEngine.stream (tokenising, healing, stop at the newline): first text p50 "
+              f"{result['engine_first_text_p50_ms']:.1f} ms, whole line p50 {result['engine_line_p50_ms']:.1f} ms, "
+              f"p95 {result['engine_line_p95_ms']:.1f} ms")
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; wrote {out}", flush=True)
     return 0
 
