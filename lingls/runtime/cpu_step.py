@@ -5,18 +5,23 @@ pre-norm hidden states, with `normed` also their final norm) and as `FusedStep.s
 T <= MAX_TOKENS (decode steps, and the few tokens a one-line edit re-prefills after prefix reuse).
 
 Why: at ling-nano's size (hidden 256) a token's arithmetic is ~10 MFLOP, well under a millisecond, but the
-model's own step (the readable reference form) issues ~700 small torch ops a token, each with a few
-microseconds of dispatch, plus a oneDNN convolution setup per causal conv and a gather of the chosen experts'
-weights: ~20 ms a token on one core. Here each layer is a handful of ops:
+model's own step (the readable reference form) issues ~1,000 torch dispatches a token, each with a few
+microseconds of overhead, plus a oneDNN convolution setup per causal conv and an advanced-index copy of the
+chosen experts' weights: ~20 ms a token on one core. Here each layer is a handful of ops (~580 dispatches a
+token, views included), and what remains is mostly streaming the fp32 weights (~20 MB a token, the 8 MB
+lm_head included) from memory:
 - one matrix product for every projection that reads the layer's input (KDA: q, k, v, f, g, b; MLA: q, the
   latent's down-projection, the gate; MoE: the router, every expert's gate and up, the shared expert's),
   over weights joined once at construction (the model's parameters are re-pointed at views of the joined
-  tensor, so nothing is stored twice and the model's own forms keep reading the same numbers);
+  tensor, so these are not stored twice and the model's own forms keep reading the same numbers; the experts'
+  down projections are copied into a row layout, 0.8 MB a layer for ling-nano);
 - the causal conv as a product with the conv state, the KDA recurrence at each token as three batched
   matrix products on the state in place;
 - MLA: rope on the key and the queries together, one score product over [latent | rope] keys;
-- MoE: all experts computed densely (16-32 experts of width 48 cost less than gathering four), weighted by
-  the router's choice (zero for the experts it did not choose), one down product with the shared expert's.
+- MoE at one token: the chosen experts' weights gathered (a quarter of the layer's at top-4 of 16), one product
+  for their gate-up, one for their weighted down projections summed into the residual; at more tokens all
+  experts computed, weighted 0 where not chosen, their down product joined with the shared expert's;
+- every output projection adds into the residual stream in its product (addmm).
 Rope angles and the attention mask are made once per step, not once per layer.
 
 The functions are the model's (ops regrouped, not approximated): `tests/nano/test_cpu_step.py` checks hidden

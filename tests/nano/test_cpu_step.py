@@ -108,3 +108,17 @@ def test_runner_decodes_the_same_tokens():
         got = list(lean.generate(p, 12, Sampling()))
         assert got == want
     assert lean.cache.stats.tokens_saved == plain.cache.stats.tokens_saved > 0
+
+
+def test_cpu_threads_come_from_the_environment(monkeypatch):
+    from lingls.runtime.engine import EngineError
+    from lingls.runtime.local import CPU_THREADS, cpu_threads
+
+    monkeypatch.delenv("LINGLS_THREADS", raising=False)
+    assert cpu_threads() == CPU_THREADS == 1
+    monkeypatch.setenv("LINGLS_THREADS", " 3 ")
+    assert cpu_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("LINGLS_THREADS", bad)
+        with pytest.raises(EngineError, match="LINGLS_THREADS"):
+            cpu_threads()
