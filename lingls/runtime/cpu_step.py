@@ -8,7 +8,7 @@ Why: at ling-nano's size (hidden 256) a token's arithmetic is ~10 MFLOP, well un
 model's own step (the readable reference form) issues ~1,000 torch dispatches a token, each with a few
 microseconds of overhead, plus a oneDNN convolution setup per causal conv and an advanced-index copy of the
 chosen experts' weights: ~20 ms a token on one core. Here each layer is a handful of ops (~580 dispatches a
-token, views included), and what remains is mostly streaming the fp32 weights (~20 MB a token, the 8 MB
+token, views included), and what remains is mostly streaming the fp32 weights (~22 MB a token, the 8 MB
 lm_head included) from memory:
 - one matrix product for every projection that reads the layer's input (KDA: q, k, v, f, g, b; MLA: q, the
   latent's down-projection, the gate; MoE: the router, every expert's gate and up, the shared expert's),
