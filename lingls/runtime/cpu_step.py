@@ -36,9 +36,12 @@ import torch.nn.functional as F
 
 from lingls.kernels import reference as ref
 from lingls.model.config import KDA
-from lingls.model.ling import GatedMLA, InferenceState, KimiDeltaAttention, LingForCausalLM, MoE, SwiGLU
+from lingls.model.ling import (CHUNKED_KDA_MIN_TOKENS, GatedMLA, InferenceState, KimiDeltaAttention,
+                               LingForCausalLM, MoE, SwiGLU)
 
-MAX_TOKENS = 16  # longer inputs are prefills: the model's step (its chunked KDA form from 64 tokens)
+# up to this many tokens the model's step runs its recurrent KDA form, token by token, as this step does; from
+# CHUNKED_KDA_MIN_TOKENS on it runs the chunked form, and longer inputs go to it
+MAX_TOKENS = CHUNKED_KDA_MIN_TOKENS - 1
 GATHER_EXPERTS_MAX_SHARE = 0.5  # read only the chosen experts while they are at most this share of all
 
 

@@ -50,16 +50,17 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("form", FORMS, ids=list(FORMS))
 def test_step_equals_the_models(form):
     model = build(**FORMS[form])
-    ids = torch.randint(0, 96, (80,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 96, (140,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        prefilled = model.new_state(128)
+        prefilled = model.new_state(160)
         model.step(ids[:40], prefilled, torch.arange(40))
         want_state, state = prefilled.clone(), prefilled.clone()
         lean = CpuStep(model)
         start = 40
         # one token (experts gathered), then sizes past the gather's share (experts computed densely), with
         # the keys bounded by a bucket past the position, by the position, and not at all
-        for t, kv_len in ((1, 64), (1, None), (2, 64), (5, 45 + 5), (16, None), (1, 128)):
+        for t, kv_len in ((1, 64), (1, None), (2, 64), (5, 45 + 5), (16, None), (1, 128),
+                          (cpu_step.MAX_TOKENS, None)):
             pos = torch.arange(start, start + t)
             want, want_normed = model.step(ids[start:start + t], want_state, pos, kv_len=kv_len, normed=True)
             got, normed = lean.step(ids[start:start + t], state, pos, kv_len=kv_len, normed=True)
@@ -86,7 +87,8 @@ def test_joined_weights_are_the_models_own():
 def test_what_it_does_not_serve_is_refused():
     model = build()
     with pytest.raises(ValueError, match="prefill"):
-        CpuStep(model).step(torch.zeros(17, dtype=torch.long), model.new_state(32), torch.arange(17))
+        t = cpu_step.MAX_TOKENS + 1
+        CpuStep(model).step(torch.zeros(t, dtype=torch.long), model.new_state(t), torch.arange(t))
     assert not cpu_step.supports(build().to(torch.bfloat16))
     with pytest.raises(ValueError, match="fp32"):
         CpuStep(build().to(torch.bfloat16))
