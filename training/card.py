@@ -163,6 +163,13 @@ n-gram order vs score (all cases):
 |---|---|---|
 {ngram_rows}
 
+## On a CPU
+lingls runs this model in fp32 on one torch thread (`LINGLS_THREADS` to change) through `lingls.runtime.cpu_step`:
+a decode step, and the few tokens a one-line edit re-prefills after prefix reuse, in a few large torch ops per
+layer, each token handed over as soon as its step returns. `lingls bench prefix --model nano` times the first
+token after a one-line edit and a whole one-line completion at the 1,536-token prompt budget, through the runner
+and through the engine the language server uses; docs/performance.md has the figures.
+
 {draft_section(draft_log) if draft_log else ""}
 ## License notes on the data
 The weights were trained on source code that carries its own licenses. The Python standard library is under the

@@ -6,8 +6,9 @@ With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real m
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
 line's indentation, the prompt is the last 1,536 tokens before it, and the user types that line one character at
 a time; after each keystroke (a one-line edit: everything before the line is reused) it times the first token
-and a whole one-line completion (greedy, up to the first newline or 48 tokens), and prints their p50 with the
-machine's load average (other work on the machine inflates the figures).
+and a whole one-line completion (greedy, up to the first newline or 48 tokens), then the same keystrokes through
+LocalEngine.stream (what the language server waits for), and prints their p50 with the machine's load average
+(other work on the machine inflates the figures).
 
 TTFT here is the wall time from handing the runner the prompt to holding the first new token on the host.
 """
@@ -46,11 +47,12 @@ def ttft_ms(runner: ModelRunner, prompt: list[int]) -> tuple[float, int]:
 
 
 def line_ms(runner: ModelRunner, prompt: list[int], texts: list[str], stop: set[int],
-            max_new: int = 48) -> tuple[float, float, int]:
-    """(ms to the first token, ms to the end of the line, tokens written) for a greedy one-line completion
-    (`stop`: ids that end a completion)."""
+            max_new: int = 48) -> tuple[float, float, int, float]:
+    """(ms to the first token, ms to the end of the line, tokens written, CPU ms this thread spent on the line)
+    for a greedy one-line completion (`stop`: ids that end a completion). The CPU time leaves out the time other
+    processes held the cores: on a busy machine it says what the line costs, the wall time what it took."""
     _sync(runner)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     first, n = None, 0
     steps = runner.generate(prompt, max_new, Sampling())
     for token in steps:
@@ -61,7 +63,36 @@ def line_ms(runner: ModelRunner, prompt: list[int], texts: list[str], stop: set[
             break
     steps.close()
     _sync(runner)
-    return first or 0.0, (time.perf_counter() - t0) * 1e3, n
+    return first or 0.0, (time.perf_counter() - t0) * 1e3, n, (time.thread_time() - cpu0) * 1e3
+
+
+def engine_ms(model_dir: Path, device: str, prompts: list[str], max_new: int = 48) -> tuple[list[float], list[float]]:
+    """(ms to the first text, ms to the end of the line) of one-line completions of `prompts` (after one more, the
+    first, as a warm-up) through LocalEngine.stream, as the language server asks for them: tokenising, token
+    healing and the stop at the newline included."""
+    import asyncio
+
+    from lingls.runtime.engine import GenerateRequest
+    from lingls.runtime.local import LocalEngine
+
+    async def run() -> tuple[list[float], list[float]]:
+        engine = LocalEngine(str(model_dir), device=device)
+        firsts, wholes = [], []
+        try:
+            await engine.start()
+            for prompt in prompts:
+                t0, first = time.perf_counter(), None
+                async for chunk in engine.stream(GenerateRequest(prompt, max_tokens=max_new, stop=("\n",))):
+                    if chunk.text and first is None:
+                        first = time.perf_counter() - t0
+                whole = time.perf_counter() - t0
+                firsts.append((whole if first is None else first) * 1e3)
+                wholes.append(whole * 1e3)
+        finally:
+            await engine.close()
+        return firsts[1:], wholes[1:]
+
+    return asyncio.run(run())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -75,19 +106,21 @@ def model_latency(a) -> int:
     import platform
 
     from lingls.model import load_model
-    from lingls.runtime.local import default_model_dir
+    from lingls.runtime import cpu_step
+    from lingls.runtime.local import cpu_threads, default_model_dir
     from lingls.runtime.tokenizer import Tokenizer
 
     model_dir = default_model_dir() if a.model == "nano" else Path(a.model)
     device = a.device
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    if a.threads or device == "cpu":
+        torch.set_num_threads(a.threads or cpu_threads())
     load_before = os.getloadavg()
     model = load_model(model_dir, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     tok = Tokenizer(model_dir)
     texts = tok.candidates().texts
     stop = tok.special_ids | tok.eos_ids
     runner = ModelRunner(model, capacity=a.tokens + 128)
+    lean = not a.model_step and cpu_step.install(runner)  # as LocalEngine runs it
     text = Path(a.file).read_text(encoding="utf-8")
     lines = text.split("\n")
     # the cursor's line: the first code line past the middle of the file with at least `keystrokes` characters
@@ -102,37 +135,55 @@ def model_latency(a) -> int:
     runner.generate(context, 2, Sampling()).close()  # warm-up: allocations, first-call paths
     runner.cache.reset()
     cold, _ = ttft_ms(runner, context)
-    firsts, lines_ms, reused, written = [], [], [], []
+    firsts, lines_ms, reused, written, lines_cpu = [], [], [], [], []
     for k in range(1, a.keystrokes + 1):  # one more character of the line each time
         typed = line.strip()[:k]
         prompt = tok.encode(before + indent + typed)[first_token:]
         saved = runner.cache.stats.tokens_saved
-        first, total, n = line_ms(runner, prompt, texts, stop)
+        first, total, n, cpu = line_ms(runner, prompt, texts, stop)
         firsts.append(first)
+        lines_cpu.append(cpu)
         lines_ms.append(total)
         written.append(n)
         reused.append(runner.cache.stats.tokens_saved - saved)
+    engine = None
+    if device == "cpu" and not a.model_step:  # the same keystrokes through the engine the language server runs
+        if a.threads:
+            os.environ["LINGLS_THREADS"] = str(a.threads)
+        window = tok.decode(context)
+        engine = engine_ms(model_dir, device, [window] + [window + line.strip()[:k] for k in range(1, a.keystrokes + 1)])
     load_after = os.getloadavg()
     result = {"bench": "prefix", "mode": "model", "model": str(model_dir), "device": device,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "step": "cpu_step" if lean else "model", "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
               "processor": platform.processor() or platform.machine(), "file": str(a.file), "line": li + 1,
               "prompt_tokens": len(context), "keystrokes": a.keystrokes, "cold_ttft_ms": cold,
               "edit_ttft_ms": firsts, "edit_ttft_p50_ms": statistics.median(firsts),
               "edit_ttft_p95_ms": percentile(firsts, 0.95), "line_ms": lines_ms,
               "line_p50_ms": statistics.median(lines_ms), "line_p95_ms": percentile(lines_ms, 0.95),
+              "line_cpu_ms": lines_cpu, "line_cpu_p50_ms": statistics.median(lines_cpu),
               "line_tokens": written, "tokens_reused": reused,
+              **({"engine_first_text_ms": engine[0], "engine_first_text_p50_ms": statistics.median(engine[0]),
+                  "engine_line_ms": engine[1], "engine_line_p50_ms": statistics.median(engine[1]),
+                  "engine_line_p95_ms": percentile(engine[1], 0.95)} if engine else {}),
               "loadavg_before": load_before, "loadavg_after": load_after,
               "targets_ms": {"edit_ttft_p50": 50, "line_p50": 150},
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{model_dir.name} on {device} ({torch.get_num_threads()} threads), prompt {len(context)} tokens, "
+    print(f"{model_dir.name} on {device} ({torch.get_num_threads()} threads, {result['step']} step), "
+          f"prompt {len(context)} tokens, "
           f"cold prefill TTFT {cold:.0f} ms")
     print(f"one-line edit (prefix reused, median {statistics.median(reused):.0f} tokens): first token p50 "
           f"{result['edit_ttft_p50_ms']:.1f} ms, p95 {result['edit_ttft_p95_ms']:.1f} ms (target <= 50)")
     print(f"one-line completion ({statistics.median(written):.0f} tokens median): p50 {result['line_p50_ms']:.1f} ms, "
-          f"p95 {result['line_p95_ms']:.1f} ms (target <= 150)")
+          f"p95 {result['line_p95_ms']:.1f} ms (target <= 150); CPU time of the line p50 "
+          f"{result['line_cpu_p50_ms']:.1f} ms")
+    if engine:
+        print(f"through LocalEngine.stream (tokenising, healing, stop at the newline): first text p50 "
+              f"{result['engine_first_text_p50_ms']:.1f} ms, whole line p50 {result['engine_line_p50_ms']:.1f} ms, "
+              f"p95 {result['engine_line_p95_ms']:.1f} ms")
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; wrote {out}", flush=True)
     return 0
 
@@ -161,7 +212,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--file", default=None, help="with --model: the Python file typed in (default: stdlib argparse.py)")
     p.add_argument("--keystrokes", type=int, default=10, help="with --model: characters of the line typed")
     p.add_argument("--threads", type=int, default=None,
-                   help="with --model on a CPU: torch threads (on a loaded 2-core machine 1 beats 2 by far)")
+                   help="with --model on a CPU: torch threads (default: LocalEngine's, LINGLS_THREADS or 1)")
+    p.add_argument("--model-step", action="store_true",
+                   help="with --model on a CPU: the model's own step instead of the lean CPU step (to compare)")
     p.add_argument("--layers", type=int, default=42)
     p.add_argument("--tp", type=int, default=4, help="run rank 0's shard of this tensor-parallel degree")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (and snapshot spacing)")
@@ -175,7 +228,7 @@ def main(argv: list[str]) -> int:
         a.tokens = a.tokens or 1536
         a.file = a.file or _argparse.__file__
         if a.out == "bench/results/prefix.json":
-            a.out = "bench/results/nano_latency_prefix.json"
+            a.out = "bench/results/nano_latency.json"  # the file docs/performance.md cites
         return model_latency(a)
     a.tokens = a.tokens or 8192
     if not torch.cuda.is_available():

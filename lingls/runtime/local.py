@@ -27,6 +27,12 @@ from lingls.runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets" / "ling-nano"
+# torch threads for a model on the CPU, unless LINGLS_THREADS says otherwise. A batch-1 step is a few hundred
+# small ops and matrix-vector products bound by memory: more threads add OpenMP barriers and gain little, and
+# when any other process holds a core the barriers wait on it. Measured on a 2-core machine at load 5-8
+# (lingls bench prefix --model nano): 2 threads took 1.6 s to a first token after a one-line edit and 5.5 s to a
+# one-line completion, where one thread took tens of milliseconds.
+CPU_THREADS = 1
 
 
 # ---- model directories ----------------------------------------------------------------------------------
@@ -82,6 +88,20 @@ def default_model_dir() -> Path:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_tiny_checkpoint(cache)
     return cache
+
+
+def cpu_threads() -> int:
+    """The torch threads a model on the CPU runs with: LINGLS_THREADS, else CPU_THREADS."""
+    raw = os.environ.get("LINGLS_THREADS", "").strip()
+    if not raw:
+        return CPU_THREADS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise EngineError(f"LINGLS_THREADS={raw!r}: a whole number of threads >= 1 is needed")
+    return n
 
 
 def check_model_dir(path: Path) -> None:
@@ -205,9 +225,12 @@ class LocalEngine:
             import torch
 
             from lingls.model import CheckpointError, ConfigError, load_model
+            from lingls.runtime import cpu_step
             from lingls.runtime.runner import ModelRunner
 
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if device == "cpu":
+                torch.set_num_threads(cpu_threads())
             dtype = getattr(torch, self.dtype) if self.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
             t0 = time.perf_counter()
             def progress(done: int, total: int) -> None:
@@ -227,6 +250,7 @@ class LocalEngine:
             runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
             runner.warmup(greedy_only=True)
             attach_drafter(runner, self.draft, self.draft_k, self.simulate_accept, self.draft_vocab)
+            cpu_step.install(runner)  # fp32 on a CPU without a drafter: the lean step for decode and edits
             self.runner = runner
             self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
 

@@ -261,6 +261,9 @@ class ModelRunner:
         position = len(cache.tokens)  # host-side mirror of self.pos
         max_new = min(max_new, self.capacity - position)
         fence.post(0, self.ids[:1])
+        if self.device.type == "cpu":  # steps run synchronously: launching the next one first only delays a token
+            yield from self._decode_in_turn(max_new, greedy, position)
+            return
         try:
             for j in range(max_new):
                 if j + 1 < max_new:  # the last token needs no step after it
@@ -270,6 +273,25 @@ class ModelRunner:
                 if j + 1 < max_new:
                     cache.tokens.append(token)  # the step just launched consumes it
                     position += 1
+                yield token
+        except GeneratorExit:  # closed by the consumer: the state matches cache.tokens
+            raise
+        except BaseException:
+            cache.reset()
+            raise
+
+    def _decode_in_turn(self, max_new: int, greedy: bool, position: int) -> Iterator[int]:
+        """`decode` where a step computes before it returns (the CPU): token j is handed over as soon as it
+        exists, and the step that consumes it runs when token j + 1 is asked for (none after the last one read)."""
+        cache, fence = self.cache, self.fence
+        try:
+            for j in range(max_new):
+                if j:
+                    self.run_step(1, self.bucket(position + 1), greedy)  # consumes token j - 1, chooses token j
+                    cache.tokens.append(token)
+                    position += 1
+                    fence.post(j % 2, self.out[:1])
+                (token,) = fence.read(j % 2)
                 yield token
         except GeneratorExit:  # closed by the consumer: the state matches cache.tokens
             raise
