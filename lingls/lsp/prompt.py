@@ -18,6 +18,7 @@ from lingls.runtime.engine import FimParts, FimTemplate
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_SUFFIX_LINES = 64
+WINDOW_STEP = 16  # the prefix window of a long document starts on a multiple of this many lines
 
 
 @dataclass(frozen=True)
@@ -127,18 +128,30 @@ def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -
     """Start offset and token count of the lines before the cursor that fit `budget`.
 
     The cursor's own line always goes in; a monster line (minified code) keeps only its last ~3 characters
-    per token of budget."""
+    per token of budget. When the budget cuts the document, the window starts on a line whose index is a
+    multiple of `WINDOW_STEP`: typing at the end of a long file then moves the start once every
+    `WINDOW_STEP` lines instead of at nearly every line, and every request in between shares the prompt's
+    whole beginning with the one before it, which the engine's prefix reuse turns into a short re-prefill
+    instead of a cold one (seconds on a CPU). The price is up to `WINDOW_STEP - 1` lines of budget unused."""
     start = text.rfind("\n", 0, offset) + 1
     if offset - start > budget * 3:
         start = offset - budget * 3
     used = counter.line(text[start:offset])
-    if start > 0 and used <= budget:
-        for prev, cost in counter.lines_above(text, start, budget - used):
-            if used + cost > budget:
-                break
-            used += cost
-            start = prev
-    return start, used
+    if start == 0 or used > budget or text[start - 1] != "\n":
+        return start, used
+    taken = []  # (line start, cost) of the lines above taken, nearest first
+    for prev, cost in counter.lines_above(text, start, budget - used):
+        if used + cost > budget:
+            break
+        used += cost
+        taken.append((prev, cost))
+    if not taken or taken[-1][0] == 0:  # the whole document above the cursor fits
+        return (taken[-1][0] if taken else start), used
+    top = text.count("\n", 0, taken[-1][0])  # the window's first line index
+    drop = min(-top % WINDOW_STEP, len(taken))
+    for _ in range(drop):
+        used -= taken.pop()[1]
+    return (taken[-1][0] if taken else start), used
 
 
 def _suffix_window(text: str, offset: int, counter: TokenCounter, budget: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 from lingls.lsp.context import ContextRing
-from lingls.lsp.prompt import TokenCounter, build_prompt, sanitize
+from lingls.lsp.prompt import WINDOW_STEP, TokenCounter, build_prompt, sanitize
 from lingls.lsp.settings import Settings
 from lingls.runtime.engine import FimTemplate
 
@@ -38,6 +38,26 @@ def test_budget_keeps_whole_lines_nearest_the_cursor():
     prefix = p.text.split("<|fim_suffix|>")[0].removeprefix("<|fim_prefix|>")
     assert prefix.endswith(lines[299]) and prefix.startswith("line_")  # whole lines, nearest first
     assert 0 < p.suffix_chars < p.prefix_chars  # the suffix gets a fifth
+
+
+def test_window_start_of_a_long_document_moves_in_steps_while_typing():
+    """Typing line after line at the end of a document larger than the budget: the prompt keeps its beginning
+    (the engine's prefix reuse) for WINDOW_STEP lines at a time, always within the budget, always whole lines."""
+    text = "".join(f"value_{i:03d} = compute({i}, {i * 7})\n" for i in range(400))
+    c, starts, lines_typed = counter(), [], 0
+    for line in (f"typed_{j} = value_{j:03d} + 1\n" for j in range(3 * WINDOW_STEP)):
+        for ch in line:
+            text += ch
+            p = build_prompt(text, len(text), fim=None, counter=c, budget=600)
+            assert p.tokens <= 600
+            start = len(text) - p.prefix_chars
+            assert start == 0 or text[start - 1] == "\n"
+            assert text.count("\n", 0, start) % WINDOW_STEP == 0
+            starts.append(start)
+        lines_typed += 1
+    moves = sum(a != b for a, b in zip(starts, starts[1:]))
+    assert 1 <= moves <= lines_typed // WINDOW_STEP + 1  # a start chosen afresh moved at nearly every line
+    assert min(len(text) - s for s in starts) > 0
 
 
 def test_monster_line_is_cut():
