@@ -26,6 +26,7 @@ import torch
 from lingls.kernels import accept
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
+from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.sampling import argmax_shards, sample
 
 
@@ -112,11 +113,19 @@ class ModelRunner:
         self._pool = None
         # speculative decoding (speculative.Speculator) swaps in a prefill step that also feeds its drafter the
         # prompt's hidden states, and takes over `decode`
-        self.prefill_step = model.step
+        self.prefill_step = self._prefill_step
         self.spec = None
         self.fused = fused_step(model)
 
     # ---- one step ----------------------------------------------------------------------------------------
+    def _prefill_step(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One piece of a prompt: a short one (the few tokens between a prompt's tail snapshots) through the
+        fused decode kernels, as a verify step runs, a long one through the model's torch step (large GEMMs,
+        chunked KDA, flash MLA), told that its positions end at kv_len."""
+        if self.fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:
+            return self.fused.step(ids, state, positions, kv_len)
+        return self.model.step(ids, state, positions, kv_len=kv_len, prefill=True)
+
     def bucket(self, end: int) -> int:
         """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
         b = self.min_bucket
@@ -220,11 +229,13 @@ class ModelRunner:
             bounds = sorted(set(cache.snapshot_points(start, len(prompt))
                                 + list(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
                                 + [len(prompt)]))
+            # the ids cross to the device once: a copy from pageable memory waits for the stream, so one per
+            # piece would make the host wait for every piece before launching the next
+            ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)
+            positions = torch.arange(start, len(prompt), device=self.device)
             a = start
             for b in bounds:
-                ids = torch.tensor(prompt[a:b], dtype=torch.long, device=self.device)
-                positions = torch.arange(a, b, device=self.device)
-                h = self.prefill_step(ids, self.state, positions, kv_len=b)
+                h = self.prefill_step(ids[a - start:b - start], self.state, positions[a - start:b - start], kv_len=b)
                 cache.tokens.extend(prompt[a:b])
                 cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
                 a = b
