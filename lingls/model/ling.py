@@ -145,11 +145,12 @@ def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
     """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms.
     `lower_bound`: the gate's bound when it is the safe (bounded) gate, so the chunked form needs no host read."""
     t = q.shape[1]
+    fla = q.is_cuda and t > MLA_ABSORBED_MAX_TOKENS and _fla_chunk_kda() is not None  # any piece a step of the
+    if fla:  # fused kernels does not take: fla's kernel at every length, where the recurrent form is a loop per token
+        o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
+                                output_final_state=True, use_qk_l2norm_in_kernel=False)
+        return o, s
     if t >= CHUNKED_KDA_MIN_TOKENS:
-        if q.is_cuda and _fla_chunk_kda() is not None:
-            o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=False)
-            return o, s
         return ref.kda_chunked(q, k, v, g, beta, state, lower_bound=lower_bound)
     return ref.kda_recurrent(q, k, v, g, beta, state)
 
