@@ -300,6 +300,7 @@ def flash_prefill(a) -> int:
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
+    a.chunk = runner.prefill_chunk
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     peak = matmul_peak_tflops()
     g = torch.Generator().manual_seed(0)
@@ -389,7 +390,8 @@ def main(argv: list[str]) -> int:
                    help="with --model on a CPU: torch threads (on a loaded 2-core machine 1 beats 2 by far)")
     p.add_argument("--layers", type=int, default=42)
     p.add_argument("--tp", type=int, default=4, help="run rank 0's shard of this tensor-parallel degree")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (and snapshot spacing)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk and snapshot spacing (default: the runner's, 8192 on a GPU)")
     p.add_argument("--edits", type=int, default=5)
     p.add_argument("--out", default="bench/results/prefix.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",

@@ -86,15 +86,17 @@ class ModelRunner:
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
                  max_snapshots: int = 24):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
-        2048 on a GPU, where a step's fixed cost dominates (an 8,192-token cold prefill of a Ling-3.0-flash TP=4
-        rank on an H200 took 3.66 s in 512-token chunks and 1.49 s in 2048-token ones, bench/results/prefix.json
-        and prefix_c512.json), 512 on a CPU, where the work does and finer snapshots re-prefill less."""
+        8192 on a GPU, where a step's host-side cost (thousands of eager launches) dominates: cold prefills of a
+        Ling-3.0-flash TP=4 rank on an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and
+        181 / 256 ms in one piece (bench/results/prefix.json); the price is coarser snapshots, so an edit far
+        above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates and finer
+        snapshots re-prefill less."""
         self.model = model
         self.device = model.lm_head.weight.device
         self.capacity = capacity
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if prefill_chunk is None:
-            prefill_chunk = 2048 if self.device.type == "cuda" else 512
+            prefill_chunk = 8192 if self.device.type == "cuda" else 512
         self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
         self.state = model.new_state(capacity)
         self.cache = PrefixCache(self.state, max_snapshots=max_snapshots, every=prefill_chunk)
