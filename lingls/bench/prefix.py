@@ -251,8 +251,9 @@ def prefill_flops(model, t: int) -> float:
 
 
 def _use(runner: ModelRunner, path: tuple) -> None:
-    """Put a (prefill step, chunk) path into the runner: its step, and its chunk as piece size and snapshot spacing."""
-    runner.prefill_step, runner.prefill_chunk = path
+    """Put a (prefill step, chunk, prefill graphs?) path into the runner: its step, its chunk as piece size and
+    snapshot spacing, and whether a cold prompt's first piece replays a padded graph."""
+    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path
     runner.cache.every = path[1]
 
 
@@ -305,11 +306,13 @@ def flash_prefill(a) -> int:
     peak = matmul_peak_tflops()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": (runner.prefill_step, a.chunk)}
+    paths = {"runtime": (runner.prefill_step, a.chunk, runner.prefill_graphs)}
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"runtime_chunk{chunk}"] = (runner.prefill_step, chunk)
+        paths[f"runtime_chunk{chunk}"] = (runner.prefill_step, chunk, runner.prefill_graphs)
+    if a.graphs:  # the runtime's path with a cold prompt's first piece as a padded graph replay
+        paths["runtime_graphs"] = (runner.prefill_step, a.chunk, True)
     if not a.no_baseline:
-        paths["before_issue_39"] = (legacy_prefill_step(model), 2048)
+        paths["before_issue_39"] = (legacy_prefill_step(model), 2048, False)
     rows = []
     for t in sizes:
         flops = prefill_flops(model, t)
@@ -380,6 +383,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=3, help="cold prefills timed per size and path (the median)")
     p.add_argument("--no-baseline", action="store_true", help="time only the runtime's path")
     p.add_argument("--more-chunks", default="", help="also time the runtime's path in these chunk sizes (a,b,...)")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time the runtime's path with prefill graphs (ModelRunner(prefill_graphs=True))")
     p.add_argument("--check-tokens", type=int, default=1536,
                    help="prompt length at which the two paths' results are compared")
     p.add_argument("--model", help="a model directory, or 'nano' for the embedded ling-nano: time it on real code")

@@ -117,15 +117,19 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound, self.safe_gate, self.eps = cfg.kda_lower_bound, cfg.kda_safe_gate, cfg.rms_norm_eps
         self.par = par
 
-    def forward(self, x, conv_state=None, state=None):
-        """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None.
+    def forward(self, x, conv_state=None, state=None, valid=None):
+        """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None; valid: [T]
+        bool (device) for inputs padded after their first n steps: padded steps neither decay nor write the
+        state, and the conv state is taken after step n, so the states are those of the n real steps.
 
         Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
         b, t, _ = x.shape
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         qkv, new_conv = [], []
+        end = None if valid is None else valid.sum()
         for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i])
+            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i],
+                                         end)
             qkv.append(y.view(b, t, self.heads, self.d))
             new_conv.append(cs)
         q, k, v = qkv
@@ -134,6 +138,9 @@ class KimiDeltaAttention(nn.Module):
         g = ref.kda_gate(self.f_proj(x).view(b, t, self.heads, self.d), self.A_log, self.dt_bias,
                          self.lower_bound, self.safe_gate)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if valid is not None:
+            g = g * valid[:, None, None]
+            beta = beta * valid[:, None]
         if state is None:
             state = x.new_zeros(b, self.heads, self.d, self.d, dtype=torch.float32)
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
@@ -488,7 +495,8 @@ class LingForCausalLM(nn.Module):
         )
 
     def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
-             kv_len: int | None = None, normed: bool = False, prefill: bool = False):
+             kv_len: int | None = None, normed: bool = False, prefill: bool = False,
+             valid: torch.Tensor | None = None):
         """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm), and
         with `normed` also their final norm, the head's input: (hidden, normed). The fused step makes both in
         one launch; here the pair keeps the two steps' contracts the same.
@@ -496,19 +504,23 @@ class LingForCausalLM(nn.Module):
         `kv_len` bounds the MLA keys read (the last position + 1, when the caller knows it on the host);
         None reads the whole cache, masked on device (the fixed-shape form CUDA graphs capture). `prefill`: the
         tokens are a prompt's next ones, positions = kv_len - T .. kv_len - 1 (kv_len given), so long steps'
-        MLA attention needs no mask tensor (`GatedMLA.attend_prefill`).
+        MLA attention needs no mask tensor (`GatedMLA.attend_prefill`). `valid` ([T] bool on the device): the
+        tokens are padded after the first n (a fixed-shape prefill, `ModelRunner`'s prefill graphs): the
+        KDA states end as after the n real tokens, and the padded tokens' MLA rows (positions past them) are
+        written like any row past the sequence, masked until overwritten.
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
         for i, layer in enumerate(self.decoder_layers):
-            h = self._layer_step(i, layer, h, state, positions, kv_len, prefill)
+            h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
         return (h, self.model.norm(h)) if normed else h
 
-    def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False):
+    def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False,
+                    valid=None):
         x = layer.input_layernorm(h)
         if layer.kind == KDA:
             s = self.kda_slot[i]
-            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1])
+            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid)
             state.conv[s].copy_(conv[0])
             state.kda[s].copy_(rec[0])
             a = a[0]

@@ -84,3 +84,41 @@ def test_grouped_kernels_equal_reference(limit):
     got = prefill_moe.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=16)
     want = prefill_moe.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_padded_step_leaves_the_states_of_the_real_tokens():
+    """A piece padded after its first n tokens (what a prefill graph runs): the real tokens' hidden states, the
+    KDA and conv states and the MLA rows are those of the n tokens alone."""
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (128,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for n in (70, 127):
+            alone, padded = model.new_state(160), model.new_state(160)
+            want = model.step(ids[:n], alone, torch.arange(n), kv_len=n, prefill=True)
+            valid = torch.arange(128) < n
+            got = model.step(torch.where(valid, ids, 0), padded, torch.arange(128), kv_len=128, prefill=True,
+                             valid=valid)
+            assert (got[:n] - want).abs().max().item() < 1e-5
+            for a, b in ((padded.kda, alone.kda), (padded.conv, alone.conv),
+                         (padded.latent[:, :n], alone.latent[:, :n])):
+                assert (a - b).abs().max().item() < 1e-5
+
+
+def test_runner_with_prefill_graphs_prefills_the_same():
+    """prefill_graphs: a cold prompt's first piece at its bucket's padded length (eager here, a graph on CUDA);
+    the same state and first token as the plain path, and prefix reuse after it still works."""
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    results = []
+    for graphs in (False, True):
+        runner = ModelRunner(model, capacity=300, prefill_chunk=512, prefill_graphs=graphs)
+        assert runner.prefill_bucket(192) == 256 and runner.prefill_bucket(16) is None
+        runner.prefill(ids, Sampling())
+        assert (256 in runner._prefill_ids_buf) == graphs  # the first 192 tokens went through the padded step
+        results.append((runner.state.clone(), runner.chosen()))
+        edited = ids[:-1] + [(ids[-1] + 1) % 96]
+        assert runner.prefill(edited, Sampling()) == 199  # the snapshot before the last token
+    (plain, plain_tok), (padded, padded_tok) = results
+    assert plain_tok == padded_tok
+    for a, b in ((padded.kda, plain.kda), (padded.conv, plain.conv), (padded.latent[:, :200], plain.latent[:, :200])):
+        assert (a - b).abs().max().item() < 1e-4
