@@ -1,6 +1,9 @@
-"""`lingls bench prefix`: time to first token after a one-token edit at the end of a long prompt, with prefix
-reuse, against a cold prefill of the same prompt (Ling-3.0-flash shapes, random weights, one TP=4 rank's
-shard by default, as in `lingls bench step`).
+"""`lingls bench prefix`: time to first token of cold prefills (512, 1,536, 4,096 and 8,192 tokens by default) at
+Ling-3.0-flash shapes (random weights, one TP=4 rank's shard by default, as in `lingls bench step`), by the
+runtime's path and by the path before issue 39 (`legacy_prefill_step`, kept here only as the baseline), beside
+the compute floor (the prefill's FLOPs over the bf16 matmul peak measured in the same run) and the time the host
+takes to issue the prefill; then the two paths' results on one prompt, and the first token after a one-token edit
+at the end of the longest prompt, with prefix reuse. `--profile N` adds each path's N largest ops.
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
