@@ -344,6 +344,14 @@ def flash_prefill(a) -> int:
                                  zip(("hidden_rel_err", "kda_state_rel_err", "mla_latent_rel_err"), new, old)}}
         print(f"runtime vs before_issue_39 at {t} tokens (relative L2 error): " +
               ", ".join(f"{k} {v:.2e}" for k, v in check.items() if k != "tokens"), flush=True)
+        if "runtime_graphs" in paths:  # the padded graph against the eager step: apart only by the shapes' rounding
+            _use(runner, paths["runtime_graphs"])
+            graphed = _prefill_result(runner, prompts[t])
+            _use(runner, paths["runtime"])
+            check["graphs_vs_runtime"] = {k: float((g - n).norm() / n.norm()) for k, g, n in
+                                          zip(("hidden_rel_err", "kda_state_rel_err", "mla_latent_rel_err"),
+                                              graphed, new)}
+            print(f"runtime_graphs vs runtime: {check['graphs_vs_runtime']}", flush=True)
     # prefix reuse after the runtime's cold prefill of the largest prompt: the last token edited, then one appended
     prompt = prompts[max(sizes)]
     runner.cache.reset()
