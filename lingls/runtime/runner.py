@@ -27,10 +27,10 @@ from lingls.kernels import accept
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
+from lingls.runtime.sampling import argmax_shards, sample
 
 # the padded lengths of a cold prompt's first piece with prefill graphs (a piece runs at the smallest that holds it)
 PREFILL_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-from lingls.runtime.sampling import argmax_shards, sample
 
 
 @dataclass(frozen=True)
