@@ -1,7 +1,9 @@
 """ModelRunner: the batch-1 step loop over one resident sequence state.
 
 - Prefill runs the prompt (after prefix reuse, `cache.py`) in chunks with host-known lengths, pausing at
-  the cache's snapshot points, then samples the first token on the device.
+  the cache's snapshot points, then samples the first token on the device. Pieces of up to 16 tokens (those
+  between a prompt's tail snapshots) run the fused step's kernels, longer ones the model's torch step; with
+  `prefill_graphs`, a cold prompt's first piece replays a CUDA graph padded to a token bucket.
 - Decode steps (T = 1) and verify steps (T = K + 1) have fixed shapes: on CUDA each (T, KV bucket, greedy?)
   is captured once as a CUDA graph and replayed. The MLA keys read are bounded by a power-of-two bucket of
   the position (known on the host without asking the device); rows past the position are masked.
