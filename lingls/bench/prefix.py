@@ -1,6 +1,9 @@
-"""`lingls bench prefix`: time to first token after a one-token edit at the end of a long prompt, with prefix
-reuse, against a cold prefill of the same prompt (Ling-3.0-flash shapes, random weights, one TP=4 rank's
-shard by default, as in `lingls bench step`).
+"""`lingls bench prefix`: time to first token of cold prefills (512, 1,536, 4,096 and 8,192 tokens by default) at
+Ling-3.0-flash shapes (random weights, one TP=4 rank's shard by default, as in `lingls bench step`), by the
+runtime's path and by the path before issue 39 (`legacy_prefill_step`, kept here only as the baseline), beside
+the compute floor (the prefill's FLOPs over the bf16 matmul peak measured in the same run) and the time the host
+takes to issue the prefill; then the two paths' results on one prompt, and the first token after a one-token edit
+at the end of the longest prompt, with prefix reuse. `--profile N` adds each path's N largest ops.
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
@@ -199,14 +202,253 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> li
     rows = [dict(op=e.key[:90], device_ms=e.self_device_time_total / 1e3, host_ms=e.self_cpu_time_total / 1e3,
                  calls=e.count) for e in prof.key_averages()]
     rows.sort(key=lambda r: -r["device_ms"])
+    print(f"  device time of all ops together {sum(r['device_ms'] for r in rows):.1f} ms (nested ops counted twice)")
     for r in rows[:top]:
         print(f"  {r['device_ms']:9.1f} ms device {r['host_ms']:9.1f} ms host {r['calls']:7d} x  {r['op']}")
     return rows[:top]
 
 
+# ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
+def legacy_prefill_step(model):
+    """The prefill step as it was before issue 39 (9f7a14b), kept here only as the benchmark's baseline: every
+    piece, even the few tokens before a prompt's end, through torch ops; MLA attention of a long piece in the
+    absorbed form over the plain fp32 reference (`mla_decode_reference`); the router as an fp32 GEMM over upcast
+    copies; the routed experts through torch's grouped GEMM (`Experts._grouped`)."""
+    import torch.nn.functional as F
+
+    from lingls.kernels import reference as ref
+    from lingls.kernels.mla import mla_decode_reference
+    from lingls.model.config import KDA
+    from lingls.model.ling import GATHER_EXPERTS_MAX_TOKENS, MoE
+
+    par = model.par
+
+    def absorbed(attn, x, positions, cache, kv_len):
+        t = x.shape[0]
+        q_nope, q_rope = attn._query(x)
+        cos, sin = ref.rope_cos_sin(positions, attn.rope, attn.theta)
+        q_rope = ref.apply_rope(q_rope, cos, sin, attn.interleave, heads=True)
+        w = attn.kv_b_proj.weight.view(attn.heads, attn.nope + attn.vdim, attn.rank)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, : attn.nope])
+        o_lat = mla_decode_reference(q_lat, q_rope, cache[:kv_len], positions, attn.scale).to(x.dtype)
+        return attn._out(x, torch.einsum("thr,hvr->thv", o_lat, w[:, attn.nope:]).reshape(t, attn.heads, attn.vdim))
+
+    def mlp(layer, h):
+        x = layer.post_attention_layernorm(h)
+        m = layer.mlp
+        if not isinstance(m, MoE):
+            return h + par.all_reduce(m(x))
+        r = m.gate
+        w, idx = ref.route_grouped_topk(F.linear(x.float(), r.weight.float()), r.expert_bias, r.top_k, r.n_group,
+                                        r.topk_group, r.normalize, r.scale)
+        experts = m.experts(x, w, idx) if x.shape[0] <= GATHER_EXPERTS_MAX_TOKENS else m.experts._grouped(x, w, idx)
+        return h + par.all_reduce(experts + m.shared_experts(x) if m.shared_experts is not None else experts)
+
+    def step(ids, state, positions, kv_len):
+        h = model.model.word_embeddings(ids)
+        for i, layer in enumerate(model.decoder_layers):
+            x = layer.input_layernorm(h)
+            if layer.kind == KDA:
+                s = model.kda_slot[i]
+                a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1])
+                state.conv[s].copy_(conv[0])
+                state.kda[s].copy_(rec[0])
+                a = a[0]
+            else:
+                cache = state.latent[model.mla_slot[i]]
+                cache.index_copy_(0, positions, layer.attention.latent(x, positions))
+                a = absorbed(layer.attention, x, positions, cache, kv_len)
+            h = mlp(layer, h + par.all_reduce(a))
+        return h
+
+    return step
+
+
+def matmul_peak_tflops(n: int = 8192, reps: int = 10) -> float:
+    """bf16 n x n x n matrix products per second on this GPU, in TFLOP/s (the floor's divisor)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        a @ b
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return 2 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def prefill_flops(model, t: int) -> float:
+    """Arithmetic of a cold t-token prefill on this rank: 2 FLOPs per weight a token multiplies by (its share of
+    the routed experts: top_k / E of them; the embedding is a lookup; the lm_head runs for the last token only),
+    causal MLA attention (q.k over 192 columns and p.v over 128, per head), and the KDA recurrence in fla's
+    chunked form (64-token chunks: about 4*64*d + 6*d^2 per token and head)."""
+    cfg = model.config
+    per_token, routed, head = 0, 0, 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "word_embeddings" in name:
+            continue
+        if ".mlp.experts." in name:
+            routed += p.numel()
+        elif name.startswith("lm_head"):
+            head += p.numel()
+        else:
+            per_token += p.numel()
+    per_token += routed * cfg.num_experts_per_tok // cfg.num_experts
+    heads = cfg.num_attention_heads // model.par.size
+    d = cfg.head_dim
+    mla = len(cfg.mla_layers) * heads * (t * (t + 1) / 2) * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    kda = len(cfg.kda_layers) * heads * t * (4 * 64 * d + 6 * d * d)
+    return 2.0 * per_token * t + 2.0 * head + mla + kda
+
+
+def _use(runner: ModelRunner, path: tuple) -> None:
+    """Put a (prefill step, chunk, prefill graphs?) path into the runner: its step, its chunk as piece size and
+    snapshot spacing, and whether a cold prompt's first piece replays a padded graph."""
+    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path
+    runner.cache.every = path[1]
+
+
+def _timed_cold(runner: ModelRunner, prompt: list[int], reps: int) -> tuple[float, float]:
+    """Median TTFT of `reps` cold prefills of `prompt` (the prefix cache forgotten before each), and the median
+    time the host took to issue a cold prefill's work (`prefill` returning, before the GPU is waited for): near
+    the TTFT, the prefill is bound by the host's launches rather than by the GPU."""
+    times, issued = [], []
+    for _ in range(reps):
+        runner.cache.reset()
+        times.append(ttft_ms(runner, prompt)[0])
+        runner.cache.reset()
+        _sync(runner)
+        t0 = time.perf_counter()
+        runner.prefill(prompt, Sampling())
+        issued.append((time.perf_counter() - t0) * 1e3)
+        _sync(runner)
+    return statistics.median(times), statistics.median(issued)
+
+
+def _prefill_result(runner: ModelRunner, prompt: list[int]) -> tuple[torch.Tensor, ...]:
+    """(last hidden state, KDA state, MLA latent rows) after a cold prefill of `prompt`, for the paths' check."""
+    kept = []
+    step = runner.prefill_step
+
+    def keep(ids, state, positions, kv_len):
+        h = step(ids, state, positions, kv_len)
+        kept.append(h[-1].float().clone())
+        return h
+
+    runner.prefill_step = keep
+    runner.cache.reset()
+    try:
+        runner.prefill(prompt, Sampling())
+    finally:
+        runner.prefill_step = step
+    s = runner.state
+    return kept[-1], s.kda.clone(), s.latent[:, : len(prompt)].float().clone()
+
+
+def flash_prefill(a) -> int:
+    """Cold prefill at Ling-3.0-flash shapes (random weights, one rank's shard) for each prompt size, by the
+    runtime's path and by the one before issue 39, with the compute floor; then prefix reuse after the new path."""
+    sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
+    model = build_flash(a.layers, tp=a.tp)
+    vocab = model.config.vocab_size
+    runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
+    a.chunk = runner.prefill_chunk
+    runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
+    peak = matmul_peak_tflops()
+    g = torch.Generator().manual_seed(0)
+    prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
+    paths = {"runtime": (runner.prefill_step, a.chunk, runner.prefill_graphs)}
+    for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
+        paths[f"runtime_chunk{chunk}"] = (runner.prefill_step, chunk, runner.prefill_graphs)
+    if a.graphs:  # the runtime's path with a cold prompt's first piece as a padded graph replay
+        paths["runtime_graphs"] = (runner.prefill_step, a.chunk, True)
+    if not a.no_baseline:
+        paths["before_issue_39"] = (legacy_prefill_step(model), 2048, False)
+    rows = []
+    for t in sizes:
+        flops = prefill_flops(model, t)
+        floor = flops / (peak * 1e12) * 1e3
+        row = {"tokens": t, "tflop": flops / 1e12, "floor_ms": floor}
+        for name, path in paths.items():
+            _use(runner, path)
+            runner.cache.reset()
+            ttft_ms(runner, prompts[t])  # first use of this size: allocations, kernels' first launches
+            ms, issued = _timed_cold(runner, prompts[t], a.reps)
+            row[f"{name}_ms"], row[f"{name}_x_floor"], row[f"{name}_issue_ms"] = ms, ms / floor, issued
+        _use(runner, paths["runtime"])
+        print(f"{t:6d} tokens: " + ", ".join(f"{n} {row[n + '_ms']:.1f} ms (x{row[n + '_x_floor']:.1f}, "
+                                                f"issued in {row[n + '_issue_ms']:.1f})"
+                                                for n in paths) + f"; floor {floor:.1f} ms ({flops / 1e12:.1f} TFLOP)",
+              flush=True)
+        rows.append(row)
+    check = None
+    if not a.no_baseline:  # the same prompt by both paths: the last hidden state and the state left behind
+        t = a.check_tokens if a.check_tokens in prompts else sizes[0]
+        _use(runner, paths["before_issue_39"])
+        old = _prefill_result(runner, prompts[t])
+        _use(runner, paths["runtime"])
+        new = _prefill_result(runner, prompts[t])
+        check = {"tokens": t, **{k: float((n - o).norm() / o.norm()) for k, n, o in
+                                 zip(("hidden_rel_err", "kda_state_rel_err", "mla_latent_rel_err"), new, old)}}
+        print(f"runtime vs before_issue_39 at {t} tokens (relative L2 error): " +
+              ", ".join(f"{k} {v:.2e}" for k, v in check.items() if k != "tokens"), flush=True)
+        if "runtime_graphs" in paths:  # the padded graph against the eager step: apart only by the shapes' rounding
+            _use(runner, paths["runtime_graphs"])
+            graphed = _prefill_result(runner, prompts[t])
+            _use(runner, paths["runtime"])
+            check["graphs_vs_runtime"] = {k: float((g - n).norm() / n.norm()) for k, g, n in
+                                          zip(("hidden_rel_err", "kda_state_rel_err", "mla_latent_rel_err"),
+                                              graphed, new)}
+            print(f"runtime_graphs vs runtime: {check['graphs_vs_runtime']}", flush=True)
+    # prefix reuse after the runtime's cold prefill of the largest prompt: the last token edited, then one appended
+    prompt = prompts[max(sizes)]
+    runner.cache.reset()
+    ttft_ms(runner, prompt)
+    edits, reused = [], []
+    for i in range(a.edits):
+        edited = prompt[:-1] + [(prompt[-1] + 1 + i) % vocab]  # the last token changes, as a keystroke does
+        ms, saved = ttft_ms(runner, edited)
+        edits.append(ms)
+        reused.append(saved)
+    append, _ = ttft_ms(runner, edited + [17])
+    ops = {}
+    if a.profile:
+        for name, path in paths.items():
+            print(f"{name}: the {a.profile} largest ops of a cold {a.profile_tokens}-token prefill")
+            _use(runner, path)
+            ops[name] = cold_prefill_profile(runner, prompts.get(a.profile_tokens, prompt), a.profile)
+        _use(runner, paths["runtime"])
+    result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla": fla_version(),
+              "layers": a.layers, "tp": a.tp, "prefill_chunk": a.chunk, "reps": a.reps,
+              "matmul_peak_tflops": peak, "cold": rows, "paths_check": check,
+              "edit_prompt_tokens": len(prompt), "edit_ttft_ms": edits,
+              "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
+              "append_one_token_ttft_ms": append, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              **({"cold_prefill_ops": ops} if ops else {})}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"peak bf16 matmul {peak:.0f} TFLOP/s; one-token edit at the end of {len(prompt)} tokens: TTFT median "
+          f"{result['edit_ttft_median_ms']:.2f} ms (reused {reused[-1]} tokens); appending a token: {append:.2f} ms",
+          flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lingls bench prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=None, help="prompt length (default 8192; with --model 1536)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="one prompt length (default: --sizes; with --model 1536)")
+    p.add_argument("--sizes", default="512,1536,4096,8192", help="cold prompt lengths timed (flash shapes)")
+    p.add_argument("--reps", type=int, default=3, help="cold prefills timed per size and path (the median)")
+    p.add_argument("--no-baseline", action="store_true", help="time only the runtime's path")
+    p.add_argument("--more-chunks", default="", help="also time the runtime's path in these chunk sizes (a,b,...)")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time the runtime's path with prefill graphs (ModelRunner(prefill_graphs=True))")
+    p.add_argument("--check-tokens", type=int, default=1536,
+                   help="prompt length at which the two paths' results are compared")
     p.add_argument("--model", help="a model directory, or 'nano' for the embedded ling-nano: time it on real code")
     p.add_argument("--device", default="cpu", help="with --model: the device (default cpu)")
     p.add_argument("--file", default=None, help="with --model: the Python file typed in (default: stdlib argparse.py)")
@@ -217,11 +459,13 @@ def main(argv: list[str]) -> int:
                    help="with --model on a CPU: the model's own step instead of the lean CPU step (to compare)")
     p.add_argument("--layers", type=int, default=42)
     p.add_argument("--tp", type=int, default=4, help="run rank 0's shard of this tensor-parallel degree")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (and snapshot spacing)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk and snapshot spacing (default: the runner's, 8192 on a GPU)")
     p.add_argument("--edits", type=int, default=5)
     p.add_argument("--out", default="bench/results/prefix.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also profile one more cold prefill: its N largest ops by device time, in the JSON")
+                   help="also profile one more cold prefill by each path: its N largest ops by device time")
+    p.add_argument("--profile-tokens", type=int, default=1536, help="the profiled prompt's length (one of --sizes)")
     a = p.parse_args(argv)
     if a.model:
         import argparse as _argparse
@@ -230,40 +474,7 @@ def main(argv: list[str]) -> int:
         if a.out == "bench/results/prefix.json":
             a.out = "bench/results/nano_latency.json"  # the file docs/performance.md cites
         return model_latency(a)
-    a.tokens = a.tokens or 8192
     if not torch.cuda.is_available():
         print("lingls bench prefix: needs a CUDA GPU", file=sys.stderr)
         return 2
-    model = build_flash(a.layers, tp=a.tp)
-    vocab = model.config.vocab_size
-    runner = ModelRunner(model, capacity=a.tokens + 64, prefill_chunk=a.chunk)
-    runner.warmup(greedy_only=True)
-    g = torch.Generator().manual_seed(0)
-    warm = torch.randint(0, vocab, (a.chunk + 100,), generator=g).tolist()
-    ttft_ms(runner, warm)  # compile / autotune whatever kernels a prefill uses
-    prompt = torch.randint(0, vocab, (a.tokens,), generator=g).tolist()
-    runner.cache.reset()
-    cold, _ = ttft_ms(runner, prompt)
-    print(f"cold prefill of {a.tokens} tokens: TTFT {cold:.1f} ms", flush=True)
-    edits, reused = [], []
-    for i in range(a.edits):
-        edited = prompt[:-1] + [(prompt[-1] + 1 + i) % vocab]  # the last token changes, as a keystroke does
-        ms, saved = ttft_ms(runner, edited)
-        edits.append(ms)
-        reused.append(saved)
-    append, _ = ttft_ms(runner, edited + [17])
-    ops = cold_prefill_profile(runner, prompt, a.profile) if a.profile else None
-    result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "layers": a.layers, "tp": a.tp, "prompt_tokens": a.tokens, "prefill_chunk": a.chunk,
-              "cold_ttft_ms": cold, "edit_ttft_ms": edits, "edit_ttft_median_ms": statistics.median(edits),
-              "edit_tokens_reused": reused, "append_one_token_ttft_ms": append,
-              "speedup": cold / statistics.median(edits), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "fla": fla_version(),
-              **({"cold_prefill_ops": ops} if ops else {})}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"one-token edit at the end: TTFT median {result['edit_ttft_median_ms']:.2f} ms "
-          f"(reused {reused[-1]} tokens), x{result['speedup']:.0f} faster than cold; "
-          f"appending a token: {append:.2f} ms", flush=True)
-    return 0
+    return flash_prefill(a)

@@ -42,10 +42,12 @@ def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_
     return -rate * F.softplus(x)
 
 
-def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                     end: torch.Tensor | None = None):
     """Depthwise causal conv + SiLU over time.
 
-    x: [B, T, C]; weight: [C, K]; state: [B, C, K-1] (the K-1 inputs before x) or None for zeros.
+    x: [B, T, C]; weight: [C, K]; state: [B, C, K-1] (the K-1 inputs before x) or None for zeros; end: a device
+    scalar n <= T for inputs padded after their first n steps: the new state is then the K-1 inputs before step n.
     Returns (y [B, T, C], new_state [B, C, K-1]).
     """
     b, t, c = x.shape
@@ -55,6 +57,8 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor 
         state = xt.new_zeros(b, c, k - 1)
     ext = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
     y = F.conv1d(ext.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
+    if end is not None:  # ext[..., n : n + K-1], n on the device (no host read)
+        return F.silu(y).to(x.dtype).transpose(1, 2), ext.index_select(-1, end + torch.arange(k - 1, device=x.device))
     return F.silu(y).to(x.dtype).transpose(1, 2), ext[..., ext.shape[-1] - (k - 1):]
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lingls.kernels import prefill_moe
 from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
@@ -31,6 +32,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 CHUNKED_KDA_MIN_TOKENS = 64  # below this a step runs the recurrent form; above, the chunked form
 GATHER_EXPERTS_MAX_TOKENS = 16  # up to this many tokens, experts are gathered by index (graph-capturable)
 DENSE_EXPERTS_MAX = 32  # beyond GATHER_EXPERTS_MAX_TOKENS, this few experts are all computed densely
+MLA_ABSORBED_MAX_TOKENS = 16  # up to this many queries, MLA attends in the absorbed form; beyond, expanded
 
 
 @dataclass
@@ -115,15 +117,19 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound, self.safe_gate, self.eps = cfg.kda_lower_bound, cfg.kda_safe_gate, cfg.rms_norm_eps
         self.par = par
 
-    def forward(self, x, conv_state=None, state=None):
-        """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None.
+    def forward(self, x, conv_state=None, state=None, valid=None):
+        """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None; valid: [T]
+        bool (device) for inputs padded after their first n steps: padded steps neither decay nor write the
+        state, and the conv state is taken after step n, so the states are those of the n real steps.
 
         Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
         b, t, _ = x.shape
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         qkv, new_conv = [], []
+        end = None if valid is None else valid.sum()
         for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i])
+            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i],
+                                         end)
             qkv.append(y.view(b, t, self.heads, self.d))
             new_conv.append(cs)
         q, k, v = qkv
@@ -132,6 +138,9 @@ class KimiDeltaAttention(nn.Module):
         g = ref.kda_gate(self.f_proj(x).view(b, t, self.heads, self.d), self.A_log, self.dt_bias,
                          self.lower_bound, self.safe_gate)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if valid is not None:
+            g = g * valid[:, None, None]
+            beta = beta * valid[:, None]
         if state is None:
             state = x.new_zeros(b, self.heads, self.d, self.d, dtype=torch.float32)
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
@@ -143,11 +152,12 @@ def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
     """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms.
     `lower_bound`: the gate's bound when it is the safe (bounded) gate, so the chunked form needs no host read."""
     t = q.shape[1]
+    fla = q.is_cuda and t > MLA_ABSORBED_MAX_TOKENS and _fla_chunk_kda() is not None  # any piece a step of the
+    if fla:  # fused kernels does not take: fla's kernel at every length, where the recurrent form is a loop per token
+        o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
+                                output_final_state=True, use_qk_l2norm_in_kernel=False)
+        return o, s
     if t >= CHUNKED_KDA_MIN_TOKENS:
-        if q.is_cuda and _fla_chunk_kda() is not None:
-            o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=False)
-            return o, s
         return ref.kda_chunked(q, k, v, g, beta, state, lower_bound=lower_bound)
     return ref.kda_recurrent(q, k, v, g, beta, state)
 
@@ -217,13 +227,16 @@ class GatedMLA(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
         return self._out(x, o.transpose(1, 2))
 
-    def attend_latent(self, x, positions, cache, kv_len: int):
+    def attend_latent(self, x, positions, cache, kv_len: int, end_aligned: bool = False):
         """Absorbed-weight attention for batch 1 over the latent cache.
 
         x: [T, hidden]; positions: [T] (device); cache: [capacity, rank + rope], already holding these tokens'
         rows. Keys at cache rows j > position are masked, so rows past the sequence never contribute.
+        More than MLA_ABSORBED_MAX_TOKENS queries run `attend_prefill` (`end_aligned`: see there).
         """
         t = x.shape[0]
+        if t > MLA_ABSORBED_MAX_TOKENS:
+            return self.attend_prefill(x, positions, cache, kv_len, end_aligned)
         q_nope, q_rope = self._query(x)  # [T, H, nope], [T, H, rope]
         cos, sin = ref.rope_cos_sin(positions, self.rope, self.theta)
         q_rope = ref.apply_rope(q_rope, cos, sin, self.interleave, heads=True)
@@ -233,6 +246,34 @@ class GatedMLA(nn.Module):
         o_lat = mla_decode(q_lat, q_rope, cache[:kv_len], positions, self.scale).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, w_v)  # absorb W_v into the output
         return self._out(x, o.reshape(t, self.heads, self.vdim))
+
+    def attend_prefill(self, x, positions, cache, kv_len: int, end_aligned: bool = False):
+        """Attention of many queries (a prefill) over the latent cache in the expanded form: the cache's first
+        kv_len rows are up-projected to per-head keys and values (one GEMM) and a fused attention kernel
+        (`scaled_dot_product_attention`: flash on a GPU) runs over them, where the absorbed form would put
+        T x kv_len x rank fp32 products through plain matmuls. The same function as `attend_latent`.
+
+        Keys at rows j > position are masked by an explicit mask; with `end_aligned` the caller promises that
+        the queries are the last T of the kv_len rows (positions = kv_len - T .. kv_len - 1, a prompt's next
+        tokens), and the mask is the causal one aligned to the end, which flash attention applies without a
+        mask tensor."""
+        t, kv = x.shape[0], cache[:kv_len]
+        q_nope, q_rope = self._query(x)
+        cos, sin = ref.rope_cos_sin(positions, self.rope, self.theta)
+        q = torch.cat([q_nope, ref.apply_rope(q_rope, cos, sin, self.interleave, heads=True)], -1)
+        k_nope, v = self.kv_b_proj(kv[:, : self.rank]).view(kv_len, self.heads, -1).split([self.nope, self.vdim], -1)
+        k = torch.cat([k_nope, kv[:, None, self.rank:].expand(kv_len, self.heads, self.rope)], -1)
+        width = q.shape[-1]
+        if v.shape[-1] < width:  # flash kernels want one head size for q, k and v: zero columns, sliced off
+            v = F.pad(v, (0, width - v.shape[-1]))
+        if end_aligned:
+            from torch.nn.attention.bias import causal_lower_right
+            mask = causal_lower_right(t, kv_len)
+        else:
+            mask = torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None]
+        q, k, v = (y.transpose(0, 1)[None] for y in (q, k, v))  # [1, H, rows, width]: what the fused kernels take
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self._out(x, o[0].transpose(0, 1)[..., : self.vdim])
 
     def _out(self, x, o):
         gate = torch.sigmoid(self.g_proj(x).float()).to(o.dtype)
@@ -261,8 +302,15 @@ class Router(nn.Module):
         self.normalize, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def forward(self, x):
-        """x: [N, hidden] -> (weights [N, k] fp32, indices [N, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        """x: [N, hidden] -> (weights [N, k] fp32, indices [N, k]).
+
+        The logits are fp32 sums of the exact products of the bf16 inputs either way: on a GPU one bf16 GEMM
+        with fp32 output (as the fused decode kernel computes them) rather than an fp32 GEMM over upcast copies,
+        which took a long prefill's router several times longer."""
+        if x.is_cuda and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         return ref.route_grouped_topk(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group,
                                       self.normalize, self.scale)
 
@@ -285,6 +333,9 @@ class Experts(nn.Module):
         n_exp = self.gate_up_proj.shape[0]
         if n_exp <= DENSE_EXPERTS_MAX:
             return self._dense(x, weights, idx)
+        if x.is_cuda and prefill_moe.triton is not None:  # the grouped Triton kernels (kernels/prefill_moe.py)
+            return prefill_moe.moe_prefill_triton(x, weights, idx, self.gate_up_proj, self.down_proj, self.inter,
+                                                  self.limit)
         return self._grouped(x, weights, idx)
 
     def _grouped(self, x, weights, idx):
@@ -444,32 +495,39 @@ class LingForCausalLM(nn.Module):
         )
 
     def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
-             kv_len: int | None = None, normed: bool = False):
+             kv_len: int | None = None, normed: bool = False, prefill: bool = False,
+             valid: torch.Tensor | None = None):
         """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm), and
         with `normed` also their final norm, the head's input: (hidden, normed). The fused step makes both in
         one launch; here the pair keeps the two steps' contracts the same.
 
         `kv_len` bounds the MLA keys read (the last position + 1, when the caller knows it on the host);
-        None reads the whole cache, masked on device (the fixed-shape form CUDA graphs capture).
+        None reads the whole cache, masked on device (the fixed-shape form CUDA graphs capture). `prefill`: the
+        tokens are a prompt's next ones, positions = kv_len - T .. kv_len - 1 (kv_len given), so long steps'
+        MLA attention needs no mask tensor (`GatedMLA.attend_prefill`). `valid` ([T] bool on the device): the
+        tokens are padded after the first n (a fixed-shape prefill, `ModelRunner`'s prefill graphs): the
+        KDA states end as after the n real tokens, and the padded tokens' MLA rows (positions past them) are
+        written like any row past the sequence, masked until overwritten.
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
         for i, layer in enumerate(self.decoder_layers):
-            h = self._layer_step(i, layer, h, state, positions, kv_len)
+            h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
         return (h, self.model.norm(h)) if normed else h
 
-    def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len):
+    def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False,
+                    valid=None):
         x = layer.input_layernorm(h)
         if layer.kind == KDA:
             s = self.kda_slot[i]
-            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1])
+            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid)
             state.conv[s].copy_(conv[0])
             state.kda[s].copy_(rec[0])
             a = a[0]
         else:
             cache = state.latent[self.mla_slot[i]]
             cache.index_copy_(0, positions, layer.attention.latent(x, positions))
-            a = layer.attention.attend_latent(x, positions, cache, kv_len)
+            a = layer.attention.attend_latent(x, positions, cache, kv_len, end_aligned=prefill)
         return layer._mlp(h + self.par.all_reduce(a))
 
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,

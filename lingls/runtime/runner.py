@@ -1,7 +1,9 @@
 """ModelRunner: the batch-1 step loop over one resident sequence state.
 
 - Prefill runs the prompt (after prefix reuse, `cache.py`) in chunks with host-known lengths, pausing at
-  the cache's snapshot points, then samples the first token on the device.
+  the cache's snapshot points, then samples the first token on the device. Pieces of up to 16 tokens (those
+  between a prompt's tail snapshots) run the fused step's kernels, longer ones the model's torch step; with
+  `prefill_graphs`, a cold prompt's first piece replays a CUDA graph padded to a token bucket.
 - Decode steps (T = 1) and verify steps (T = K + 1) have fixed shapes: on CUDA each (T, KV bucket, greedy?)
   is captured once as a CUDA graph and replayed. The MLA keys read are bounded by a power-of-two bucket of
   the position (known on the host without asking the device); rows past the position are masked.
@@ -26,7 +28,11 @@ import torch
 from lingls.kernels import accept
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
+from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.sampling import argmax_shards, sample
+
+# the padded lengths of a cold prompt's first piece with prefill graphs (a piece runs at the smallest that holds it)
+PREFILL_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 @dataclass(frozen=True)
@@ -83,17 +89,24 @@ class ModelRunner:
 
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
-                 max_snapshots: int = 24):
+                 max_snapshots: int = 24, prefill_graphs: bool = False):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
-        2048 on a GPU, where a step's fixed cost dominates (an 8,192-token cold prefill of a Ling-3.0-flash TP=4
-        rank on an H200 took 3.66 s in 512-token chunks and 1.49 s in 2048-token ones, bench/results/prefix.json
-        and prefix_c512.json), 512 on a CPU, where the work does and finer snapshots re-prefill less."""
+        8192 on a GPU, where a step's host-side cost (thousands of eager launches) dominates: cold prefills of a
+        Ling-3.0-flash TP=4 rank on an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and
+        181 / 256 ms in one piece (bench/results/prefix.json); the price is coarser snapshots, so an edit far
+        above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates and finer
+        snapshots re-prefill less.
+
+        prefill_graphs: a cold prompt's first piece runs as a fixed-shape step padded to a token bucket
+        (`PREFILL_BUCKETS`), one CUDA graph per bucket, so the host issues one replay instead of thousands of
+        torch ops (the eager prefill is bound by those: bench/results/prefix.json). Off by default until it is
+        measured on a GPU (on a CPU, or without graphs, the same padded step runs eagerly)."""
         self.model = model
         self.device = model.lm_head.weight.device
         self.capacity = capacity
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if prefill_chunk is None:
-            prefill_chunk = 2048 if self.device.type == "cuda" else 512
+            prefill_chunk = 8192 if self.device.type == "cuda" else 512
         self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
         self.state = model.new_state(capacity)
         self.cache = PrefixCache(self.state, max_snapshots=max_snapshots, every=prefill_chunk)
@@ -110,13 +123,87 @@ class ModelRunner:
         self.fence = _Fence(dev, 2, self.max_t)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.prefill_graphs = prefill_graphs
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefill_ids_buf: dict[int, torch.Tensor] = {}  # bucket -> its graph's input ids
+        self._prefill_hidden: dict[int, torch.Tensor] = {}  # bucket -> its graph's output hidden states
+        self._prefill_pool = None
+        self.real_tokens = torch.zeros((), dtype=torch.long, device=dev)  # how many of a padded piece are real
+        self.arange_prefill = torch.arange(max(PREFILL_BUCKETS), device=dev)
         # speculative decoding (speculative.Speculator) swaps in a prefill step that also feeds its drafter the
         # prompt's hidden states, and takes over `decode`
-        self.prefill_step = model.step
+        self.prefill_step = self._prefill_step
         self.spec = None
         self.fused = fused_step(model)
 
     # ---- one step ----------------------------------------------------------------------------------------
+    def prefill_bucket(self, n: int) -> int | None:
+        """The padded length a cold first piece of n tokens runs at, or None (too short: the fused step's; too
+        long for every bucket this runner can hold)."""
+        if n <= FUSED_MAX_TOKENS:
+            return None
+        return next((b for b in PREFILL_BUCKETS if n <= b <= min(self.prefill_chunk, self.capacity)), None)
+
+    def _padded_body(self, bucket: int) -> torch.Tensor:
+        """The fixed-shape prefill of the bucket's ids buffer at positions 0..bucket-1, of which the first
+        `real_tokens` are the prompt's (the rest pad it: they leave the KDA states alone, and their MLA rows lie
+        past the sequence). Returns the hidden states [bucket, hidden]."""
+        ids = self._prefill_ids(bucket)
+        positions = self.arange_prefill[:bucket]
+        valid = positions < self.real_tokens
+        return self.model.step(ids, self.state, positions, kv_len=bucket, prefill=True, valid=valid)
+
+    def _padded_piece(self, ids: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
+        """A cold prompt's first n tokens (ids [n] on the device) through the bucket's padded step: a graph
+        replay on CUDA with graphs (captured on first use), else eagerly. Returns the n real hidden states."""
+        buf = self._prefill_ids(bucket)
+        buf[:n].copy_(ids)
+        buf[n:].zero_()
+        self.real_tokens.fill_(n)
+        if not self.use_graphs:
+            return self._padded_body(bucket)[:n]
+        if bucket not in self._prefill_graphs:
+            self._capture_prefill(bucket)
+        self._prefill_graphs[bucket].replay()
+        return self._prefill_hidden[bucket][:n]
+
+    def _prefill_ids(self, bucket: int) -> torch.Tensor:
+        """The bucket's input ids buffer (the padded step's, and its graph's, input)."""
+        if bucket not in self._prefill_ids_buf:
+            self._prefill_ids_buf[bucket] = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        return self._prefill_ids_buf[bucket]
+
+    def _capture_prefill(self, bucket: int) -> None:
+        """Capture the bucket's padded step (one eager run first, on a side stream, so every kernel has been
+        compiled and tuned before capture); the states are saved and restored around both runs. The buckets'
+        graphs share one memory pool: a graph's hidden states are read (the piece's snapshot and head) before
+        another prefill graph replays."""
+        saved = [x.clone() for x in (self.state.kda, self.state.conv)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._padded_body(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        for dst, src in zip((self.state.kda, self.state.conv), saved):
+            dst.copy_(src)
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._prefill_pool):
+            hidden = self._padded_body(bucket)
+        for dst, src in zip((self.state.kda, self.state.conv), saved):
+            dst.copy_(src)
+        self._prefill_hidden[bucket] = hidden
+        self._prefill_graphs[bucket] = graph
+
+    def _prefill_step(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One piece of a prompt: a short one (the few tokens between a prompt's tail snapshots) through the
+        fused decode kernels, as a verify step runs, a long one through the model's torch step (large GEMMs,
+        chunked KDA, flash MLA), told that its positions end at kv_len."""
+        if self.fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:
+            return self.fused.step(ids, state, positions, kv_len)
+        return self.model.step(ids, state, positions, kv_len=kv_len, prefill=True)
+
     def bucket(self, end: int) -> int:
         """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
         b = self.min_bucket
@@ -180,6 +267,11 @@ class ModelRunner:
             return
         self.prefill([0] * min(self.prefill_chunk + 16, self.capacity - 1), Sampling())
         self.cache.reset()
+        if self.prefill_graphs:
+            for bucket in PREFILL_BUCKETS:
+                if bucket <= min(self.prefill_chunk, self.capacity) and bucket not in self._prefill_graphs:
+                    self._capture_prefill(bucket)
+            self.cache.reset()
         b = self.bucket(1)
         while True:
             for greedy in (True,) if greedy_only else (True, False):
@@ -220,11 +312,18 @@ class ModelRunner:
             bounds = sorted(set(cache.snapshot_points(start, len(prompt))
                                 + list(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
                                 + [len(prompt)]))
+            # the ids cross to the device once: a copy from pageable memory waits for the stream, so one per
+            # piece would make the host wait for every piece before launching the next
+            ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)
+            positions = torch.arange(start, len(prompt), device=self.device)
             a = start
             for b in bounds:
-                ids = torch.tensor(prompt[a:b], dtype=torch.long, device=self.device)
-                positions = torch.arange(a, b, device=self.device)
-                h = self.prefill_step(ids, self.state, positions, kv_len=b)
+                bucket = self.prefill_bucket(b) if self.prefill_graphs and a == 0 and self.spec is None else None
+                if bucket is not None:
+                    h = self._padded_piece(ids[:b], b, bucket)
+                else:
+                    h = self.prefill_step(ids[a - start:b - start], self.state, positions[a - start:b - start],
+                                          kv_len=b)
                 cache.tokens.extend(prompt[a:b])
                 cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
                 a = b

@@ -1,0 +1,124 @@
+"""The prefill path (issue 39) computes what the step before it computed: flash-form MLA over the expanded
+latent == the absorbed form, the grouped Triton experts == their plain definition (under Triton's interpreter),
+and a whole prompt through the runner == the benchmark's baseline (the path before issue 39)."""
+
+import os
+
+import pytest
+import torch
+
+from lingls.bench.prefix import legacy_prefill_step
+from lingls.kernels import prefill_moe
+from lingls.model.ling import LingForCausalLM
+from lingls.runtime.runner import ModelRunner, Sampling
+from tests.model.conftest import randomize, small_config
+
+
+def build(**over):
+    torch.manual_seed(0)
+    model = LingForCausalLM(small_config(**over))
+    model.init_weights()
+    randomize(model, 0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("end_aligned", [False, True])
+def test_flash_form_mla_equals_absorbed(end_aligned):
+    model = build(num_hidden_layers=2)
+    attn = model.model.layers[1].attention
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=g)
+    cache = torch.randn(64, attn.rank + attn.rope, generator=g)  # rows before the queries: an earlier prefix
+    pos = torch.arange(24, 64)
+    with torch.no_grad():
+        cache[24:] = attn.latent(x, pos)
+        want = attn.attend_latent(x[:16], pos[:16], cache, 64)  # the absorbed form (<= 16 queries) ...
+        got = attn.attend_prefill(x, pos, cache, 64, end_aligned)
+        assert (got[:16] - want).abs().max().item() < 1e-5
+        for t in range(16, 40, 7):  # ... at every query
+            assert (got[t:t + 1] - attn.attend_latent(x[t:t + 1], pos[t:t + 1], cache, 64)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("prompt", [70, 150])
+def test_runner_prefill_equals_the_path_before(prompt):
+    """Chunks of 64, tail pieces of 7 and 1 tokens, 64 experts (the grouped path): the same state and token."""
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (prompt,), generator=torch.Generator().manual_seed(2)).tolist()
+    results = []
+    for legacy in (True, False):
+        runner = ModelRunner(model, capacity=256, prefill_chunk=64)
+        if legacy:
+            runner.prefill_step = legacy_prefill_step(model)
+        runner.prefill(ids, Sampling())
+        results.append((runner.state.clone(), runner.chosen()))
+    (old, old_tok), (new, new_tok) = results
+    assert old_tok == new_tok
+    for a, b in ((new.kda, old.kda), (new.conv, old.conv), (new.latent[:, :prompt], old.latent[:, :prompt])):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_sort_pairs_pads_each_expert_to_whole_blocks():
+    idx = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3]])
+    rows, block_expert = prefill_moe.sort_pairs(idx, n_experts=5, block_m=2)
+    assert rows.shape[0] == -(-(8 + 5 * 1) // 2) * 2 and block_expert.shape[0] == rows.shape[0] // 2
+    assert rows.tolist()[:8] == [1, 4, 3, -1, 6, -1, 0, 2] and set(rows.tolist()[10:]) == {-1}
+    assert block_expert.tolist() == [0, 1, 2, 3, 3, 5, 5]  # expert 3's pairs 0, 2, 5, 7 sorted: rows 6..9
+    assert rows.tolist()[6:10] == [0, 2, 5, 7]
+
+
+@pytest.mark.skipif(prefill_moe.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_grouped_kernels_equal_reference(limit):
+    """fp32 operands: the same function to rounding (the interpreter rounds its bf16 casts by truncation, so
+    bf16 agreement is checked on the GPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    n, k, e, h, inter = 37, 3, 8, 64, 24
+    x = torch.randn(n, h, generator=g).to(dev)
+    gate_up = (torch.randn(e, 2 * inter, h, generator=g) * 0.1).to(dev)
+    down = (torch.randn(e, h, inter, generator=g) * 0.1).to(dev)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(dev)
+    w = torch.rand(n, k, generator=g).to(dev)
+    got = prefill_moe.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=16)
+    want = prefill_moe.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_padded_step_leaves_the_states_of_the_real_tokens():
+    """A piece padded after its first n tokens (what a prefill graph runs): the real tokens' hidden states, the
+    KDA and conv states and the MLA rows are those of the n tokens alone."""
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (128,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for n in (70, 127):
+            alone, padded = model.new_state(160), model.new_state(160)
+            want = model.step(ids[:n], alone, torch.arange(n), kv_len=n, prefill=True)
+            valid = torch.arange(128) < n
+            got = model.step(torch.where(valid, ids, 0), padded, torch.arange(128), kv_len=128, prefill=True,
+                             valid=valid)
+            assert (got[:n] - want).abs().max().item() < 1e-5
+            for a, b in ((padded.kda, alone.kda), (padded.conv, alone.conv),
+                         (padded.latent[:, :n], alone.latent[:, :n])):
+                assert (a - b).abs().max().item() < 1e-5
+
+
+def test_runner_with_prefill_graphs_prefills_the_same():
+    """prefill_graphs: a cold prompt's first piece at its bucket's padded length (eager here, a graph on CUDA);
+    the same state and first token as the plain path, and prefix reuse after it still works."""
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    results = []
+    for graphs in (False, True):
+        runner = ModelRunner(model, capacity=300, prefill_chunk=512, prefill_graphs=graphs)
+        assert runner.prefill_bucket(192) == 256 and runner.prefill_bucket(16) is None
+        runner.prefill(ids, Sampling())
+        assert (256 in runner._prefill_ids_buf) == graphs  # the first 192 tokens went through the padded step
+        results.append((runner.state.clone(), runner.chosen()))
+        edited = ids[:-1] + [(ids[-1] + 1) % 96]
+        assert runner.prefill(edited, Sampling()) == 199  # the snapshot before the last token
+    (plain, plain_tok), (padded, padded_tok) = results
+    assert plain_tok == padded_tok
+    for a, b in ((padded.kda, plain.kda), (padded.conv, plain.conv), (padded.latent[:, :200], plain.latent[:, :200])):
+        assert (a - b).abs().max().item() < 1e-4
