@@ -2,8 +2,8 @@
 driven in a headless Chromium by vscode_browser/drive.mjs, talking to the real `lingls --stdio` with the scripted
 engine of editor_engine.py (deterministic and fast). Everything is read from the DOM and from the saved file.
 
-Needs: `tests/editors/vscode_browser/install.sh` (code-server, puppeteer-core and vsce from npm), a Chromium
-(`apt-get install chromium`, or LINGLS_CHROMIUM=/path), `npm ci` in editors/vscode, and the `lingls` command.
+Needs: `tests/editors/vscode_browser/install.sh` (code-server, a headless Chromium, puppeteer-core and vsce, all from
+npm; LINGLS_CHROMIUM=/path picks another browser), `npm ci` in editors/vscode, and the `lingls` command.
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ TYPED = "def area(radius):"
 
 
 def find_chromium() -> str | None:
+    """LINGLS_CHROMIUM, else the Chromium that install.sh brought from npm (one pinned version everywhere: it is
+    unpacked to the temporary directory on first use), else a system one."""
     override = os.environ.get("LINGLS_CHROMIUM")
     if override:
         return override
+    if (HARNESS / "node_modules" / "@sparticuz" / "chromium").exists():
+        unpack = "import('@sparticuz/chromium').then((m) => m.default.executablePath()).then(console.log)"
+        done = subprocess.run(["node", "-e", unpack], cwd=HARNESS, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0 and Path(done.stdout.strip()).exists():
+            return done.stdout.strip()
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 
 
@@ -45,7 +52,8 @@ def pieces(tmp_path_factory):
         pytest.skip("code-server / puppeteer-core are not installed: run tests/editors/vscode_browser/install.sh")
     chromium = find_chromium()
     if chromium is None:
-        pytest.skip("no Chromium: `apt-get install chromium`, or set LINGLS_CHROMIUM to a Chrome/Chromium binary")
+        pytest.skip("no Chromium: run tests/editors/vscode_browser/install.sh (or `apt-get install chromium`, or set "
+                    "LINGLS_CHROMIUM to a Chrome/Chromium binary)")
     if not (EXTENSION / "node_modules" / "esbuild").exists():
         pytest.skip("editors/vscode/node_modules is missing: run `npm ci` in editors/vscode")
     lingls = shutil.which("lingls")
@@ -137,18 +145,22 @@ class CodeServer:
         self._log.close()
 
 
-def test_ghost_text_tab_word_accept_status_and_missing_binary(pieces, vsix, tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
-    example = folder / "example.py"
+def test_ghost_text_tab_word_accept_status_multi_root_and_missing_binary(pieces, vsix, tmp_path):
+    project, library = tmp_path / "project", tmp_path / "library"
+    project.mkdir()
+    library.mkdir()
+    example, second = project / "example.py", library / "stats.py"
     example.write_text("import math\n\n\n")
+    second.write_text("")
+    workspace = tmp_path / "two-folders.code-workspace"
+    workspace.write_text(json.dumps({"folders": [{"path": str(project)}, {"path": str(library)}]}))
     shots = tmp_path / "screenshots"
     shots.mkdir()
     # A small delay per chunk keeps each generation in flight for ~0.5 s, long enough to see "generating".
     server = CodeServer(tmp_path / "code-server", pieces["lingls"], vsix, scripted_env(LINGLS_SCRIPT_DELAY="0.03"))
     try:
-        args = {"url": server.url, "chromium": pieces["chromium"], "folder": str(folder), "file": example.name,
-                "missingPath": str(tmp_path / "nowhere" / "lingls"),
+        args = {"url": server.url, "chromium": pieces["chromium"], "workspace": str(workspace),
+                "files": [example.name, second.name], "missingPath": str(tmp_path / "nowhere" / "lingls"),
                 "shots": str(shots)}
         started = time.monotonic()
         done = subprocess.run(["node", str(HARNESS / "drive.mjs"), json.dumps(args)], cwd=HARNESS,
@@ -179,6 +191,10 @@ def test_ghost_text_tab_word_accept_status_and_missing_binary(pieces, vsix, tmp_
     assert report["ghostAfterWord"] == f"{FIRST_LINE[len('total'):]}\n{SECOND_LINE}"
     assert report["linesAfterTab"][-3:] == [TYPED, f"    {FIRST_LINE}", SECOND_LINE]
     assert example.read_text() == f"import math\n\n\n{TYPED}\n    {FIRST_LINE}\n{SECOND_LINE}"
+
+    # The second folder of the workspace: same server, same suggestion, accepted with Tab.
+    assert report["secondFolder"]["ghost"] == f"{FIRST_LINE}\n{SECOND_LINE}"
+    assert report["secondFolder"]["lines"][-2:] == [f"    {FIRST_LINE}", SECOND_LINE]
 
     # A missing binary: an error in the status bar and a notification that names the path and the setting.
     assert "not found" in report["status"]["missing"]["label"], report["status"]["missing"]

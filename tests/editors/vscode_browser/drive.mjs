@@ -1,12 +1,13 @@
 /**
  * Drives VS Code (code-server) in a headless Chromium as a person would, for tests/editors/test_vscode_browser.py:
- * open a Python file from the Explorer, type, look at the ghost text, accept a word with Ctrl+Right and the rest
- * with Tab, save; then point `lingls.path` at a missing file and back in the Settings editor.
+ * in a workspace of two folders, open a Python file from the Explorer, type, look at the ghost text, accept a word
+ * with Ctrl+Right and the rest with Tab, save; do the same in a file of the second folder; then point `lingls.path`
+ * at a missing file and back in the Settings editor.
  *
  * Everything it sees comes from the DOM and goes to stdout as one JSON object; the Python test makes the
  * assertions. A step that times out ends the run with the report so far plus `error`, and a screenshot.
  *
- * Usage: node drive.mjs '{"url", "chromium", "folder", "file", "missingPath", "shots"}'
+ * Usage: node drive.mjs '{"url", "chromium", "workspace", "files": [in folder 1, in folder 2], "missingPath", "shots"}'
  */
 import { join } from 'node:path';
 import puppeteer from 'puppeteer-core';
@@ -90,14 +91,10 @@ async function chord(page, modifier, key) {
 }
 
 async function scenario(page) {
-  await page.goto(`${cfg.url}/?folder=${encodeURIComponent(cfg.folder)}`, { waitUntil: 'domcontentloaded' });
+  await page.goto(`${cfg.url}/?workspace=${encodeURIComponent(cfg.workspace)}`, { waitUntil: 'domcontentloaded' });
   await page.evaluate(PAGE_HELPERS);
-  const row = await page.waitForSelector(`.explorer-folders-view .monaco-list-row[aria-label^="${cfg.file}"]`, {
-    timeout: 60000,
-  });
+  await openFromExplorer(page, cfg.files[0], 60000);
   report.ms.workbench = Date.now() - started;
-  await row.click();
-  await page.waitForSelector('.editor-instance .monaco-editor .view-lines', { timeout: 30000 });
   report.status.first = await waitFor(page, 'server ready', () => {
     const s = lingls.status();
     return s && s.icon === 'codicon-sparkle' ? s : null;
@@ -146,6 +143,26 @@ async function scenario(page) {
   await chord(page, 'Control', 's');
   await waitFor(page, 'the save', () => !document.querySelector('.tab.active.dirty'));
 
+  // A file of the workspace's second folder gets suggestions from the same server.
+  await openFromExplorer(page, cfg.files[1], 30000);
+  await page.click('.editor-instance .monaco-editor .view-lines');
+  await chord(page, 'Control', 'End');
+  await page.keyboard.type('def mean(values):', { delay: 20 });
+  await page.keyboard.press('Enter');
+  report.secondFolder = { ghost: await waitFor(page, 'ghost text in the second folder', () => lingls.ghost()) };
+  const shown = await page.evaluate(() => lingls.lines());
+  await page.keyboard.press('Tab');
+  report.secondFolder.lines = await waitFor(
+    page,
+    'Tab in the second folder',
+    (before) => {
+      const now = lingls.lines();
+      return JSON.stringify(now) !== JSON.stringify(before) ? now : null;
+    },
+    shown,
+  );
+  await page.keyboard.press('Escape');
+
   // A missing server binary, set in the Settings editor as a user would: the user sees why and how to fix it;
   // fixing the setting brings the server back.
   await chord(page, 'Control', 'Comma');
@@ -168,6 +185,14 @@ async function scenario(page) {
     const s = lingls.status();
     return s && s.icon === 'codicon-sparkle' ? s : null;
   });
+}
+
+/** Open a file by clicking it in the Explorer (every folder of a small workspace starts expanded). */
+async function openFromExplorer(page, name, timeout) {
+  const row = await page.waitForSelector(`.explorer-folders-view .monaco-list-row[aria-label^="${name}"]`, { timeout });
+  await row.click();
+  await page.waitForSelector(`.tab.active[aria-label^="${name}"]`, { timeout: 30000 });
+  await page.waitForSelector('.editor-instance .monaco-editor .view-lines', { timeout: 30000 });
 }
 
 /** Replace the text of a Settings editor input, as typed. */

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what test_vscode_browser.py needs from the npm registry alone: code-server (VS Code in the browser) and
-# puppeteer-core (drives a Chromium it did not download; the test looks for a system one).
+# Installs what test_vscode_browser.py needs from the npm registry alone: code-server (VS Code in the browser),
+# @sparticuz/chromium (a headless Chromium shipped inside the package, unpacked on first use), puppeteer-core (drives
+# that browser) and vsce (packages the extension).
 #
 # code-server's own postinstall cannot run on a machine that reaches only package registries: it downloads ripgrep
 # from GitHub and builds kerberos, which needs libkrb5-dev. This script does the rest of that postinstall by hand:
