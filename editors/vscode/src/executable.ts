@@ -16,24 +16,36 @@ function isExecutableFile(file: string): boolean {
   }
 }
 
+/** The file names `name` may have: on Windows, with each extension of PATHEXT too (`lingls.exe`). */
+function candidates(name: string): string[] {
+  if (process.platform !== 'win32') {
+    return [name];
+  }
+  const extensions = (process.env.PATHEXT ?? '.EXE;.CMD;.BAT').split(';').filter(Boolean);
+  return [name, ...extensions.map((ext) => name + ext.toLowerCase())];
+}
+
 /**
  * The absolute path of the executable `setting` names, or undefined when there is none. `setting` is a bare
  * name looked up on `PATH`, an absolute path, `~/...` (the home directory), or a relative path such as
  * `.venv/bin/lingls`, taken from the first workspace folder `base`.
  */
-export function findExecutable(setting: string, base: string | undefined, envPath = process.env.PATH ?? ''): string | undefined {
+export function findExecutable(
+  setting: string,
+  base: string | undefined,
+  envPath = process.env.PATH ?? '',
+): string | undefined {
   let name = setting;
   if (name === '~' || name.startsWith('~/')) {
     name = path.join(homedir(), name.slice(1));
   }
-  if (!name.includes('/')) {
-    const found = envPath
+  if (!name.includes('/') && !name.includes(path.sep)) {
+    return envPath
       .split(path.delimiter)
       .filter(Boolean)
-      .map((dir) => path.join(dir, name))
+      .flatMap((dir) => candidates(path.join(dir, name)))
       .find(isExecutableFile);
-    return found;
   }
   const full = path.isAbsolute(name) ? name : path.resolve(base ?? process.cwd(), name);
-  return isExecutableFile(full) ? full : undefined;
+  return candidates(full).find(isExecutableFile);
 }
