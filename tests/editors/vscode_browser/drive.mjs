@@ -40,6 +40,16 @@ const PAGE_HELPERS = () => {
         .map(text);
       return inline || below.length ? [inline, ...below].join('\n') : null;
     },
+    /** The ghost text once it has stayed the same for 200 ms: VS Code draws its lines in more than one pass. */
+    settledGhost() {
+      const now = lingls.ghost();
+      const last = window.linglsLastGhost;
+      if (!last || last.value !== now) {
+        window.linglsLastGhost = { value: now, since: Date.now() };
+        return null;
+      }
+      return now !== null && Date.now() - last.since >= 200 ? now : null;
+    },
     status() {
       const item = document.querySelector('.statusbar-item[id^="lingls."]');
       if (!item) {
@@ -84,6 +94,13 @@ async function waitFor(page, what, fn, arg, timeout = 30000) {
   }
 }
 
+async function waitForGhost(page, what) {
+  await page.evaluate(() => {
+    window.linglsLastGhost = undefined;
+  });
+  return waitFor(page, what, () => lingls.settledGhost());
+}
+
 async function chord(page, modifier, key) {
   await page.keyboard.down(modifier);
   await page.keyboard.press(key);
@@ -106,7 +123,7 @@ async function scenario(page) {
   await chord(page, 'Control', 'End');
   await page.keyboard.type('def area(radius):', { delay: 20 });
   await page.keyboard.press('Enter');
-  report.ghost = await waitFor(page, 'ghost text', () => lingls.ghost());
+  report.ghost = await waitForGhost(page, 'ghost text');
   report.linesWithGhost = await page.evaluate(() => lingls.lines());
   await page.screenshot({ path: join(cfg.shots, 'ghost-text.png') });
   report.status.afterGhost = await waitFor(page, 'status ready after the request', () => {
@@ -126,7 +143,7 @@ async function scenario(page) {
     },
     report.linesWithGhost,
   );
-  report.ghostAfterWord = await waitFor(page, 'ghost text after accept-word', () => lingls.ghost());
+  report.ghostAfterWord = await waitForGhost(page, 'ghost text after accept-word');
 
   // Tab: accept the rest, then save, so the test can read the file VS Code wrote.
   await page.keyboard.press('Tab');
@@ -149,7 +166,7 @@ async function scenario(page) {
   await chord(page, 'Control', 'End');
   await page.keyboard.type('def mean(values):', { delay: 20 });
   await page.keyboard.press('Enter');
-  report.secondFolder = { ghost: await waitFor(page, 'ghost text in the second folder', () => lingls.ghost()) };
+  report.secondFolder = { ghost: await waitForGhost(page, 'ghost text in the second folder') };
   const shown = await page.evaluate(() => lingls.lines());
   await page.keyboard.press('Tab');
   report.secondFolder.lines = await waitFor(
