@@ -12,6 +12,7 @@ import {
   State as ClientState,
   TransportKind,
 } from 'vscode-languageclient/node';
+import { findExecutable } from './executable';
 import { ExtensionSettings, isEnabledFor, readSettings, serverSettings, toggleAll } from './settings';
 import { StatusItem } from './status';
 
@@ -46,7 +47,17 @@ function idleState(): 'ready' | 'disabled' {
 }
 
 async function start(): Promise<void> {
-  const serverOptions: ServerOptions = { command: settings.path, transport: TransportKind.stdio };
+  const command = findExecutable(settings.path, vscode.workspace.workspaceFolders?.[0]?.uri.fsPath);
+  if (command === undefined) {
+    reportStartFailure(
+      `"${settings.path}" was not found`,
+      `lingls: the language server "${settings.path}" was not found. Install lingls (see the extension's README) ` +
+        'or set "lingls.path" to the full path of its lingls command, e.g. a virtualenv\'s bin/lingls.',
+    );
+    return;
+  }
+  // TransportKind.stdio makes the client add `--stdio` to the arguments.
+  const serverOptions: ServerOptions = { command, transport: TransportKind.stdio };
   const clientOptions: LanguageClientOptions = {
     documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
     initializationOptions: serverSettings(settings),
@@ -69,15 +80,23 @@ async function start(): Promise<void> {
     await c.start();
   } catch (err) {
     const why = err instanceof Error ? err.message : String(err);
-    status.set('error', `could not start "${settings.path} --stdio": ${why}`);
-    const choice = await vscode.window.showErrorMessage(
-      `lingls: could not start "${settings.path} --stdio". Install it (pip install lingls) or set lingls.path.`,
-      'Open Settings',
+    reportStartFailure(
+      `could not start "${command} --stdio": ${why}`,
+      `lingls: could not start "${command} --stdio" (${why}). See "lingls: Show the server log", or set "lingls.path".`,
     );
-    if (choice) {
-      await vscode.commands.executeCommand('workbench.action.openSettings', 'lingls.path');
-    }
   }
+}
+
+/** Show why the server is not running in the status bar, and in a notification that opens the setting. The
+ * notification is not awaited: it stays until the user closes it, and activation or a restart must not wait. */
+function reportStartFailure(statusText: string, message: string): void {
+  status.set('error', statusText);
+  output.error(message);
+  void vscode.window.showErrorMessage(message, 'Open Settings').then((choice) => {
+    if (choice) {
+      void vscode.commands.executeCommand('workbench.action.openSettings', 'lingls.path');
+    }
+  });
 }
 
 async function stop(): Promise<void> {

@@ -21,7 +21,7 @@ export class StatusItem implements vscode.Disposable {
   private errorText = '';
 
   constructor(toggleCommand: string) {
-    this.item = vscode.window.createStatusBarItem(vscode.StatusBarAlignment.Right, 100);
+    this.item = vscode.window.createStatusBarItem('lingls.status', vscode.StatusBarAlignment.Right, 100);
     this.item.command = toggleCommand;
     this.item.name = 'lingls';
     this.render();
