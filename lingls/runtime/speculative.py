@@ -264,8 +264,9 @@ class DSparkRuntime(Drafter):
     def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int, runner: ModelRunner,
                  kernels: bool | None = None):
         """kernels: the fused kernels (default: on CUDA with Triton) or their references."""
-        from lingls.kernels import triton
         from lingls.kernels import reference as ref
+        from lingls.kernels import triton
+        from lingls.runtime.fused_step import _fuse_rows
 
         cfg = drafter.config
         if not 1 <= k <= cfg.block_size:
@@ -289,8 +290,6 @@ class DSparkRuntime(Drafter):
         if kernels is None:
             kernels = dev.type == "cuda" and triton is not None
         self.ops = _DSparkOps(kernels)
-        from lingls.runtime.fused_step import _fuse_rows
-
         self.qkv = [_fuse_rows([a.q_proj, a.k_proj, a.v_proj]) for a in (l.self_attn for l in drafter.layers)]
         self.gate_up = [_fuse_rows([l.mlp.gate_proj, l.mlp.up_proj]) for l in drafter.layers]
         self.markov_w1 = drafter.markov_head.markov_w1.weight.detach()

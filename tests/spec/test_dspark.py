@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from lingls.model.config import flash_config
 from lingls.model.dspark import IGNORED_COPIES, DSparkConfig, DSparkConfigError, checkpoint_tensors, load_dspark
 from lingls.model.random_checkpoint import main as random_checkpoint_main
-from lingls.runtime.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
 from lingls.runtime.speculative import DSparkRuntime, Speculator, attach, make_drafter
 from training.draft.distill import teacher
