@@ -1,13 +1,20 @@
 """Speculative decoding at Ling-3.0-flash shapes with SIMULATED acceptance: TPOT as a function of the forced
-acceptance length a = 0..K and of K.
+acceptance length a = 0..K, of K and of the drafter.
 
 Random weights accept no drafts, so every round's accepted count is forced to a (`Speculator.force_accept`,
-a device tensor: nothing is read on the host). A round is what `Speculator.decode` launches: the MTP drafter
-(the checkpoint's MTP layer, random here, chained K steps) drafts K tokens; one verify step of K+1 tokens runs
-the fused step (KDA staged per position, MLA KV written by position); the target head, the forced accept,
-`kda.commit` of the accepted position, the MTP rows of the verified positions, the position advance and the
-post of [n, tokens] to pinned memory; each phase is one CUDA graph (captured by speculative.py itself). The
-host loop is decode's: launch round r+1, then read round r.
+a device tensor: nothing is read on the host). A round is what `Speculator.decode` launches: the drafter
+drafts K tokens; one verify step of K+1 tokens runs the fused step (KDA staged per position, MLA KV written by
+position); the target head, the forced accept, `kda.commit` of the accepted position, the drafter's absorption
+of the verified positions, the position advance and the post of [n, tokens] to pinned memory; each phase is
+one CUDA graph (captured by speculative.py itself). The host loop is decode's: launch round r+1, then read
+round r. Drafters (`--drafters`, run in the order given):
+- mtp: the checkpoint's MTP layer (random here), chained K steps; after a verify, its rows of the verified
+  positions.
+- dspark: the Ling-3.0-flash-DSpark drafter at its published widths (`lingls.model.dspark`: 5 layers, 32 x 128
+  heads, 6144, Markov rank 256; random weights built on the device, this rank's shard), as `lingls serve
+  --draft DSPARK_DIR` runs it (`speculative.DSparkRuntime`): one 8-row block forward + 8 Markov-corrected
+  choices per round (its draft time is the "draft round"), K <= 8 of them verified; after a verify, the
+  context rows of the verified positions (fc + k/v of every layer).
 
 Reported per (K, a): draft and verify GPU times (CUDA events around each graph, medians over the rounds),
 round = their sum (median), TPOT = median round / (a + 1) tokens (the a accepted drafts + the target's token),
@@ -22,7 +29,7 @@ Modes (--tp N, default 4):
   the per-rank compute of TP=N without communication (--tp 4 on one H200: 64.5 GB of weights with the MTP layer;
   --stub forces this mode).
 K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; no new phase starts after --budget-s.
---profile adds, at a = --profile-a, the device time per kernel of each captured phase (the bare K+1-token step
+--profile adds, at a = --profile-a, for the drafters in --profile-drafters, the device time per kernel of each captured phase (the bare K+1-token step
 with its head, the draft graph, the verify graph), and the verify's parts timed as graphs of their own (the
 target forward, staged or not; the verify without the drafter's absorption of the verified rows), to name
 what a round spends beyond the bare step. Times taken after a profile in the same process run slower
@@ -55,10 +62,11 @@ from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
 from lingls.runtime.runner import ModelRunner
 from lingls.runtime.draft_vocab import DraftVocab
-from lingls.runtime.speculative import MTPDrafter, SpecStats, Speculator
+from lingls.runtime.speculative import DSparkRuntime, MTPDrafter, SpecStats, Speculator
 
 LABEL = "SIMULATED acceptance (forced accept count; random weights)"
 TARGET = {"tpot_ms": 1.0, "a": 6, "k": 8, "what": "full model, TP=2 (two H200), real NCCL all-reduce"}
+DRAFT_ROUND_TARGET_MS = 0.20  # issue 36: the DSpark draft round (8-row block + Markov choices), one TP=4 rank
 
 
 def build(args, par: Parallel, device: str) -> LingForCausalLM:
@@ -80,6 +88,57 @@ def build(args, par: Parallel, device: str) -> LingForCausalLM:
     torch.manual_seed(par.rank)
     model.init_weights(std=0.5 if args.tiny else 0.02)
     return model.eval()
+
+
+def build_dspark(args, model: LingForCausalLM, par: Parallel, device: str):
+    """This rank's shard of a random DSpark drafter for `model`: the published widths at flash shapes, small
+    ones for --tiny."""
+    from lingls.model.dspark import DSparkConfig, random_dspark
+    from lingls.model.random_checkpoint import SMALL_DSPARK
+
+    cfg = DSparkConfig.for_target(model.config, **(SMALL_DSPARK if args.tiny else {}))
+    return random_dspark(cfg, par, device, model.lm_head.weight.dtype, seed=0, std=0.2 if args.tiny else 0.02)
+
+
+def make_spec(name: str, runner: ModelRunner, model, k: int, head, dspark) -> Speculator:
+    """A Speculator with drafter `name` at K=k, its state filled with noise (random weights draft noise).
+    dspark-ref: the DSpark round on its plain-torch references instead of the kernels (what they save)."""
+    if name == "mtp":
+        spec = Speculator(runner, MTPDrafter(model, runner.state, k, runner.fused, head))
+        spec.drafter.xy.normal_()
+    else:
+        kernels = None if name == "dspark" else False
+        spec = Speculator(runner, DSparkRuntime(model, dspark, k, runner.capacity, runner, kernels=kernels))
+        spec.drafter.ctx_k.normal_()
+        spec.drafter.ctx_v.normal_()
+    spec.force_accept = torch.zeros(1, dtype=torch.long, device=runner.device)
+    return spec
+
+
+def check_dspark_kernels(runner: ModelRunner, model, dspark, context: int) -> dict:
+    """The DSpark round on the kernels against the same round on their references, on this device at these
+    shapes, from the same state: context rows absorbed from random features, the block's logits (relative
+    error) and the greedy drafts (how many of the 8 agree; bf16 near-ties may differ)."""
+    k = dspark.config.block_size
+    rts = [DSparkRuntime(model, dspark, k, runner.capacity, runner, kernels=kernels) for kernels in (True, False)]
+    n = dspark.config.hidden_size * len(dspark.config.target_layer_ids)
+    feats = torch.randn(k + 1, n, device=runner.device, dtype=model.lm_head.weight.dtype)
+    pos = torch.tensor([context - 2 * (k + 1)], device=runner.device)
+    cur = torch.tensor([17], device=runner.device)
+    base = torch.randn_like(rts[0].ctx_k), torch.randn_like(rts[0].ctx_v)
+    out = []
+    with torch.inference_mode():
+        for rt in rts:
+            rt.ctx_k.copy_(base[0])
+            rt.ctx_v.copy_(base[1])
+            rt.accept(None, feats, None, None, pos + torch.arange(k + 1, device=pos.device), 0)
+            logits = rt.block_logits(cur, pos, runner.bucket(context)).float()
+            drafts, _ = rt.propose(cur, pos, runner.bucket(context))
+            out.append((rt.ctx_k[:, : context].float(), logits, drafts.clone()))
+    (ck, lk, dk), (cr, lr, dr) = out
+    return {"context_rows_rel_err": float((ck - cr).norm() / cr.norm()),
+            "block_logits_rel_err": float((lk - lr).norm() / lr.norm()),
+            "greedy_drafts_agree": int((dk == dr).sum()), "of": k}
 
 
 class Timer:
@@ -248,8 +307,11 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
     res = {"what": f"speculative decoding TPOT vs forced acceptance length: {LABEL}", "label": LABEL,
            "tpot_convention": "median(draft + verify GPU time per round) / (a + 1); loop_tpot: host-loop wall "
                               "time per round / (a + 1)",
-           "drafter": "mtp (the model's MTP layer chained K steps; the fused kernels on CUDA, torch ops on CPU; "
-                      "random weights)",
+           "drafters": {"mtp": "the model's MTP layer chained K steps (fused kernels on CUDA, torch ops on CPU)",
+                        "dspark": "Ling-3.0-flash-DSpark at the published widths: one 8-row block forward + K "
+                                  "Markov-corrected choices per round (lingls.kernels.dspark on CUDA, references "
+                                  "on CPU)"},
+           "random_weights": True,
            "mode": args.mode, "all_reduce": allreduce if par.size > 1 else "stubbed", "tiny": args.tiny,
            "tp": args.tp, "ranks": par.size, "layers": args.layers, "context": args.context,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -270,6 +332,10 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
     try:
         model = build(args, par, str(device))
         res["weights_GB_per_rank"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+        dspark = build_dspark(args, model, par, str(device)) if {"dspark", "dspark-ref"} & set(args.drafters) else None
+        if dspark is not None:
+            res["dspark_GB_per_rank"] = sum(p.numel() * p.element_size() for p in dspark.parameters()) / 1e9
+            res["dspark_config"] = dspark.config.to_dict()
         runner = ModelRunner(model, capacity=args.context + 64, min_bucket=256,
                              verify_sizes=tuple(k + 1 for k in args.ks))
     except Exception as e:
@@ -287,6 +353,13 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
         f"context {args.context}, fused step: {runner.fused is not None}, built in {res['build_s']:.1f} s")
     timer = Timer(device)
     kv = runner.bucket(args.context)
+    if dspark is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        try:
+            res["dspark_kernel_check"] = check_dspark_kernels(runner, model, dspark, args.context)
+            say(f"DSpark kernels vs references: {res['dspark_kernel_check']}")
+        except Exception as e:
+            res["errors"]["dspark_kernel_check"] = repr(e)
+            say("DSpark kernel check failed:", traceback.format_exc())
     try:  # the plain decode step (T = 1), for comparison
         runner.pos.fill_(args.context - args.reps - 8)
         with torch.inference_mode():
@@ -311,15 +384,27 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                 runner.run_step(k + 1, kv, True)
                 res["target_step_ms"][k] = timer.median_ms(lambda: runner.run_step(k + 1, kv, True), args.reps)
             say(f"K={k}: plain target step of {k + 1} tokens {res['target_step_ms'][k]:.3f} ms")
-            for n_vocab in [None] + ([args.draft_vocab] if args.draft_vocab else []):
-                if n_vocab and out_of_time():
-                    res["skipped"].append(f"K={k} with a {n_vocab}-id draft head (time budget)")
-                    break
-                head = draft_head(model, n_vocab)
-                spec = Speculator(runner, MTPDrafter(model, runner.state, k, runner.fused, head))
-                spec.force_accept = torch.zeros(1, dtype=torch.long, device=device)
-                spec.drafter.xy.normal_()
-                name = f"K={k}" + (f" vocab={n_vocab}" if n_vocab else "")
+            runs = []  # (drafter, reduced draft-head size or None); the MTP head's reduced one after its whole one
+            for d in args.drafters:
+                runs += [(d, None)] + ([(d, args.draft_vocab)] if d == "mtp" and args.draft_vocab else [])
+            for drafter, n_vocab in runs:
+                if drafter != "mtp" and k > dspark.config.block_size:
+                    res["skipped"].append(f"dspark K={k}: more than its block ({dspark.config.block_size})")
+                    continue
+                if (n_vocab or drafter != args.drafters[0]) and out_of_time():
+                    res["skipped"].append(f"{drafter} K={k}" + (f" with a {n_vocab}-id draft head" if n_vocab else "")
+                                          + " (time budget)")
+                    continue
+                name = f"{drafter} K={k}" + (f" vocab={n_vocab}" if n_vocab else "")
+                try:
+                    spec = make_spec(drafter, runner, model, k, draft_head(model, n_vocab), dspark)
+                    with torch.inference_mode():
+                        rounds_at(spec, 0, 2, args.context)  # captures the round's graphs
+                except Exception as e:  # one drafter's failure leaves the others' rows
+                    res["errors"][name] = repr(e)
+                    say(f"{name} failed:", traceback.format_exc())
+                    spec = runner.spec = None
+                    continue
                 for a in range(k + 1):
                     if a and out_of_time():
                         res["skipped"].append(f"{name} a>={a} (time budget)")
@@ -327,15 +412,18 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                     with torch.inference_mode():
                         row = rounds_at(spec, a, args.rounds, args.context)
                     row["draft_vocab"] = n_vocab
+                    row["drafter"] = drafter
                     res["rows"].append(row)
                     say(f"{name} a={a}: draft {row['draft_ms']:.3f} + verify {row['verify_ms']:.3f} = round "
                         f"{row['round_ms']:.3f} ms, TPOT {row['tpot_ms']:.3f} ms (loop {row['loop_tpot_ms']:.3f})")
                     save()
-                    if args.profile and a == args.profile_a and device.type == "cuda":
+                    if args.profile and drafter in args.profile_drafters and a == args.profile_a \
+                            and device.type == "cuda":
                         with torch.inference_mode():
                             res.setdefault("profile", {})[f"{name} a={a}"] = prof = profile_round(spec, k, args.context)
                         say_profile(say, prof)
                         save()
+                res.setdefault("graph_keys", {})[name] = [repr(key) for key in spec._graphs]
                 spec = runner.spec = None
         except Exception as e:
             res["errors"][f"K={k}"] = repr(e)
@@ -344,6 +432,11 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
         runner.spec = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for d in ("dspark", "dspark-ref"):
+        mine = [r["draft_ms"] for r in res["rows"] if r["drafter"] == d]
+        if mine:
+            res.setdefault("draft_round_ms", {})[d] = statistics.median(mine)
+    res["draft_round_target_ms"] = DRAFT_ROUND_TARGET_MS
     res["total_s"] = time.perf_counter() - t_start
     save()
     if rank0:
@@ -355,19 +448,22 @@ def report(res: dict, args) -> None:
     rows = res["rows"]
     plain = res.get("plain_decode_ms")
     print(f"\n{LABEL}\n{res['mode']}, context {res['context']}; TPOT = median round / (a + 1)")
-    print(f"{'K':>3} {'head':>6} {'a':>3} {'draft ms':>9} {'verify ms':>10} {'round ms':>9} {'TPOT ms':>8}"
-          f" {'loop TPOT':>10} {'speedup':>8}")
+    print(f"{'drafter':>10} {'K':>3} {'head':>6} {'a':>3} {'draft ms':>9} {'verify ms':>10} {'round ms':>9}"
+          f" {'TPOT ms':>8} {'loop TPOT':>10} {'speedup':>8}")
     for r in rows:
         gain = f"{plain / r['tpot_ms']:8.2f}" if plain else f"{'-':>8}"
-        print(f"{r['k']:>3} {_head_name(r):>6} {r['a']:>3} {r['draft_ms']:>9.3f} {r['verify_ms']:>10.3f} {r['round_ms']:>9.3f} "
+        print(f"{r['drafter']:>10} {r['k']:>3} {_head_name(r):>6} {r['a']:>3} {r['draft_ms']:>9.3f} {r['verify_ms']:>10.3f} {r['round_ms']:>9.3f} "
               f"{r['tpot_ms']:>8.3f} {r['loop_tpot_ms']:>10.3f} {gain}")
     if plain:
         print(f"plain decode step (no speculation): {plain:.3f} ms/token (speedup = this / TPOT)")
     for k, ms in res["target_step_ms"].items():
         print(f"plain target step of K+1={k + 1} tokens (no drafter, no commit): {ms:.3f} ms")
     for hit in (r for r in rows if r["k"] == TARGET["k"] and r["a"] == TARGET["a"]):
-        print(f"K={TARGET['k']}, a={TARGET['a']}, {_head_name(hit)} draft head: TPOT {hit['tpot_ms']:.3f} ms here "
+        print(f"{hit['drafter']} K={TARGET['k']}, a={TARGET['a']}, {_head_name(hit)} draft head: TPOT {hit['tpot_ms']:.3f} ms here "
               f"({res['mode']}); target <= {TARGET['tpot_ms']} ms for the {TARGET['what']}")
+    for d, ms in res.get("draft_round_ms", {}).items():
+        print(f"{d} draft round (median over its rows): {ms:.3f} ms; target <= {res['draft_round_target_ms']} ms "
+              f"on one TP=4 rank: {'met' if ms <= res['draft_round_target_ms'] else 'NOT met'} ({res['mode']})")
     if not all(r["forced_count_honoured"] for r in rows):
         print("WARNING: some round's accepted count differs from the forced one")
     for what, err in res["errors"].items():
@@ -396,12 +492,15 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    runs = sorted({(r["k"], r.get("draft_vocab") or 0) for r in rows})  # (K, draft head) pairs
+    def run_of(r):
+        return r.get("drafter", "mtp"), r["k"], r.get("draft_vocab") or 0
+
+    runs = list(dict.fromkeys(run_of(r) for r in rows))  # (drafter, K, draft head), in the order run
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    med = {run: [r for r in rows if (r["k"], r.get("draft_vocab") or 0) == run] for run in runs}
-    for (k, n), mine in med.items():
+    med = {run: [r for r in rows if run_of(r) == run] for run in runs}
+    for (d, k, n), mine in med.items():
         ax.plot([r["a"] for r in mine], [r["tpot_ms"] for r in mine], "o-",
-                label=f"K={k}, {_head_name(mine[0])} draft head")
+                label=f"{d} K={k}" + (f", {_head_name(mine[0])} draft head" if n else ""))
     if res.get("plain_decode_ms"):
         ax.axhline(res["plain_decode_ms"], color="gray", ls="--", label="plain decode (no speculation)")
     ax.plot([TARGET["a"]], [TARGET["tpot_ms"]], "r*", ms=14, label=f"target: full model TP=2, K={TARGET['k']}")
@@ -414,9 +513,10 @@ def plot(res: dict, path: Path) -> None:
     draft = [statistics.median(r["draft_ms"] for r in mine) for mine in med.values()]
     verify = [statistics.median(r["verify_ms"] for r in mine) for mine in med.values()]
     x = range(len(runs))
-    ax2.bar(x, draft, label="draft (MTP, K chained steps)")
-    ax2.bar(x, verify, bottom=draft, label="verify (K+1 tokens) + accept + commit + MTP rows")
-    ax2.set_xticks(list(x), [f"K={k}\n{_head_name(mine[0])}" for (k, _), mine in med.items()])
+    ax2.bar(x, draft, label="draft (MTP: K chained steps; DSpark: one block + K choices)")
+    ax2.bar(x, verify, bottom=draft, label="verify (K+1 tokens) + accept + commit + drafter rows")
+    ax2.set_xticks(list(x), [f"{d}\nK={k}" + (f" {_head_name(mine[0])}" if n else "")
+                             for (d, k, n), mine in med.items()])
     ax2.set_ylabel("ms per round (median)")
     ax2.set_title("where a round's time goes", fontsize=9)
     ax2.legend(fontsize=8)
@@ -463,12 +563,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny random model on CPU (checks the script)")
     p.add_argument("--profile", action="store_true", help="kernel times of the round's graphs (GPU) at --profile-a")
     p.add_argument("--profile-a", type=int, default=6, help="the forced acceptance the profile runs at")
+    p.add_argument("--drafters", default="mtp", help="comma-separated, in the order run: mtp, dspark (the "
+                   "DSpark round's kernels), dspark-ref (the same round on their torch references)")
+    p.add_argument("--profile-drafters", default="mtp,dspark", help="the drafters --profile profiles")
     p.add_argument("--configs", metavar="TUNE.json", help="kernel launch settings chosen by bench/tune_gpu.py")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="also run each K with an N-id draft head (--draft-vocab; 0: the whole lm_head only)")
     p.add_argument("--out", default="bench/results/spec_flash.json")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.drafters = args.drafters.split(",")
+    args.profile_drafters = args.profile_drafters.split(",")
+    if set(args.drafters) - {"mtp", "dspark", "dspark-ref"}:
+        p.error(f"--drafters {','.join(args.drafters)}: choose among mtp, dspark, dspark-ref")
     args.tp = args.tp or (1 if args.tiny else 4)
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: more threads only contend

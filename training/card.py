@@ -33,12 +33,13 @@ def _mfu(tr: dict) -> str:
 def draft_section(log: dict) -> str:
     """The drafter's part of the card, from the `distill_log.json` that training.draft.distill writes."""
     cfg, st, last = log["config"], log["settings"], log["log"][-1]
+    dflash = cfg["dflash_config"]
     return f"""## Draft model (`draft/`)
-A DSpark-style block drafter for speculative decoding (`lingls serve --draft lingls/assets/ling-nano/draft`):
-{cfg['num_layers']} attention layers of width {cfg['hidden_size']} that read ling-nano's residual stream after
-layers {cfg['target_layers']} and draft a block of {cfg['block_size']} tokens in one forward (anchor token + mask
-tokens), through ling-nano's own embedding and lm_head, plus a rank-{cfg['markov_rank']} Markov bias from the
-previous token. Distilled from the frozen ling-nano by `python -m training.draft.distill` for
+A DSpark drafter for speculative decoding (`lingls serve --draft lingls/assets/ling-nano/draft`), in the published
+Ling-3.0-flash-DSpark layout: {cfg['num_hidden_layers']} attention layers of width {cfg['hidden_size']} that read
+ling-nano's residual stream after layers {dflash['target_layer_ids']} and draft a block of {cfg['block_size']}
+tokens in one forward (anchor token + mask tokens), through ling-nano's own embedding and lm_head, plus a
+rank-{dflash['markov_rank']} Markov bias from the previous token. Distilled from the frozen ling-nano by `python -m training.draft.distill` for
 {last['seconds']:.0f} s ({last['step']} steps of {st['batch_size']} windows of {st['seq_len']} tokens,
 {st['anchors']} blocks each) on the same training files. Loss = KL(ling-nano || drafter) per block slot
 - {st['accept_weight']} x the expected accepted length / K, where the expected length sums, over the slots, the

@@ -19,13 +19,13 @@ One forward drafts a whole block (docs/dspark.md gathers what public sources say
 The checkpoint may also hold copies of the target's `embed_tokens` and `lm_head` (the card's 1,363,707,905
 parameters count them): they are checked for shape and not loaded; the target's own are used.
 
+This module is the math as training (`training.draft.distill`) and the tests' reference read it; the runtime
+(`speculative.DSparkRuntime`) runs the same round through the fused kernels on CUDA (`lingls.kernels.dspark`).
+
 Tensor parallelism (`Parallel`): attention heads and the MLP's intermediate are split across ranks (row-parallel
 outputs all-reduced, as the target's layers), the Markov head's output over the vocabulary (as the lm_head); fc,
 the norms, markov_w1 and the confidence head are replicated. Every matrix is a contiguous [out, in] nn.Linear
 weight (one GEMV per projection at B rows), and a round has fixed shapes.
-
-An older lingls-only format (`lingls.model.draft`, model_type `lingls-block-drafter`) loads into this module
-too: no q/k norms (`qk_norm=False`) and a learned mask vector instead of the mask token's embedding.
 """
 
 from __future__ import annotations
@@ -71,8 +71,6 @@ class DSparkConfig:
     confidence_head: bool = True
     confidence_head_with_markov: bool = True
     num_target_layers: int | None = None
-    qk_norm: bool = True  # False only for the converted lingls-block-drafter format
-    learned_mask: bool = False  # True only for it: a mask vector replaces embed(mask_token_id)
     extra: dict = field(default_factory=dict, compare=False)  # the config.json's other keys, written back as read
 
     # ---- config.json ----------------------------------------------------------------------------------------
@@ -215,10 +213,7 @@ class DSparkAttention(nn.Module):
         d, hid = cfg.head_dim, cfg.hidden_size
         self.q_proj, self.k_proj = _linear(hid, self.heads * d), _linear(hid, self.kv_heads * d)
         self.v_proj, self.o_proj = _linear(hid, self.kv_heads * d), _linear(self.heads * d, hid)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
+        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor):
         """Keys (normed, rotated) and values [..., T, kv_heads, D] of rows x [..., T, hidden]."""
@@ -282,7 +277,6 @@ class DSparkDrafter(nn.Module):
         self.norm = RMSNorm(hid, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg, self.par)
         self.confidence_head = ConfidenceHead(cfg) if cfg.confidence_head else None
-        self.mask_embedding = nn.Parameter(torch.zeros(hid)) if cfg.learned_mask else None
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor):
         """Target features [..., T, len(target_layer_ids) * hidden] at positions [..., T] -> every layer's
@@ -290,15 +284,6 @@ class DSparkDrafter(nn.Module):
         c = self.hidden_norm(self.fc(feats))
         kvs = [layer.self_attn.kv(c, positions) for layer in self.layers]
         return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
-
-    def block_input(self, embed: nn.Embedding, block_ids: torch.Tensor) -> torch.Tensor:
-        """The block's input rows [..., B, hidden] from ids [..., B] = [anchor, mask_token_id x (B-1)], embedded by
-        the target (rows after the first replaced by the learned mask vector in the converted old format)."""
-        x = embed(block_ids)
-        if self.mask_embedding is not None:
-            slot = torch.arange(x.shape[-2], device=x.device)[:, None]
-            x = torch.where(slot > 0, self.mask_embedding.to(x.dtype), x)
-        return x
 
     def block_hidden(self, x, positions, ctx_k, ctx_v, visible) -> torch.Tensor:
         """Block rows x [..., B, hidden] at positions [..., B] -> final-normed rows (the lm_head's input)."""

@@ -21,9 +21,8 @@ On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a
 
 Drafters share one small interface (`Drafter`): MTP (the checkpoint's next-token-prediction layer chained K
 times), prompt lookup (the longest recent n-gram match in the prompt and the text generated so far, found on
-the device), the DSpark block drafter (`lingls.model.dspark`: the published Ling-3.0-flash-DSpark layout, or
-lingls' older block-drafter format converted by `lingls.model.draft`; `DSparkRuntime`), and `Fallback(lookup,
-model drafter)`. `--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first
+the device), the DSpark block drafter (`lingls.model.dspark`: the published Ling-3.0-flash-DSpark layout, which
+ling-nano's shipped drafter also uses; `DSparkRuntime`), and `Fallback(lookup, model drafter)`. `--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first
 that has a draft wins: lookup when it matches, else the model drafter). K, the drafts per round, defaults to a
 block drafter's block size (the verify window is K+1 tokens).
 """
@@ -32,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -240,18 +240,34 @@ class MTPDrafter(Drafter):
 class DSparkRuntime(Drafter):
     """The DSpark block drafter (`lingls.model.dspark`) at run time: its context KV cache (one row per consumed
     position, from the target's residual stream after `target_layer_ids`, appended by every prefill and verify
-    forward) and one round: the B-row block forward, then K <= B drafts sampled left to right through the
+    forward) and one round: the B-row block forward, then K <= B drafts chosen left to right through the
     Markov head. Every round runs all B rows (fixed shapes; attention inside the block is bidirectional, so
     fewer rows would change the drafts) and takes the first K.
 
-    Greedy: slot by slot argmax over the vocabulary shards (`argmax_shards`, no gathered logits). Sampling:
-    each draft is drawn from the drafter's own corrected distribution q_i = target_probs(logits_i +
+    The block's own keys and values go into the cache at rows pos..pos+B-1, and every block row attends to the
+    rows below pos + B: the context before the block and the block itself, one key range for all B queries (no
+    concatenation, no per-row mask). Those rows are past every committed position: the next verify rewrites the
+    ones it commits before any query sees them as context, and a later block rewrites the rest.
+
+    The round and the absorption of verified rows run on `ops`: on CUDA the fused kernels (`gemv` for every
+    projection, `q|k|v` and `gate|up` each one GEMV over rows joined at construction, `norm`'s residual add +
+    RMSNorm, and `kernels.dspark`: q/k norm + RoPE + cache write, split-sequence block attention, the
+    Markov-corrected greedy choice), elsewhere their plain-torch references: one wiring, checked on any CPU.
+
+    Greedy: slot by slot, the Markov-corrected argmax over the vocabulary shards (no gathered logits).
+    Sampling: each draft is drawn from the drafter's own corrected distribution q_i = target_probs(logits_i +
     markov(d_{i-1})) (the temperature and top-p the target uses), which is returned as the q of the rejection
     rule, so the output is distributed as the target's samples."""
 
     name = "dspark"
 
-    def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int, runner: ModelRunner):
+    def __init__(self, model: LingForCausalLM, drafter, k: int, capacity: int, runner: ModelRunner,
+                 kernels: bool | None = None):
+        """kernels: the fused kernels (default: on CUDA with Triton) or their references."""
+        from lingls.kernels import reference as ref
+        from lingls.kernels import triton
+        from lingls.runtime.fused_step import _fuse_rows
+
         cfg = drafter.config
         if not 1 <= k <= cfg.block_size:
             raise ValueError(f"K={k}: a DSpark round drafts 1..block_size ({cfg.block_size}) tokens")
@@ -260,51 +276,131 @@ class DSparkRuntime(Drafter):
         self.target_layers = tuple(cfg.target_layer_ids)
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         attn = drafter.layers[0].self_attn
-        shape = (cfg.num_hidden_layers, capacity + k + 1, attn.kv_heads, attn.head_dim)
+        self.heads, self.kv_heads, self.head_dim = attn.heads, attn.kv_heads, attn.head_dim
+        b = self.block = cfg.block_size
+        # context rows for every position the runner can hold, and the block's rows past the last of them
+        shape = (cfg.num_hidden_layers, capacity + b + 1, attn.kv_heads, attn.head_dim)
         self.ctx_k = torch.zeros(shape, device=dev, dtype=dtype)
         self.ctx_v = torch.zeros(shape, device=dev, dtype=dtype)
-        b = cfg.block_size
         self.masks = torch.full((b - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)  # the block after the anchor
         self.slots = torch.arange(b, device=dev)
-        self.block_mask = torch.ones(b, b, dtype=torch.bool, device=dev)
         self.vocab = torch.arange(model.config.vocab_size, device=dev)
+        self.drafts = torch.zeros(b, dtype=torch.long, device=dev)
+        self.inv_freq = ref.rope_inv_freq(attn.head_dim, cfg.rope_theta, dev)
+        if kernels is None:
+            kernels = dev.type == "cuda" and triton is not None
+        self.ops = _DSparkOps(kernels)
+        self.qkv = [_fuse_rows([a.q_proj, a.k_proj, a.v_proj]) for a in (l.self_attn for l in drafter.layers)]
+        self.gate_up = [_fuse_rows([l.mlp.gate_proj, l.mlp.up_proj]) for l in drafter.layers]
+        self.markov_w1 = drafter.markov_head.markov_w1.weight.detach()
+        self.markov_w2 = drafter.markov_head.markov_w2.weight.detach()
+
+    def _reduce_add_norm(self, a, residual, weight):
+        """(rms_norm(residual + all_reduce(a)), the new residual), as `FusedStep._reduce_add_norm`."""
+        par, eps = self.model.par, self.drafter.config.rms_norm_eps
+        if par.all_reduce_add_norm is not None and self.ops.kernels:
+            return par.all_reduce_add_norm(a, residual, weight, eps)
+        return self.ops.add_rms_norm(par.all_reduce(a), residual, weight, eps)
 
     def _absorb(self, feats, positions):
-        k, v = self.drafter.context_kv(feats, positions)
-        self.ctx_k.index_copy_(1, positions, k.to(self.ctx_k.dtype))
-        self.ctx_v.index_copy_(1, positions, v.to(self.ctx_v.dtype))
+        """Context rows of consecutive positions from the target's features: fc, hidden_norm, then every
+        layer's k_proj -> k_norm -> RoPE and v_proj into the cache."""
+        ops, dr = self.ops, self.drafter
+        c, _ = ops.add_rms_norm(ops.linear(feats, dr.fc.weight), None, dr.hidden_norm.weight,
+                                dr.config.rms_norm_eps)
+        kv_rows = self.heads * self.head_dim
+        for i, layer in enumerate(dr.layers):
+            kv = ops.linear(c, self.qkv[i][kv_rows:])
+            norm = layer.self_attn.k_norm.weight
+            ops.qk_rope(kv, norm, norm, self.inv_freq, positions[:1], self.ctx_k[i], self.ctx_v[i], 0,
+                        self.kv_heads, dr.config.rms_norm_eps)
 
     def prefill(self, h, feats, ids, positions, start):
         self._absorb(feats, positions)
 
+    def block_hidden(self, cur, pos, kv_len: int) -> torch.Tensor:
+        """The block [cur, mask x (B-1)] at pos.. through the drafter: its final-normed rows [B, hidden]."""
+        ops, dr, eps = self.ops, self.drafter, self.drafter.config.rms_norm_eps
+        layers = dr.layers
+        x, h = ops.embed_rms_norm(torch.cat([cur, self.masks]), self.model.model.word_embeddings.weight,
+                                  layers[0].input_layernorm.weight, eps)
+        kv = kv_len + self.block  # the rows the attention's grid covers (static): the block's are below it
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            qkv = ops.linear(x, self.qkv[i])
+            q = ops.qk_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, self.inv_freq, pos, self.ctx_k[i],
+                            self.ctx_v[i], self.heads, self.kv_heads, eps)
+            o = ops.attend(q, self.ctx_k[i], self.ctx_v[i], pos, kv)
+            x, h = self._reduce_add_norm(ops.linear(o, attn.o_proj.weight), h, layer.post_attention_layernorm.weight)
+            m = ops.linear(ops.linear(x, self.gate_up[i], swiglu=True, limit=layer.mlp.limit),
+                           layer.mlp.down_proj.weight)
+            norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else dr.norm.weight
+            x, h = self._reduce_add_norm(m, h, norm)
+        return x
+
     def block_logits(self, cur, pos, kv_len: int) -> torch.Tensor:
-        """This rank's vocabulary shard of the block's logits [B, V_local] before the Markov bias: the block
-        [cur, mask x (B-1)] at pos.. against the context rows before pos."""
-        m, dr = self.model, self.drafter
-        x = dr.block_input(m.model.word_embeddings, torch.cat([cur, self.masks]))
-        b = x.shape[0]
-        visible = torch.cat([(torch.arange(kv_len, device=x.device) < pos).expand(b, kv_len), self.block_mask], -1)
-        h = dr.block_hidden(x, pos + self.slots, self.ctx_k[:, :kv_len], self.ctx_v[:, :kv_len], visible)
-        return m.lm_head(h)
+        """This rank's vocabulary shard of the block's logits [B, V_local] before the Markov bias."""
+        return self.ops.linear(self.block_hidden(cur, pos, kv_len), self.model.lm_head.weight)
+
+    def _choose(self, row, prev, i: int) -> torch.Tensor:
+        """The greedy draft of slot i: the Markov-corrected argmax of logits row [1, V_local] after prev [1]."""
+        par = self.model.par
+        if self.ops.kernels:
+            from lingls.kernels.dspark import markov_choose
+            from lingls.kernels.sampling import pick_rows
+
+            if par.size == 1:
+                return markov_choose(row, prev, self.markov_w1, self.markov_w2, out=self.drafts[i:i + 1])
+            msg = markov_choose(row, prev, self.markov_w1, self.markov_w2, par.rank, par.size)
+            return self.drafts[i:i + 1].copy_(pick_rows(par.all_reduce(msg)))
+        return argmax_shards(row + self.drafter.markov_bias(prev).to(row.dtype), par)
 
     def propose(self, cur, pos, kv_len, greedy=True):
         m, dr, r = self.model, self.drafter, self.runner
         local = self.block_logits(cur, pos, kv_len)
         prev, drafts, qs = cur, [], []
         for i in range(self.k):  # semi-autoregressive: each draft biases the next through the Markov head
-            row = local[i:i + 1] + dr.markov_bias(prev).to(local.dtype)
             if greedy:
-                prev = argmax_shards(row, m.par)
+                prev = self._choose(local[i:i + 1], prev, i)
             else:
+                row = local[i:i + 1] + dr.markov_bias(prev).to(local.dtype)
                 q = target_probs(m.par.all_gather_last(row), r.temperature, r.top_p)
                 noise = -torch.log(uniform_hash(r.seed, pos + 1 + i, DRAFT_KEY - self.vocab))
                 prev = (q / noise).argmax(-1)
                 qs.append(q)
             drafts.append(prev)
+        if greedy and self.ops.kernels:
+            return self.drafts[:self.k], None
         return torch.cat(drafts), None if greedy else torch.cat(qs)
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
         self._absorb(feats, positions)
+
+
+class _DSparkOps:
+    """The DSpark round's kernels, or their references (same signatures), as `fused_step._Ops`."""
+
+    def __init__(self, kernels: bool):
+        from lingls.kernels import dspark, gemv, norm
+
+        self.kernels = kernels
+        self.linear = _rows_linear if kernels else gemv.gemv_reference
+        # programmatic dependent launch where the model's step uses it: a GEMV's weights stream in while the
+        # kernel before it finishes
+        self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=True) if kernels else norm.add_rms_norm_reference
+        self.embed_rms_norm = (partial(norm.fused_embed_rms_norm, pdl=True) if kernels
+                               else norm.embed_rms_norm_reference)
+        self.qk_rope = dspark.block_qk_rope if kernels else dspark.block_qk_rope_reference
+        self.attend = dspark.block_attend if kernels else dspark.block_attend_reference
+
+
+def _rows_linear(x, w, swiglu: bool = False, limit: float = 0.0):
+    """`gemv.gemv` for up to 16 rows (a round, a verify), its reference for more (a prefill chunk)."""
+    from lingls.kernels import gemv
+
+    if x.shape[0] <= gemv.MAX_T:
+        return gemv.gemv(x, w, swiglu=swiglu, limit=limit, pdl=x.is_cuda)
+    return gemv.gemv_reference(x, w, swiglu=swiglu, limit=limit)
 
 
 class Fallback(Drafter):
@@ -385,19 +481,16 @@ def _one_drafter(name: str, runner: ModelRunner, k: int, vocab: str | None = Non
 
 
 def _load_block_drafter(path: str, runner: ModelRunner):
-    """The block drafter in directory `path` (the DSpark layout, or lingls' older format), this rank's shard."""
-    from lingls.model import draft, dspark
+    """The DSpark drafter in directory `path`, this rank's shard."""
+    from lingls.model import dspark
 
     model = runner.model
-    if dspark.is_dspark_dir(path):
-        load = dspark.load_dspark
-    elif draft.is_drafter_dir(path):
-        load = draft.load_drafter
-    else:
-        raise ValueError(f"--draft {path}: not none, mtp, lookup or a drafter directory (a DSpark checkpoint or "
-                         "a lingls block drafter)")
+    if not dspark.is_dspark_dir(path):
+        raise ValueError(f"--draft {path}: not none, mtp, lookup or a drafter directory (a DSpark checkpoint: "
+                         "config.json with dflash_config or a DSpark architecture)")
     try:
-        return load(path, model.config, par=model.par, device=runner.device, dtype=model.lm_head.weight.dtype)
+        return dspark.load_dspark(path, model.config, par=model.par, device=runner.device,
+                                  dtype=model.lm_head.weight.dtype)
     except dspark.DSparkConfigError as e:
         raise ValueError(f"--draft {path}: {e}") from None
 

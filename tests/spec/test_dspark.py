@@ -4,8 +4,10 @@ confidence head and the embed_tokens / lm_head copies present, sharded with an i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -13,17 +15,18 @@ from safetensors.torch import load_file, save_file
 
 from lingls.model.config import flash_config
 from lingls.model.dspark import IGNORED_COPIES, DSparkConfig, DSparkConfigError, checkpoint_tensors, load_dspark
-from lingls.model.draft import load_drafter
 from lingls.model.random_checkpoint import main as random_checkpoint_main
-from lingls.runtime.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
 from lingls.runtime.speculative import DSparkRuntime, Speculator, attach, make_drafter
 from training.draft.distill import teacher
 
+from ..kernels.test_kda import compile_for_sm90
 from ..runtime.test_runner import no_host_reads
-from .conftest import dspark_dir, plain
+from .conftest import dspark_dir, plain, random_model
 
 B = 8
+KERNELS = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                             reason="the kernels' CPU check needs Triton's interpreter (TRITON_INTERPRET=1)")
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 900, 901, 5, 6, 7, 1000, 1001, 1002, 5, 6, 7]
 
 
@@ -42,22 +45,21 @@ def _rot(x, pos, theta):
     return torch.cat([a * c - b * s, b * c + a * s], -1)
 
 
-def reference(w: dict, cfg: DSparkConfig, embed, lm_head, feats, anchor: int, mask_vector=None):
+def reference(w: dict, cfg: DSparkConfig, embed, lm_head, feats, anchor: int):
     """The block logits [B, V] of [anchor, mask x (B-1)] at positions P..P+B-1 over context features feats
     [P, n * hidden], and the greedy drafts (Markov head, left to right from the anchor), from the checkpoint's
-    tensors `w` by name. mask_vector: the old format's learned mask (no q/k norms then)."""
+    tensors `w` by name."""
     eps, h, kvh, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     p = feats.shape[0]
     ctx = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
     x = embed[[anchor] + [cfg.mask_token_id] * (cfg.block_size - 1)].clone()
-    if mask_vector is not None:
-        x[1:] = mask_vector
     pos_ctx, pos_blk = torch.arange(p), torch.arange(p, p + cfg.block_size)
     for i in range(cfg.num_hidden_layers):
         lw = {n.split(".", 2)[2]: t for n, t in w.items() if n.startswith(f"layers.{i}.")}
-        qn = lw.get("self_attn.q_norm.weight", torch.ones(d))
-        kn = lw.get("self_attn.k_norm.weight", torch.ones(d))
-        norm = (lambda t, wt: _rms(t, wt, eps)) if mask_vector is None else (lambda t, wt: t)
+        qn, kn = lw["self_attn.q_norm.weight"], lw["self_attn.k_norm.weight"]
+
+        def norm(t, wt):
+            return _rms(t, wt, eps)
         u = _rms(x, lw["input_layernorm.weight"], eps)
         q = _rot(norm((u @ lw["self_attn.q_proj.weight"].T).view(-1, h, d), qn), pos_blk, cfg.rope_theta)
 
@@ -102,9 +104,9 @@ def dirs(tmp_path_factory, tiny):
     return {"mha": mha, "gqa": gqa}
 
 
-def runtime(model, path, k=B, capacity=128, loader=load_dspark):
+def runtime(model, path, k=B, capacity=128, kernels=None):
     runner = ModelRunner(model, capacity=capacity)
-    return DSparkRuntime(model, loader(path, model.config), k, capacity, runner)
+    return DSparkRuntime(model, load_dspark(path, model.config), k, capacity, runner, kernels=kernels)
 
 
 def features(model, ids, layers):
@@ -112,13 +114,13 @@ def features(model, ids, layers):
         return teacher(model, torch.tensor([ids]), layers)[0][0]
 
 
-def check_against_reference(model, path, w, cfg, mask_vector=None, loader=load_dspark):
+def check_against_reference(model, path, w, cfg, kernels=None):
     p = len(PROMPT)
     feats = features(model, PROMPT, cfg.target_layer_ids)
     anchor = 321
     want_logits, want_drafts = reference(w, cfg, model.model.word_embeddings.weight.detach(),
-                                         model.lm_head.weight.detach(), feats, anchor, mask_vector)
-    rt = runtime(model, path, loader=loader)
+                                         model.lm_head.weight.detach(), feats, anchor)
+    rt = runtime(model, path, kernels=kernels)
     with torch.no_grad():
         # context rows past P (rejected drafts of an earlier round) hold noise: they must be masked
         rt.prefill(None, torch.randn(4, feats.shape[1]) * 5, None, torch.arange(p, p + 4), p)
@@ -130,7 +132,7 @@ def check_against_reference(model, path, w, cfg, mask_vector=None, loader=load_d
     assert (got - want_logits).abs().max() < 1e-4 * max(1.0, want_logits.abs().max())
     assert drafts.tolist() == want_drafts
     for k in (1, 3):  # K < B: the first K drafts of the full block
-        short = runtime(model, path, k=k, loader=loader)
+        short = runtime(model, path, k=k, kernels=kernels)
         short.prefill(None, feats, None, torch.arange(p), 0)
         with torch.no_grad():
             assert short.propose(cur, pos, p + 4)[0].tolist() == want_drafts[:k]
@@ -147,6 +149,42 @@ def test_block_logits_and_greedy_drafts_equal_the_reference(tiny, dirs, variant)
     assert all(not torch.allclose(w[f"layers.0.self_attn.{n}_norm.weight"], torch.ones(cfg.head_dim)) for n in "qk")
     assert set(IGNORED_COPIES) <= set(w) and "confidence_head.proj.weight" in w
     check_against_reference(tiny, path, w, cfg)
+
+
+@KERNELS
+def test_the_kernels_round_equals_the_references(tmp_path):
+    """The CUDA wiring (`lingls.kernels.dspark`'s q/k norm + RoPE + cache write, split-sequence attention and
+    Markov choice; gemv; norm) under Triton's interpreter against the same round on the references: context
+    rows absorbed, block logits, greedy drafts; and the Markov choice's tensor-parallel exchange message."""
+    from lingls.kernels.dspark import markov_choose
+
+    model = random_model(256, seed=3)
+    path = dspark_dir(model, tmp_path / "d", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    prompt = [t % 256 for t in PROMPT]
+    feats = features(model, prompt, load_dspark(path, model.config).config.target_layer_ids)
+    p = len(prompt)
+    cur, pos = torch.tensor([201]), torch.tensor([p - 3])  # 3 rows of stale context past pos: masked
+    got = {}
+    for kernels in (False, True):
+        rt = runtime(model, path, capacity=64, kernels=kernels)
+        with torch.no_grad():
+            rt.prefill(None, feats[:9], None, torch.arange(9), 0)
+            rt.accept(None, feats[9:], None, None, torch.arange(9, p), p)
+            ctx = rt.ctx_k[:, :p].clone(), rt.ctx_v[:, :p].clone()
+            logits = rt.block_logits(cur, pos, 32)
+            drafts, _ = rt.propose(cur, pos, 32)
+        got[kernels] = (ctx, logits, drafts.clone())
+    (ck, cv), logits, drafts = got[True]
+    (rk, rv), want, want_drafts = got[False]
+    assert (ck - rk).abs().max() < 1e-4 and (cv - rv).abs().max() < 1e-4
+    assert (logits - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
+    assert drafts.tolist() == want_drafts.tolist()
+    w1, w2 = rt.markov_w1, rt.markov_w2
+    row = want[2:3]
+    msg = markov_choose(row[:, 128:].contiguous(), drafts[1:2], w1, w2[128:].contiguous(), rank=1, ranks=2)
+    local = row[:, 128:] + (w1[drafts[1]] @ w2[128:].t())
+    assert msg[0, 0, 0] == 0 and msg[1, 0, 0] == 0
+    assert int(msg[1, 1, 0]) == int(local.argmax()) + 128 and abs(float(msg[0, 1, 0]) - float(local.max())) < 1e-5
 
 
 def test_every_tensor_is_used_except_the_ignored_ones(tiny, dirs):
@@ -194,17 +232,6 @@ def test_the_confidence_head_and_the_copies_are_optional(tiny, dirs, tmp_path):
     with_head = load_dspark(src, tiny.config).state_dict()
     without = load_dspark(tmp_path, tiny.config).state_dict()
     assert all(torch.equal(t, with_head[n]) for n, t in without.items())
-
-
-def test_the_old_lingls_format_loads_into_the_same_module(nano):
-    """ling-nano's shipped drafter (model_type lingls-block-drafter): the DSpark math without q/k norms, with a
-    learned mask vector, checked against the same reference."""
-    path = EMBEDDED / "draft"
-    from lingls.model.draft import config_from_dict, _new_name
-
-    cfg = config_from_dict(json.loads((path / "config.json").read_text()))
-    w = {_new_name(n): t.float() for n, t in load_file(str(path / "model.safetensors")).items()}
-    check_against_reference(nano, path, w, cfg, mask_vector=w["mask_embedding"], loader=load_drafter)
 
 
 def test_sampled_drafts_follow_the_corrected_distribution(tiny, dirs):
@@ -496,3 +523,31 @@ def test_tensor_parallel_shards_draft_as_the_whole_drafter(tmp_path, tiny, dirs)
     assert (got["logits"] - want["logits"]).abs().max() < 1e-4
     assert torch.equal(got["greedy"], want["greedy"]) and torch.equal(got["sampled"], want["sampled"])
     assert (got["q"] - want["q"]).abs().max() < 1e-5
+
+
+def test_the_round_kernels_compile_for_h200_without_spills():
+    """`lingls.kernels.dspark` at the TP=4 rank's shapes of Ling-3.0-flash-DSpark (8 heads x 128, rank 256,
+    39,296 vocabulary rows), compiled for sm_90 here: what the interpreter does not type-check."""
+    lines = compile_for_sm90("""
+        from lingls.kernels import dspark
+        build(dspark._qk_rope_kernel, dict(qkv_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", freq_ptr="*fp32",
+              pos_ptr="*i64", q_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16", eps="fp32"),
+              dict(H=8, KVH=8, D=128), 1, divisible=("s_qkv", "s_cache"))
+        build(dspark._qk_rope_kernel, dict(qkv_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", freq_ptr="*fp32",
+              pos_ptr="*i64", q_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16", eps="fp32"),
+              dict(H=0, KVH=8, D=128), 1, divisible=("s_qkv", "s_cache"))
+        build(dspark._attend_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64",
+              po_ptr="*fp32", pml_ptr="*fp32", scale_log2="fp32"),
+              dict(B=8, H=8, G=1, D=128, ROWS=16, BLOCK_N=64, TILES=9, F32_DOT=False), 4, divisible=("s_kv",))
+        build(dspark._merge_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16"),
+              dict(B=8, H=8, G=1, D=128, ROWS=16, SPLITS=15, SPLITS_PAD=16), 1)
+        build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*i64", w1_ptr="*bf16",
+              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=1), 4)
+        build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*i64", w1_ptr="*bf16",
+              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*fp32", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=4), 4)
+    """)
+    assert len(lines) == 6
+    # the rope kernel's stack is libdevice's sin/cos range reduction for large angles, not spilled registers
+    assert all("STACK:0" in line for line in lines if not line.startswith("_qk_rope")), lines

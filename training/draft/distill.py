@@ -1,7 +1,10 @@
 """Distil a DSpark drafter (`lingls.model.dspark`, the published layout) from a frozen target: match its output
 distribution and reward acceptance length.
 
-    python -m training.draft.distill --out DIR [--seconds 600] [--device cuda]
+    python -m training.draft.distill --out DIR [--seconds 600] [--device cuda] [--init DIR]
+
+`--init DIR` starts from a DSpark-layout drafter (its config decides the widths and taps) instead of random
+weights: a resumed or fine-tuned run.
 
 Data: the same examples ling-nano was trained on (this machine's Python source, FIM and plain, `training.fim`),
 packed into windows. Each step:
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from lingls.model import LingForCausalLM, load_model
-from lingls.model.dspark import DSparkConfig, DSparkDrafter, save_dspark
+from lingls.model.dspark import DSparkConfig, DSparkDrafter, load_dspark, save_dspark
 
 
 @dataclass
@@ -76,7 +79,7 @@ def block_logits(drafter: DSparkDrafter, target: LingForCausalLM, feats, ids, an
     slots = torch.arange(k, device=dev)
     positions = (anchors[..., None] + slots).reshape(b, a * k)
     block_ids = torch.where(slots == 0, ids.gather(1, anchors)[..., None], drafter.config.mask_token_id)
-    x = drafter.block_input(target.model.word_embeddings, block_ids).reshape(b, a * k, -1)
+    x = target.model.word_embeddings(block_ids).reshape(b, a * k, -1)
     ctx_visible = torch.arange(s, device=dev) < anchors.reshape(b, a, 1, 1)  # [B, A, 1, S]
     ctx_visible = ctx_visible.expand(b, a, k, s).reshape(b, a * k, s)
     block_id = torch.arange(a * k, device=dev) // k
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--accept-weight", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--init", type=Path, default=None, help="start from this DSpark-layout drafter's weights")
     args = ap.parse_args(argv)
 
     target = load_model(args.target, device=args.device, dtype=torch.float32)
@@ -189,20 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     held_ids = encode_examples(tok, build_examples(corpus.heldout, 2, mix))
     windows, held = windows_from(train_ids, args.seq_len), windows_from(held_ids, args.seq_len)
     settings = DistillSettings(seq_len=args.seq_len, batch_size=args.batch_size, seconds=args.seconds,
-                               max_steps=args.max_steps, accept_weight=args.accept_weight)
-    t = target.config
-    heads = args.heads or t.num_attention_heads
-    cfg = DSparkConfig.for_target(t, block_size=args.block_size, num_hidden_layers=args.layers,
-                                  num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads,
-                                  head_dim=t.hidden_size // heads,
-                                  intermediate_size=args.intermediate or 3 * t.hidden_size,
-                                  markov_rank=args.markov_rank, confidence_head=False)
-    drafter = DSparkDrafter(cfg)
-    drafter.init_weights(generator=torch.Generator().manual_seed(0))
-    drafter.to(args.device)
+                               max_steps=args.max_steps, accept_weight=args.accept_weight, lr=args.lr,
+                               eval_every=args.eval_every)
+    if args.init is not None:
+        drafter = load_dspark(args.init, target.config, device=args.device)
+        cfg = drafter.config
+    else:
+        t = target.config
+        heads = args.heads or t.num_attention_heads
+        cfg = DSparkConfig.for_target(t, block_size=args.block_size, num_hidden_layers=args.layers,
+                                      num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads,
+                                      head_dim=t.hidden_size // heads,
+                                      intermediate_size=args.intermediate or 3 * t.hidden_size,
+                                      markov_rank=args.markov_rank, confidence_head=False)
+        drafter = DSparkDrafter(cfg)
+        drafter.init_weights(generator=torch.Generator().manual_seed(0))
+        drafter.to(args.device)
     records = train(target, drafter, windows, held, settings)
     save_dspark(drafter, args.out, dtype=torch.bfloat16)  # shipped like ling-nano: bf16
     (args.out / "distill_log.json").write_text(json.dumps({"settings": asdict(settings), "config": cfg.to_dict(),
+                                                           "init": str(args.init) if args.init else None,
                                                            "train_windows": len(windows), "heldout_windows": len(held),
                                                            "log": records}, indent=2) + "\n")
     return 0

@@ -1,0 +1,279 @@
+"""The DSpark draft round's own kernels (`lingls.model.dspark`, `speculative.DSparkRuntime`), each with its
+plain-torch reference.
+
+A round is one forward of a B-row block (B = 8) through 5 small attention layers, then B Markov-corrected
+choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `norm`'s; what is DSpark's own:
+- `block_qk_rope`: the per-head RMSNorm of q and k (q_norm, k_norm), NeoX RoPE of both, the block's keys and
+  values written into the drafter's context cache at rows pos..pos+B-1 (those rows are past every committed
+  position, so no context row is lost: the next verify rewrites them), the queries to a buffer: one launch
+  where torch took ~20.
+- `block_attend`: the B queries of every head against cache rows [0, pos + B): the context before the block
+  and the block itself, bidirectionally, the same key range for every query. A split-sequence (flash-decoding)
+  kernel: programs (kv head, key range) write partial softmax sums, a second launch merges them, so all SMs
+  stream the cache (one program per head would leave most of them idle at 8 heads).
+- `markov_choose`: one slot's choice: logits row + markov_w2 @ markov_w1[prev] over this rank's vocabulary
+  shard, reduced to the greedy token in the same launch (packed keys, last program to arrive decides; under
+  tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor
+  or the previous slot's choice), so the B choices are B launches and no host read.
+Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
+masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lingls.kernels import jit, tl, triton
+from lingls.kernels import reference as ref
+from lingls.kernels.gemv import INTERPRET, _mma, counters, sm_count
+from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+
+ATTEND_BLOCK_N = 64  # keys per tile
+MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
+_LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+# ---- q/k norm + rope + cache write ------------------------------------------------------------------------------
+@jit
+def _qk_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, q_ptr, ck_ptr, cv_ptr, s_qkv, s_cache, eps,
+                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    """Program (slot, head): head < H a query head (normed, rotated, to q), else key head head - H (normed,
+    rotated, to the cache's key row pos + slot) with its value head copied to the value row."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    i = tl.arange(0, HALF)
+    is_q = head < H
+    kv = tl.maximum(head - H, 0)
+    row = qkv_ptr + slot * s_qkv + head * D
+    x1 = tl.load(row + i).to(tl.float32)
+    x2 = tl.load(row + HALF + i).to(tl.float32)
+    r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+    w1 = tl.where(is_q, tl.load(qn_ptr + i), tl.load(kn_ptr + i)).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(qn_ptr + HALF + i), tl.load(kn_ptr + HALF + i)).to(tl.float32)
+    n1 = (x1 * r) * w1
+    n2 = (x2 * r) * w2
+    pos = tl.load(pos_ptr) + slot
+    angle = pos.to(tl.float32) * tl.load(freq_ptr + i)
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    y1 = n1 * c - n2 * s
+    y2 = n2 * c + n1 * s
+    q_row = q_ptr + (slot * H + tl.minimum(head, H - 1)) * D
+    tl.store(q_row + i, y1.to(q_ptr.dtype.element_ty), mask=is_q & (i >= 0))
+    tl.store(q_row + HALF + i, y2.to(q_ptr.dtype.element_ty), mask=is_q & (i >= 0))
+    k_row = ck_ptr + pos * s_cache + kv * D
+    is_k = (head >= H) & (i >= 0)
+    tl.store(k_row + i, y1.to(ck_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_row + HALF + i, y2.to(ck_ptr.dtype.element_ty), mask=is_k)
+    v_src = qkv_ptr + slot * s_qkv + (H + KVH + kv) * D
+    v_row = cv_ptr + pos * s_cache + kv * D
+    tl.store(v_row + i, tl.load(v_src + i, mask=is_k), mask=is_k)
+    tl.store(v_row + HALF + i, tl.load(v_src + HALF + i, mask=is_k), mask=is_k)
+
+
+def block_qk_rope_reference(qkv, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: int, kv_heads: int,
+                            eps: float) -> torch.Tensor:
+    """The definition: qkv [B, (H + 2 KVH) D] -> queries [B, H, D] (RMSNorm by q_norm, NeoX RoPE at
+    pos + slot); keys likewise by k_norm and values into cache_k / cache_v [S, KVH, D] at rows pos + slot."""
+    b = qkv.shape[0]
+    d = q_norm.shape[0]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    positions = pos + torch.arange(b, device=qkv.device)
+    ang = positions.float()[:, None] * inv_freq
+    cos, sin = ang.cos(), ang.sin()
+
+    def norm_rope(x, w, n):
+        x = x.float().unflatten(-1, (n, d))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+        return ref.apply_rope(x, cos, sin, interleave=False, heads=True)
+
+    cache_k.index_copy_(0, positions, norm_rope(k, k_norm, kv_heads).to(cache_k.dtype))
+    cache_v.index_copy_(0, positions, v.unflatten(-1, (kv_heads, d)).to(cache_v.dtype))
+    return norm_rope(q, q_norm, heads).to(qkv.dtype)
+
+
+def block_qk_rope(qkv, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: int, kv_heads: int, eps: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of `_qk_rope_kernel` (CUDA, or CPU under TRITON_INTERPRET=1); arguments as the reference.
+    cache_k / cache_v: one layer's [S, KVH, D] views with contiguous rows."""
+    b = qkv.shape[0]
+    d = q_norm.shape[0]
+    assert _pow2(d) and d >= 2 and qkv.stride(1) == 1 and cache_k.stride() == cache_v.stride()
+    assert cache_k.stride(1) == d and cache_k.stride(2) == 1
+    # heads = 0 (context rows: keys and values only) still passes a real buffer: an empty tensor's null pointer
+    q = torch.empty(b, max(heads, 1), d, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    _qk_rope_kernel[(b, heads + kv_heads)](qkv, q_norm, k_norm, inv_freq, pos, q, cache_k, cache_v, qkv.stride(0),
+                                           cache_k.stride(0), float(eps), H=heads, KVH=kv_heads, D=d, num_warps=1)
+    return q[:, :heads]
+
+
+# ---- block attention -------------------------------------------------------------------------------------------
+@jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2,
+                   B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (kv head g, split): its G query heads x B slots (row r = head_in_group * B + slot, padded to
+    ROWS >= 16 for the MMA) against keys [split * TILES * BLOCK_N, +TILES * BLOCK_N) below pos + B; the
+    partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32)."""
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    KVH: tl.constexpr = H // G
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    live = r < G * B
+    head = g * G + r // B
+    slot = r % B
+    q = tl.load(q_ptr + (slot * H + head)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    limit = tl.load(pos_ptr) + B
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for t in range(TILES):
+        n = (sp * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = n < limit
+        offs = n[:, None] * s_kv + g * D + d[None, :]
+        k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+        s = _mma(tl.zeros([ROWS, BLOCK_N], tl.float32), q, tl.trans(k), F32_DOT) * scale_log2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _mma(acc * alpha[:, None], p.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+    part = (sp * KVH + g) * ROWS
+    tl.store(po_ptr + (part + r)[:, None] * D + d[None, :], acc)
+    tl.store(pml_ptr + part * 2 + r, m_i)
+    tl.store(pml_ptr + part * 2 + ROWS + r, l_i)
+
+
+@jit
+def _merge_kernel(po_ptr, pml_ptr, o_ptr, B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  ROWS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (slot, head): the splits' partial sums merged into o [B, H * D]."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    KVH: tl.constexpr = H // G
+    g = head // G
+    r = (head % G) * B + slot
+    sp = tl.arange(0, SPLITS_PAD)
+    ok = sp < SPLITS
+    part = (sp * KVH + g) * ROWS
+    m = tl.load(pml_ptr + part * 2 + r, mask=ok, other=-1.0e30)
+    l_s = tl.load(pml_ptr + part * 2 + ROWS + r, mask=ok, other=0.0)
+    w = tl.where(ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)
+    d = tl.arange(0, D)
+    o = tl.load(po_ptr + (part + r)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(o_ptr + slot * H * D + head * D + d, o.to(o_ptr.dtype.element_ty))
+
+
+def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
+    """The definition: queries q [B, H, D] against cache rows [0, kv_len) of cache_k / cache_v [S, KVH, D], each
+    query seeing the rows below pos + B (GQA: query head h reads kv head h // (H / KVH)); softmax scale
+    1/sqrt(D). Returns [B, H * D] in q's dtype."""
+    b, h, _ = q.shape
+    kvh = cache_k.shape[1]
+    keys, vals = cache_k[:kv_len].transpose(0, 1), cache_v[:kv_len].transpose(0, 1)
+    visible = (torch.arange(kv_len, device=q.device) < pos + b).expand(b, kv_len)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys.to(q.dtype), vals.to(q.dtype),
+                                                         attn_mask=visible, enable_gqa=h != kvh)
+    return o.transpose(0, 1).flatten(-2)
+
+
+def attend_plan(kv_len: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles per split): about one program per SM over the kv heads, each a whole number of tiles."""
+    tiles = triton.cdiv(kv_len, ATTEND_BLOCK_N)
+    want = max(1, min(tiles, sm_count(device) // kv_heads))
+    per = triton.cdiv(tiles, want)
+    return triton.cdiv(tiles, per), per
+
+
+def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
+    """Two launches (`_attend_kernel`, `_merge_kernel`); arguments as the reference. kv_len: the rows the
+    program grid covers (static per captured graph), at least pos + B."""
+    b, h, d = q.shape
+    kvh = cache_k.shape[1]
+    g = h // kvh
+    assert _pow2(d) and d >= 16 and cache_k.stride() == cache_v.stride() and cache_k.stride(2) == 1
+    rows = max(16, triton.next_power_of_2(g * b))
+    splits, tiles = attend_plan(kv_len, kvh, q.device)
+    po = torch.empty(splits * kvh * rows * d, dtype=torch.float32, device=q.device)
+    pml = torch.empty(splits * kvh * 2 * rows, dtype=torch.float32, device=q.device)
+    _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d),
+                                  B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles,
+                                  F32_DOT=INTERPRET, num_warps=4)
+    o = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b, h)](po, pml, o, B=b, H=h, G=g, D=d, ROWS=rows, SPLITS=splits,
+                          SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=1)
+    return o
+
+
+# ---- Markov-corrected choice -----------------------------------------------------------------------------------
+@jit
+def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, V, offset, rank,
+                          R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
+                          RANKS: tl.constexpr):
+    """Program block: logits[blk] + markov_w2[blk] @ markov_w1[prev] (each rounded to the logits' dtype, as the
+    torch form adds them), its best packed key into part; the last program to arrive writes the token to out
+    (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`)."""
+    blk = tl.program_id(0)
+    prev = tl.load(prev_ptr)
+    k = tl.arange(0, R)
+    e = tl.load(w1_ptr + prev * R + k).to(tl.float32)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < V
+    w = tl.load(w2_ptr + offs[:, None] * R + k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    dt = logits_ptr.dtype.element_ty
+    bias = tl.sum(w * e[None, :], axis=1).to(dt).to(tl.float32)
+    x = (tl.load(logits_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias).to(dt).to(tl.float32)
+    best = tl.max(tl.where(m, _key(x, offs, 2 ** 31), _NO_KEY), axis=0)
+    tl.store(part_ptr + blk, best)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    if arrived == NB - 1:
+        j = tl.arange(0, NB_PAD)
+        keys = tl.load(part_ptr + j, mask=j < NB, other=_NO_KEY, cache_modifier=".cg")
+        key = tl.max(keys, axis=0)
+        token = _key_index(key, 2 ** 31).to(tl.int64) + offset
+        if RANKS == 1:
+            tl.store(out_ptr, token)
+        else:
+            slot = tl.arange(0, RANKS)
+            mine = slot == rank
+            tl.store(out_ptr + slot, tl.where(mine, _key_value(key), 0.0))
+            tl.store(out_ptr + RANKS + slot, tl.where(mine, token.to(tl.float32), 0.0))
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
+def markov_corrected_reference(logits_row, prev, w1, w2) -> torch.Tensor:
+    """The definition: logits_row [1, V_local] + markov_w2(markov_w1[prev]) [1, V_local], in the logits' dtype."""
+    return logits_row + (w1[prev].to(w2.dtype) @ w2.t()).to(logits_row.dtype)
+
+
+def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: torch.Tensor | None = None):
+    """One launch: the greedy token [1] int64 after the Markov correction of logits_row [1, V_local] (this
+    rank's vocabulary shard) by prev [1] (device), or, with ranks > 1, the exchange message [2, ranks, 1] fp32
+    that `runtime.sampling.argmax_shards` all-reduces and `sampling.pick_rows` decides."""
+    v = logits_row.shape[-1]
+    r = w1.shape[1]
+    assert _pow2(r) and w2.shape == (v, r) and w1.is_contiguous() and w2.is_contiguous() and logits_row.stride(-1) == 1
+    assert _pow2(ranks)
+    block = max(16, MARKOV_TILE // r)
+    nb = triton.cdiv(v, block)
+    if out is None:
+        out = torch.empty((2, ranks, 1) if ranks > 1 else (1,), dtype=torch.float32 if ranks > 1 else torch.int64,
+                          device=logits_row.device)
+    part = torch.empty(nb, dtype=torch.int64, device=logits_row.device)
+    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out, v, rank * v, rank,
+                                 R=r, BLOCK=block, NB=nb, NB_PAD=triton.next_power_of_2(nb), RANKS=ranks,
+                                 num_warps=4)
+    return out
