@@ -72,7 +72,7 @@ def test_sort_pairs_pads_each_expert_to_whole_blocks():
 @pytest.mark.parametrize("limit", [0.0, 0.5])
 def test_grouped_kernels_equal_reference(limit):
     """fp32 operands: the same function to rounding (the interpreter rounds its bf16 casts by truncation, so
-    bf16 agreement is checked on the GPU)."""
+    bf16 agreement is checked on the GPU). On a GPU, tl.dot multiplies fp32 operands as TF32 (10-bit mantissas)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     n, k, e, h, inter = 37, 3, 8, 64, 24
@@ -83,7 +83,7 @@ def test_grouped_kernels_equal_reference(limit):
     w = torch.rand(n, k, generator=g).to(dev)
     got = prefill_moe.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=16)
     want = prefill_moe.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert ((got - want).norm() / want.norm()).item() < (1e-5 if dev == "cpu" else 3e-3)
 
 
 def test_padded_step_leaves_the_states_of_the_real_tokens():
