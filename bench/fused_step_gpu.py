@@ -67,8 +67,9 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
                          fused_no_pdl_graph_ms=no_pdl_ms,
                          floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
-    # the profiles last: after a profiler session this process's graph replays run slower (the trace probe, docs/kernel-log.md),
-    # so a profile between two timings made the second one slower (T=9 4.094 against 4.013 ms, docs/kernel-log.md)
+    # the profiles last: after a profiler session this process's graph replays run slower (the trace probe,
+    # docs/kernel-log.md), so a profile between two timings made the second one slower
+    # (T=9 4.094 against 4.013 ms, docs/kernel-log.md)
     for row, (t, ids, pos, work) in zip(rows, profiled):
         with torch.inference_mode():
             row["kernels"] = kernel_profile(lambda: fused.step(ids, work, pos))
@@ -95,4 +96,5 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "fused_step.json", int(sys.argv[2]) if len(sys.argv) > 2 else 42))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "fused_step.json",
+                  int(sys.argv[2]) if len(sys.argv) > 2 else 42))

@@ -64,7 +64,8 @@ class Ctx:
 
     def check(self, name: str, ok: bool, **info):
         self.checks.append(dict(name=name, ok=bool(ok), **info))
-        print(f"  [{'ok' if ok else 'FAIL'}] {name} {' '.join(f'{k}={v:.1e}' if isinstance(v, float) else f'{k}={v}' for k, v in info.items())}")
+        details = " ".join(f"{k}={v:.1e}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+        print(f"  [{'ok' if ok else 'FAIL'}] {name} {details}")
 
 
 def rel(a, b) -> float:
@@ -100,7 +101,8 @@ def check_step(cx: Ctx, t: int, staged: bool, **kw) -> bool:
     ref_state, ref_conv = (want_stage[0], want_stage[1]) if staged else (want["state"], want["conv_state"])
     e_out, e_state = rel(out, want_out), rel(got_state, ref_state)
     conv_ok = torch.equal(got_conv.float(), ref_conv)
-    untouched = not staged or (torch.equal(run["state"], inp["state"]) and torch.equal(run["conv_state"], inp["conv_state"]))
+    untouched = not staged or (torch.equal(run["state"], inp["state"])
+                               and torch.equal(run["conv_state"], inp["conv_state"]))
     ok = e_out < 1e-2 and e_state < 1e-5 and conv_ok and untouched
     cx.check(f"kda_step T={t} {'staged' if staged else 'live'} {kw}", ok, out_err=e_out, state_err=e_state,
              conv_exact=conv_ok, live_untouched=untouched)
@@ -169,10 +171,12 @@ def check_pdl_chain(cx: Ctx, in_graph: bool) -> None:
     else:
         body()
     ref_live = {"state": steps[0]["state"].float().clone(), "conv_state": steps[0]["conv_state"].float().clone()}
-    errs = [rel(o, kda.kda_step_reference(**{**upcast(s), **ref_live}, lower_bound=LB, eps=EPS)) for s, o in zip(steps, outs)]
+    errs = [rel(o, kda.kda_step_reference(**{**upcast(s), **ref_live}, lower_bound=LB, eps=EPS))
+            for s, o in zip(steps, outs)]
     e = rel(live["state"], ref_live["state"])
     ok = max(errs) < 1e-2 and e < 1e-5 and torch.equal(live["conv_state"].float(), ref_live["conv_state"])
-    cx.check(f"pdl chain of 4 steps on one state ({'graph' if in_graph else 'eager'})", ok, out_err=max(errs), state_err=e)
+    cx.check(f"pdl chain of 4 steps on one state ({'graph' if in_graph else 'eager'})", ok, out_err=max(errs),
+             state_err=e)
 
 
 def staged_inputs(cx: Ctx, t: int) -> torch.Tensor:
@@ -316,7 +320,8 @@ def main() -> int:
             print("no GPU: run with TRITON_INTERPRET=1 ... --smoke for the checks alone")
             return 2
         cx = Ctx("cuda", h=8, d=128, hidden=2560, layers=35)
-        sweep = [dict(block_v=bv, num_warps=nw) for bv, nw in ((8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (64, 4))]
+        sweep = [dict(block_v=bv, num_warps=nw)
+                 for bv, nw in ((8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (64, 4))]
         rounds = 200
 
     print("checks")
@@ -358,16 +363,19 @@ def main() -> int:
                       triton=__import__("triton").__version__, host=platform.node(), n_sets=N_SETS,
                       shapes=dict(heads=cx.h, head_dim=cx.d, hidden=cx.hidden, layers=cx.layers))
         print(f"\ncopy {bw / 1e12:.2f} TB/s; each time is the median graph replay over {N_SETS} distinct buffer sets")
-        print(f"{'op':<36} {'T':>3} {'staged':>6} {'block_v':>7} {'warps':>5} {'pdl':>5} {'us':>8} {'floor us':>8} {'x floor':>7}")
+        print(f"{'op':<36} {'T':>3} {'staged':>6} {'block_v':>7} {'warps':>5} {'pdl':>5} {'us':>8} {'floor us':>8} "
+              f"{'x floor':>7}")
         for r in rows:
-            print(f"{r['op']:<36} {r['t']:>3} {str(r['staged']):>6} {r.get('block_v', '-'):>7} {r.get('num_warps', '-'):>5} "
-                  f"{str(r.get('pdl', '-')):>5} {r['us']:>8.2f} {r['floor_us']:>8.2f} {r['x_floor']:>7.2f}")
+            print(f"{r['op']:<36} {r['t']:>3} {str(r['staged']):>6} {r.get('block_v', '-'):>7} "
+                  f"{r.get('num_warps', '-'):>5} {str(r.get('pdl', '-')):>5} {r['us']:>8.2f} {r['floor_us']:>8.2f} "
+                  f"{r['x_floor']:>7.2f}")
         print(f"best T=1: block_v={best[1]['block_v']} warps={best[1]['num_warps']}; "
               f"best T=9: block_v={best[9]['block_v']} warps={best[9]['num_warps']}")
 
     write_result(args.out, result)
     failed = [c["name"] for c in cx.checks if not c["ok"]]
-    print(f"\n{len(cx.checks) - len(failed)}/{len(cx.checks)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
+    print(f"\n{len(cx.checks) - len(failed)}/{len(cx.checks)} checks passed"
+          + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

@@ -45,8 +45,8 @@ def main(out: str) -> int:
     print(f"mla_decode  copy {bw / 1e12:.2f} TB/s")
     print(f"{'ctx':>6} {'T':>3} {'rel err':>9} {'kernel us':>10} {'torch us':>9} {'floor us':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['ctx']:>6} {r['t']:>3} {r['rel_err']:>9.1e} {r['kernel_ms'] * 1e3:>10.1f} {r['torch_ms'] * 1e3:>9.1f} "
-              f"{r['floor_ms'] * 1e3:>9.1f} {r['ratio']:>8.2f}")
+        print(f"{r['ctx']:>6} {r['t']:>3} {r['rel_err']:>9.1e} {r['kernel_ms'] * 1e3:>10.1f} "
+              f"{r['torch_ms'] * 1e3:>9.1f} {r['floor_ms'] * 1e3:>9.1f} {r['ratio']:>8.2f}")
     return 0 if all(r["rel_err"] < 2e-2 for r in rows) else 1
 
 

@@ -69,7 +69,8 @@ def check(c, dev, log):
             res = rnd(t, n, dev=dev) if epi == "residual" else None
             out = torch.full((t, n), float("nan"), device=dev)
             G.gemv(x, w, res, epi == "swiglu", out=out)
-            errs[f"gemv {name} T={t} (fp32 out)"] = rel(out, G.gemv_reference(x.float(), w.float(), res, epi == "swiglu"))
+            errs[f"gemv {name} T={t} (fp32 out)"] = rel(out, G.gemv_reference(x.float(), w.float(), res,
+                                                                               epi == "swiglu"))
         w = moe_layer(c, dev)
         x = rnd(t, c["h"], dev=dev)
         cfg = moe_cfg(c)
@@ -159,7 +160,7 @@ def main():
 
     buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(buf)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(buf), warmup=50, rep=300, return_mode="median")
+    copy_ms = triton.testing.do_bench(lambda dst=dst, buf=buf: dst.copy_(buf), warmup=50, rep=300, return_mode="median")
     bw = 2 * buf.numel() / (copy_ms * 1e-3)  # bytes/s, read + write
     del buf, dst
     result["copy_TBps"] = bw / 1e12
@@ -218,10 +219,10 @@ def main():
         lw = rnd(c["vocab"], h, scale=h ** -0.5)
         pos, temp, seed = torch.arange(t, device=dev), torch.tensor([0.7], device=dev), torch.tensor([1], device=dev)
         nbytes = lw.numel() * 2 + t * h * 2
-        us, _ = graph_time([lambda: S.lm_head_choose(x, lw)])
-        tus, _ = graph_time([lambda: (x @ lw.t()).argmax(-1)])
+        us, _ = graph_time([lambda lw=lw: S.lm_head_choose(x, lw)])
+        tus, _ = graph_time([lambda lw=lw: (x @ lw.t()).argmax(-1)])
         row("lm_head greedy", t, us, nbytes, tus)
-        us, _ = graph_time([lambda: S.lm_head_choose(x, lw, True, pos, temp, seed)])
+        us, _ = graph_time([lambda lw=lw: S.lm_head_choose(x, lw, True, pos, temp, seed)])
         row("lm_head sample (top_p=1)", t, us, nbytes)
         del lw
     result["rows"] = rows

@@ -33,7 +33,6 @@ def run(layers: int, t: int, copy_json: str, tp: int) -> None:
     import torch
 
     from bench.common import CONTEXT
-
     from lingls.bench.step import build_flash, copy_bandwidth
     from lingls.runtime.fused_step import FusedStep
 

@@ -322,9 +322,10 @@ def main(argv: list[str]) -> int:
     for name, tl in tls.items():
         print(f"timeline of {name} (last layer of a replay): span {tl['span_us']:.1f} us")
         for k, v in tl["by_kind"].items():
-            print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f} last ready {v['last_ready_us']:6.1f}"
-                  f" last end {v['last_end_us']:6.1f} mean issue {v['mean_issue_us']:5.2f} wait"
-                  f" {v['mean_wait_us']:5.2f} after {v['mean_after_ready_us']:5.2f} us")
+            print(f"  {k:10s} n={v['count']:4d} first start {v['first_start_us']:6.1f}"
+                  f" last ready {v['last_ready_us']:6.1f} last end {v['last_end_us']:6.1f}"
+                  f" mean issue {v['mean_issue_us']:5.2f} wait {v['mean_wait_us']:5.2f}"
+                  f" after {v['mean_after_ready_us']:5.2f} us")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Batch-1 latency through the real `lingls serve`, timed by its client: one long prompt, one long generation.
 
-Starts `lingls serve --model DIR [--tp N] [--draft D [--simulate-accept A]]` on a free port, waits for /health, then per run sends one
-streaming greedy completion (stream_options.include_usage) of a prompt of --prompt-tokens tokens (random ids
-of the model's vocabulary, decoded to text; each run a fresh prompt, so no prefix is reused) asking for
+Starts `lingls serve --model DIR [--tp N] [--draft D [--simulate-accept A]]` on a free port, waits for /health, then per
+run sends one streaming greedy completion (stream_options.include_usage) of a prompt of --prompt-tokens tokens (random
+ids of the model's vocabulary, decoded to text; each run a fresh prompt, so no prefix is reused) asking for
 --new-tokens tokens, and records from the client side:
 - TTFT: request sent -> first streamed chunk,
 - TPOT: (last chunk - first chunk) / (completion tokens - 1), the completion tokens being the server's count,

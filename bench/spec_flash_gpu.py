@@ -29,10 +29,10 @@ Modes (--tp N, default 4):
   the per-rank compute of TP=N without communication (--tp 4 on one H200: 64.5 GB of weights with the MTP layer;
   --stub forces this mode).
 K runs in the order given (default 8, 4, 2: the target's K first) and a = 0..K; no new phase starts after --budget-s.
---profile adds, at a = --profile-a, for the drafters in --profile-drafters, the device time per kernel of each captured phase (the bare K+1-token step
-with its head, the draft graph, the verify graph), and the verify's parts timed as graphs of their own (the
-target forward, staged or not; the verify without the drafter's absorption of the verified rows), to name
-what a round spends beyond the bare step. Times taken after a profile in the same process run slower
+--profile adds, at a = --profile-a, for the drafters in --profile-drafters, the device time per kernel of each captured
+phase (the bare K+1-token step with its head, the draft graph, the verify graph), and the verify's parts timed as graphs
+of their own (the target forward, staged or not; the verify without the drafter's absorption of the verified rows), to
+name what a round spends beyond the bare step. Times taken after a profile in the same process run slower
 (the trace probe, docs/kernel-log.md), so compare times from runs without --profile.
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
@@ -60,8 +60,8 @@ from bench.common import kernel_rows, write_result
 from lingls.bench.step import median_ms
 from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
-from lingls.runtime.runner import ModelRunner
 from lingls.runtime.draft_vocab import DraftVocab
+from lingls.runtime.runner import ModelRunner
 from lingls.runtime.speculative import DSparkRuntime, MTPDrafter, SpecStats, Speculator
 
 LABEL = "SIMULATED acceptance (forced accept count; random weights)"
@@ -282,8 +282,9 @@ def say_profile(say, prof: dict) -> None:
             say(f"{phase}: idle {rows['idle_us_per_replay']:.0f} us in {rows['gaps_per_replay']:.0f} gaps; "
                 + "; ".join(f"{g['us']:.1f} {g['after'][:25]} > {g['before'][:25]}" for g in rows['largest'][:5]))
         else:
-            say(f"profile {phase}: " + "; ".join(f"{x['kernel'][:40]} {x['us_per_step']:.0f}us x{x['launches_per_step']:.0f}"
-                                               for x in rows[:8]))
+            say(f"profile {phase}: "
+                + "; ".join(f"{x['kernel'][:40]} {x['us_per_step']:.0f}us x{x['launches_per_step']:.0f}"
+                            for x in rows[:8]))
 
 
 def run_rank(args, par: Parallel, device: torch.device) -> dict:
@@ -452,15 +453,16 @@ def report(res: dict, args) -> None:
           f" {'TPOT ms':>8} {'loop TPOT':>10} {'speedup':>8}")
     for r in rows:
         gain = f"{plain / r['tpot_ms']:8.2f}" if plain else f"{'-':>8}"
-        print(f"{r['drafter']:>10} {r['k']:>3} {_head_name(r):>6} {r['a']:>3} {r['draft_ms']:>9.3f} {r['verify_ms']:>10.3f} {r['round_ms']:>9.3f} "
-              f"{r['tpot_ms']:>8.3f} {r['loop_tpot_ms']:>10.3f} {gain}")
+        print(f"{r['drafter']:>10} {r['k']:>3} {_head_name(r):>6} {r['a']:>3} {r['draft_ms']:>9.3f} "
+              f"{r['verify_ms']:>10.3f} {r['round_ms']:>9.3f} {r['tpot_ms']:>8.3f} {r['loop_tpot_ms']:>10.3f} {gain}")
     if plain:
         print(f"plain decode step (no speculation): {plain:.3f} ms/token (speedup = this / TPOT)")
     for k, ms in res["target_step_ms"].items():
         print(f"plain target step of K+1={k + 1} tokens (no drafter, no commit): {ms:.3f} ms")
     for hit in (r for r in rows if r["k"] == TARGET["k"] and r["a"] == TARGET["a"]):
-        print(f"{hit['drafter']} K={TARGET['k']}, a={TARGET['a']}, {_head_name(hit)} draft head: TPOT {hit['tpot_ms']:.3f} ms here "
-              f"({res['mode']}); target <= {TARGET['tpot_ms']} ms for the {TARGET['what']}")
+        print(f"{hit['drafter']} K={TARGET['k']}, a={TARGET['a']}, {_head_name(hit)} draft head: "
+              f"TPOT {hit['tpot_ms']:.3f} ms here ({res['mode']}); target <= {TARGET['tpot_ms']} ms "
+              f"for the {TARGET['what']}")
     for d, ms in res.get("draft_round_ms", {}).items():
         print(f"{d} draft round (median over its rows): {ms:.3f} ms; target <= {res['draft_round_target_ms']} ms "
               f"on one TP=4 rank: {'met' if ms <= res['draft_round_target_ms'] else 'NOT met'} ({res['mode']})")
@@ -528,8 +530,9 @@ def plot(res: dict, path: Path) -> None:
 
 
 def _rank_main(rank: int, size: int, port: int, args) -> None:
-    from lingls.runtime.distributed import make_parallel, set_safe_env
     import torch.distributed as dist
+
+    from lingls.runtime.distributed import make_parallel, set_safe_env
 
     set_safe_env()
     cuda = not args.tiny

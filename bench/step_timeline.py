@@ -164,7 +164,8 @@ def main(out: str, layers: int, tp: int) -> int:
             a = analyse(traced_kernels(replay, REPS))
             # a trace need not describe the replay it timed: with a profiler session active, replays run at about
             # the no-PDL time (T=1 1.42 -> 1.95 ms, T=9 4.18 -> 4.66, same output bits) while the trace spans 1.42
-            # and ~3.04 ms (the trace probe, docs/kernel-log.md). A trace off its replay is flagged, its shares not to be read
+            # and ~3.04 ms (the trace probe, docs/kernel-log.md). A trace off its replay is flagged, its shares not
+            # to be read
             a["trace_matches_graph"] = abs(a["traced_step_us"] / (graph_ms * 1e3) - 1) < 0.1
             result["rows"].append(dict(T=t, policy=policy, early_kinds=sorted(kinds), graph_ms=graph_ms, **a))
             report(t, policy, graph_ms, a)

@@ -40,7 +40,6 @@ import torch.multiprocessing as mp
 
 from bench.common import write_result
 
-
 HIDDEN = 2560
 N_PER_GRAPH = 200
 CONTEXT = 8192
@@ -245,7 +244,6 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
     """NCCL first, for T = 1 and 9; then the peer all-reduce (set up only now, and only if phase coll found it
     correct), so a peer path that breaks the CUDA context cannot take the NCCL numbers with it."""
     from bench.common import floor_bytes, graphed, routed_experts
-
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
     from lingls.runtime.fused_step import FusedStep
     from lingls.runtime.peer_allreduce import PeerAllReduce

@@ -133,7 +133,8 @@ def tune_mla(model, t: int) -> list[dict]:
         try:
             got = mla.mla_decode_triton(q_lat, q_rope, caches[0][:CONTEXT], pos, 0.07, w_vs[0], gate, **knobs).float()
             err = ((got - want).norm() / want.norm()).item()
-            us = graph_us([lambda c=c, w=w: mla.mla_decode_triton(q_lat, q_rope, c[:CONTEXT], pos, 0.07, w, gate, **knobs)
+            us = graph_us([lambda c=c, w=w: mla.mla_decode_triton(q_lat, q_rope, c[:CONTEXT], pos, 0.07, w, gate,
+                                                                   **knobs)
                            for c, w in zip(caches, w_vs)], len(caches))
             rows.append(dict(T=t, **knobs, us=us, rel_err=err))
         except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or run is reported, not fatal

@@ -15,7 +15,8 @@ from lingls import __version__
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="model directory (default: the embedded ling-nano)")
-    p.add_argument("--device", default=None, help="torch device for an in-process model (default: cuda if present, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="torch device for an in-process model (default: cuda if present, else cpu)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--tcp", action="store_true", help="run the language server on a TCP port")
     parser.add_argument("--host", default="127.0.0.1", help="--tcp: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=2087, help="--tcp: port (default 2087)")
-    parser.add_argument("--endpoint", metavar="URL", help="use a remote /v1/completions server instead of an in-process model")
+    parser.add_argument("--endpoint", metavar="URL",
+                        help="use a remote /v1/completions server instead of an in-process model")
     parser.add_argument("--log-file", metavar="PATH", help="write the server log to this file")
     _add_model_args(parser)
 
@@ -45,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speculative drafter: none, mtp, lookup, a drafter directory (a DSpark checkpoint such "
                             "as Ling-3.0-flash-DSpark), or lookup+DRAFTER")
     serve.add_argument("--draft-k", type=int, default=None,
-                       help="drafted tokens per round (default: a DSpark drafter's block size; else 2 on CPU, 4 on GPU)")
+                       help="drafted tokens per round (default: a DSpark drafter's block size; "
+                            "else 2 on CPU, 4 on GPU)")
     serve.add_argument("--draft-vocab", metavar="FILE", default=None,
                        help="the MTP drafter's head scores only these token ids (a JSON list, most frequent first; "
                             "make one with `lingls draft-vocab`): less to read per drafted token")
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bench.add_argument("what", choices=["step", "prefix", "lsp", "spec", "remote"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see lingls bench WHAT --help)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER,
+                       help="options of that benchmark (see lingls bench WHAT --help)")
     return parser
 
 

@@ -39,7 +39,8 @@ A DSpark drafter for speculative decoding (`lingls serve --draft lingls/assets/l
 Ling-3.0-flash-DSpark layout: {cfg['num_hidden_layers']} attention layers of width {cfg['hidden_size']} that read
 ling-nano's residual stream after layers {dflash['target_layer_ids']} and draft a block of {cfg['block_size']}
 tokens in one forward (anchor token + mask tokens), through ling-nano's own embedding and lm_head, plus a
-rank-{dflash['markov_rank']} Markov bias from the previous token. Distilled from the frozen ling-nano by `python -m training.draft.distill` for
+rank-{dflash['markov_rank']} Markov bias from the previous token. Distilled from the frozen ling-nano by \
+`python -m training.draft.distill` for
 {last['seconds']:.0f} s ({last['step']} steps of {st['batch_size']} windows of {st['seq_len']} tokens,
 {st['anchors']} blocks each) on the same training files. Loss = KL(ling-nano || drafter) per block slot
 - {st['accept_weight']} x the expected accepted length / K, where the expected length sums, over the slots, the
@@ -77,7 +78,8 @@ says how it compares with two simple baselines. It is no substitute for a real L
 | file | what |
 |---|---|
 | config.json | official Ling-3.0 config keys (`LingConfig.from_json`) |
-| model.safetensors | bf16 weights ({_mb(report['weights_bytes'])}), official tensor names, MTP layer at `model.layers.{cfg['num_hidden_layers']}` |
+| model.safetensors | bf16 weights ({_mb(report['weights_bytes'])}), official tensor names, MTP layer at \
+`model.layers.{cfg['num_hidden_layers']}` |
 | tokenizer.json, tokenizer_config.json | byte-level BPE, {cfg['vocab_size']} tokens; the config names the FIM tokens |
 | generation_config.json | greedy; any special token ends a completion |
 | training_curve.png | the training curve below |
@@ -85,7 +87,8 @@ says how it compares with two simple baselines. It is no substitute for a real L
 ## Architecture
 hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers ({layers}), {cfg['num_attention_heads']} heads,
 KDA head size {cfg['head_dim']}, MLA kv_lora_rank {cfg['kv_lora_rank']} (nope {cfg['qk_nope_head_dim']} + rope
-{cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}), dense MLP {cfg['intermediate_size']}, MoE {cfg['num_experts']} experts
+{cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}), dense MLP {cfg['intermediate_size']}, \
+MoE {cfg['num_experts']} experts
 of width {cfg['moe_intermediate_size']} + {cfg['num_shared_experts']} shared, top-{cfg['num_experts_per_tok']} with
 grouped routing ({cfg['n_group']} groups, top {cfg['topk_group']}), sigmoid router with expert bias, one MTP layer
 (MLA + MoE), untied lm_head, vocab {cfg['vocab_size']}, trained context {s['seq_len']} tokens.
@@ -93,7 +96,8 @@ grouped routing ({cfg['n_group']} groups, top {cfg['topk_group']}), sigmoid rout
 
 ## Prompt format
 Special tokens: {specials}.
-- PSM: `<|fim_prefix|>{{prefix}}<|fim_suffix|>{{suffix}}<|fim_middle|>` -> the model writes the middle, then `<|endoftext|>`.
+- PSM: `<|fim_prefix|>{{prefix}}<|fim_suffix|>{{suffix}}<|fim_middle|>` -> the model writes the middle, \
+then `<|endoftext|>`.
 - SPM (also trained): `<|fim_suffix|>{{suffix}}<|fim_prefix|>{{prefix}}<|fim_middle|>`.
 - Context from other files may precede either: `<|file_sep|>{{path}}\\n{{text}}\\n` per file, then
   `<|file_sep|>{{current path}}\\n` (the layout lingls.lsp.prompt builds).
@@ -115,12 +119,15 @@ run from a cursor to the end of a line or a few lines, a quarter end inside the 
 punctuation or at a later column, the rest are random spans), a quarter are plain text.
 
 ## Training
-On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['steps']} steps of {s['batch_size']} x {s['seq_len']}
+On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['steps']} steps of \
+{s['batch_size']} x {s['seq_len']}
 tokens, {tr['train_tokens'] / 1e6:.0f}M tokens ({tr['epochs_over_data']} passes over the examples) in
-{tr['train_seconds']:.0f} s ({tr['tokens_per_second']:,} tokens/s, {tr['model_flops_per_token'] / 1e6:.0f} MFLOP of model work per
+{tr['train_seconds']:.0f} s ({tr['tokens_per_second']:,} tokens/s, \
+{tr['model_flops_per_token'] / 1e6:.0f} MFLOP of model work per
 token: {_mfu(tr)} model FLOPs utilisation); stopped by {tr['stopped_by']}. AdamW (betas 0.9/0.95,
 weight decay {s['weight_decay']}), peak learning rate {s['lr']}, linear warm-up over {s['warmup']:.0%} of the run then
-cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
+cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), \
+gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
 {s['mtp_weight']} x MTP cross-entropy (token after next). MoE balance without an auxiliary loss: after each step every
 expert's selection bias moves by {s['bias_rate']} towards the mean load. Whole reproduce run (data, tokenizer,
 training, evaluation; the sum of its stages): {report['timings_seconds']['total']:.0f} s.
@@ -146,8 +153,10 @@ first newline; then, for every predictor, lingls' own one-line post-processing (
 that repeats the text after the cursor dropped). lingls prompts it the way that scored best here over all cases:
 **{MODE_NAMES[ev['lingls_mode']]}** (`completion_prompt` in tokenizer_config.json). `shipped before` is the
 ling-nano this one replaces, prompted as its card said, on the same cases (its training data held out files,
-not packages, so some of these packages' files were in its training set: the comparison favours it). Baselines: the previous non-blank line
-(minus what was typed), and a token n-gram model counted over the same training token stream (greedy with backoff and token
+not packages, so some of these packages' files were in its training set: the comparison favours it). \
+Baselines: the previous non-blank line
+(minus what was typed), and a token n-gram model counted over the same training token stream \
+(greedy with backoff and token
 healing; the best order on these cases is shown). Exact match compares after stripping trailing whitespace; edit
 similarity is rapidfuzz's normalised Indel similarity.
 

@@ -50,7 +50,8 @@ class Case:
     target: str
 
 
-def make_cases(files, per_kind: int, seed: int, max_line_chars: int = 120, fim_per_kind: int | None = None) -> list[Case]:
+def make_cases(files, per_kind: int, seed: int, max_line_chars: int = 120,
+               fim_per_kind: int | None = None) -> list[Case]:
     """`per_kind` next-line cases of each kind and `fim_per_kind` (default: the same) of each suffix-aware kind,
     sampled (seeded) from the non-blank code lines of the files."""
     rng = random.Random(seed)

@@ -26,7 +26,8 @@ def package_licenses(packages: list[str]) -> dict[str, dict]:
     for key in packages:
         root, _, top = key.partition(":")
         if root == "stdlib":
-            out[key] = {"distribution": "Python standard library", "license": "PSF-2.0 (Python Software Foundation License)"}
+            out[key] = {"distribution": "Python standard library",
+                        "license": "PSF-2.0 (Python Software Foundation License)"}
             continue
         names = dists.get(top, [])
         # several distributions can ship a module of the same name: prefer the one named like it

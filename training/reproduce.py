@@ -26,8 +26,17 @@ from lingls.model import LingConfig, load_model, save_checkpoint
 from training import card, plots
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.data import collect, package_bytes, write_manifest
-from training.evaluate import (MODE_NAMES, PROMPT_MODES, ModelCompleter, case_record, make_cases, newline_token_ids,
-                               postprocess, score, summary_table)
+from training.evaluate import (
+    MODE_NAMES,
+    PROMPT_MODES,
+    ModelCompleter,
+    case_record,
+    make_cases,
+    newline_token_ids,
+    postprocess,
+    score,
+    summary_table,
+)
 from training.fim import FimMix, build_examples, encode_examples
 from training.licenses import package_licenses
 from training.ngram import NGramModel
@@ -76,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", type=Path, default=SHIPPED,
                     help="a model evaluated on the same cases, prompted as its tokenizer_config says (default: "
                          "the shipped ling-nano, read before this run replaces anything)")
-    ap.add_argument("--heldout-windows", type=int, default=None, help="cap on held-out windows for the loss (default: all)")
+    ap.add_argument("--heldout-windows", type=int, default=None,
+                    help="cap on held-out windows for the loss (default: all)")
     ap.add_argument("--seed", type=int, default=TrainSettings.seed)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eval-only", action="store_true",
@@ -210,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "weights_bytes": weights_bytes,
         "data": {**corpus.stats, "training_stream_tokens": stream.numel(),
                  "heldout_tokens": heldout_stream.numel(), "bytes_per_token_heldout":
-                     round(sum(len(f.text) for f in corpus.heldout) / max(1, heldout_stream.numel() - len(corpus.heldout)), 3)},
+                     round(sum(len(f.text) for f in corpus.heldout)
+                           / max(1, heldout_stream.numel() - len(corpus.heldout)), 3)},
         "training": summary,
         "heldout": {"loss_nats_per_token": round(held_loss, 4), "mtp_loss_nats_per_token": round(held_mtp, 4),
                     "windows": len(held_windows), "seq_len": settings.seq_len,
@@ -218,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         "evaluation": {"cases_per_kind": args.cases_per_kind, "fim_cases_per_kind": args.fim_cases_per_kind,
                        "results": results, "degenerate": degenerate,
                        "ngram_by_order": {str(o): s for o, (s, _) in ngram_scores.items()},
-                       "model_eval_seconds": model_seconds, "lingls_mode": lingls_mode, "max_new_tokens": args.max_new_tokens,
+                       "model_eval_seconds": model_seconds, "lingls_mode": lingls_mode,
+                       "max_new_tokens": args.max_new_tokens,
                        "prompt": "last 768 prefix tokens (the last one healed), first 256 suffix tokens; "
                                  "greedy, cut at the first newline, then lingls' one-line post-processing"},
         "timings_seconds": timings,

@@ -201,8 +201,8 @@ async def run(a: argparse.Namespace) -> dict:
     engine_ms = [t["engine_ms"] for t in timings]
     handler = [t["total_ms"] - t["engine_ms"] - t["debounce_ms"] for t in timings]
     # The LSP's overhead per keystroke, measured in the server: from reading the first bytes of the keystroke's
-    # didChange to handing the serialized answer to the OS (the write call), minus the time spent inside the engine's stream
-    # (and the debounce, when one is set).
+    # didChange to handing the serialized answer to the OS (the write call), minus the time spent inside the engine's
+    # stream (and the debounce, when one is set).
     overhead = [(t["t_write"] - _keystroke_start(t, s)) * 1000 - t["engine_ms"] - t["debounce_ms"]
                 for t, s in zip(timings, sent_at)]
     # The same seen from the client (what the editor sees): adds both pipe hops and the OS waking each side.

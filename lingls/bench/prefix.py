@@ -154,7 +154,8 @@ def model_latency(a) -> int:
         if a.threads:
             os.environ["LINGLS_THREADS"] = str(a.threads)
         window = tok.decode(context)
-        engine = engine_ms(model_dir, device, [window] + [window + line.strip()[:k] for k in range(1, a.keystrokes + 1)])
+        engine = engine_ms(model_dir, device,
+                           [window] + [window + line.strip()[:k] for k in range(1, a.keystrokes + 1)])
     load_after = os.getloadavg()
     result = {"bench": "prefix", "mode": "model", "model": str(model_dir), "device": device,
               "step": "cpu_step" if lean else "model", "torch": torch.__version__,

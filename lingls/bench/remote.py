@@ -97,7 +97,7 @@ async def run(a: argparse.Namespace, endpoint: str) -> dict:
                         first[name].append(pair[name][0])
                         total[name].append(pair[name][1])
                     hop_first.append(pair["remote"][0] - pair["local"][0])
-        hop_empty = [r - l for r, l in zip(empty["remote"], empty["local"])]
+        hop_empty = [remote_t - local_t for remote_t, local_t in zip(empty["remote"], empty["local"])]
         return {
             "config": {"file": a.file, "prompts": a.prompts, "rounds": a.rounds, "max_tokens": a.max_tokens,
                        "endpoint": endpoint, "model": local.name, "threads": 1},

@@ -3,9 +3,9 @@
 Cases: files held out from ling-nano's training, cut at a line start at 60% of the file. Their names come from
 `--heldout`, the training run's data manifest (default: bench/results/nano_data_manifest.json of the current
 directory, a checkout of the repository); the files are read from this interpreter's standard library and
-site-packages where present. The prompt is the last `--prompt-tokens` tokens before the cut, and the model continues greedily for
-`--max-new` tokens. For every drafter the same cases run on a fresh runner; the output must equal plain greedy
-decoding (checked), so only speed differs.
+site-packages where present. The prompt is the last `--prompt-tokens` tokens before the cut, and the model continues
+greedily for `--max-new` tokens. For every drafter the same cases run on a fresh runner; the output must equal plain
+greedy decoding (checked), so only speed differs.
 
 Accept length = tokens per verify step (accepted drafts + the target's own token). TPOT = decode wall time /
 tokens, the prefill excluded. Draft and verify times are per round.

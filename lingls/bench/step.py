@@ -175,11 +175,11 @@ def peers(layers: int, prompt_len: int = 512, new: int = 64) -> dict:
         torch.set_default_dtype(torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
 
-    def gen(n):
+    def gen(n, model=hf):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -188,7 +188,7 @@ def peers(layers: int, prompt_len: int = 512, new: int = 64) -> dict:
     tn = min(gen(new + 1) for _ in range(2))
     out["transformers_tpot_ms"] = (tn - t1) / new * 1e3
     print(f"transformers {layers} layers: {out['transformers_tpot_ms']:.3f} ms/token", flush=True)
-    del hf
+    del gen, hf  # gen holds the model too
     torch.cuda.empty_cache()
     return out
 
@@ -317,7 +317,7 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n")
     if a.plot:
         plot(result, out.with_suffix(".png"))
-    print(f"\n| T | step ms (graph) | floor ms | ratio |\n|---|---|---|---|")
+    print("\n| T | step ms (graph) | floor ms | ratio |\n|---|---|---|---|")
     for r in result["steps"]:
         print(f"| {r['T']} | {r['graph_ms']:.3f} | {r['floor_ms']:.3f} | {r['ratio']:.2f} |")
     s1 = result["steps"][0]

@@ -272,9 +272,11 @@ def fused_kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, no
         if x is not None and x.shape != (t, width):
             raise ValueError(f"{name} must be [T, {width}] = [{t}, {width}], got {tuple(x.shape)}")
     if c != h * d or state.shape != (h, d, d) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state must be contiguous fp32 [H, D, D] with H*D = C = {c}, got {tuple(state.shape)} {state.dtype}")
+        raise ValueError(f"state must be contiguous fp32 [H, D, D] with H*D = C = {c}, "
+                         f"got {tuple(state.shape)} {state.dtype}")
     if conv_weight.shape != (3, c, CONV_KERNEL) or conv_state.shape != (3, c, CONV_KERNEL - 1):
-        raise ValueError(f"conv_weight must be [3, C, 4] and conv_state [3, C, 3], got {tuple(conv_weight.shape)}, {tuple(conv_state.shape)}")
+        raise ValueError(f"conv_weight must be [3, C, 4] and conv_state [3, C, 3], "
+                         f"got {tuple(conv_weight.shape)}, {tuple(conv_state.shape)}")
     if not (conv_weight.is_contiguous() and conv_state.is_contiguous()):
         raise ValueError("conv_weight and conv_state must be contiguous")
     if norm_weight is not None and z is None:

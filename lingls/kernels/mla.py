@@ -123,7 +123,8 @@ if triton is not None:
             c = tl.load(kv_ptr + t * skv + r, mask=rm, other=0.0)
             cf = c.to(tl.float32)
             y = (cf * tl.rsqrt(tl.sum(cf * cf, 0) / R + eps)).to(c.dtype).to(tl.float32)  # as norm.py rounds
-            tl.store(row + r, (tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32) * y).to(cache_ptr.dtype.element_ty),
+            tl.store(row + r,
+                     (tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32) * y).to(cache_ptr.dtype.element_ty),
                      mask=rm)
             i = tl.arange(0, HALF_PAD)
             im = i < HALF
@@ -142,9 +143,10 @@ if triton is not None:
             tl.store(out + HALF, b.to(qr_ptr.dtype.element_ty), mask=hm)
 
     @jit
-    def _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R: tl.constexpr, P: tl.constexpr,
+    def _attend_block(ql, qr, cache, b, n_rows, pos, m, wsum, acc, r, p, scale, R: tl.constexpr, P: tl.constexpr,
                       BN: tl.constexpr, F32_DOT: tl.constexpr):
-        """The online softmax over cache rows [b*BN, (b+1)*BN): the tile's running max m, sum l and output acc."""
+        """The online softmax over cache rows [b*BN, (b+1)*BN): the tile's running max m, weight sum wsum and
+        output acc."""
         j = b * BN + tl.arange(0, BN)
         j_ok = j < n_rows
         c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
@@ -156,9 +158,9 @@ if triton is not None:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         w = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(w, axis=1)
+        wsum = wsum * alpha + tl.sum(w, axis=1)
         acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
-        return m_new, l, acc
+        return m_new, wsum, acc
 
     @jit
     def _mla_split_kernel(q_lat, q_rope, cache, positions, row_ptr, part_acc, part_ml, scale, T, H: tl.constexpr,
@@ -189,22 +191,24 @@ if triton is not None:
         ql = tl.load(q_lat + src[:, None] * R + r[None, :], mask=ok[:, None], other=0.0)
         qr = tl.load(q_rope + src[:, None] * P + p[None, :], mask=ok[:, None], other=0.0)
         m = tl.full([BT], float("-inf"), tl.float32)
-        l = tl.zeros([BT], tl.float32)
+        wsum = tl.zeros([BT], tl.float32)
         acc = tl.zeros([BT, R], tl.float32)
         first = split * per_split
         end = tl.minimum((split + 1) * per_split, n_blocks)
         if COUNTED:
             for b in range(first, end):
-                m, l, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R, P, BN, F32_DOT)
+                m, wsum, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, wsum, acc, r, p, scale, R, P, BN,
+                                             F32_DOT)
         else:
             b = first
             while b < end:
-                m, l, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, l, acc, r, p, scale, R, P, BN, F32_DOT)
+                m, wsum, acc = _attend_block(ql, qr, cache, b, n_rows, pos, m, wsum, acc, r, p, scale, R, P, BN,
+                                             F32_DOT)
                 b += 1
         base = split * T * H + row  # partials [split, T, H]: only the tile's real rows are written
         tl.store(part_acc + base[:, None] * R + r[None, :], acc, mask=ok[:, None])
         tl.store(part_ml + base * 2, m, mask=ok)
-        tl.store(part_ml + base * 2 + 1, l, mask=ok)
+        tl.store(part_ml + base * 2 + 1, wsum, mask=ok)
 
     @jit
     def _mla_merge_kernel(part_acc, part_ml, out, wv_ptr, g_ptr, row_ptr, part_o, cnt_ptr, T, swv_h, swv_v, sg,
@@ -226,10 +230,10 @@ if triton is not None:
         s = tl.arange(0, NUM_SPLITS)
         base = s * T * H + row
         m = tl.load(part_ml + base * 2)
-        l = tl.load(part_ml + base * 2 + 1)
+        wsum = tl.load(part_ml + base * 2 + 1)
         m_all = tl.max(m, axis=0)
         wgt = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
-        denom = tl.sum(l * wgt, axis=0)
+        denom = tl.sum(wsum * wgt, axis=0)
         acc = tl.load(part_acc + base[:, None] * R + r[None, :])
         o = tl.sum(acc * wgt[:, None], axis=0) / denom
         if ABSORB:

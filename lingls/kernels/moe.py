@@ -51,9 +51,19 @@ import torch
 
 from lingls.kernels import by_width_and_tokens, jit, tl, triton
 from lingls.kernels import reference as ref
+from lingls.kernels.gemv import (
+    INTERPRET,
+    MAX_T,
+    _accumulate,
+    _fma_rows,
+    _load_tiles,
+    _load_w,
+    _mma,
+    _rows_after_wait,
+    _swiglu,
+    counters,
+)
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
-from lingls.kernels.gemv import (INTERPRET, MAX_T, _accumulate, _fma_rows, _load_tiles, _load_w, _mma,
-                                 _rows_after_wait, _swiglu, counters)
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
 
@@ -237,7 +247,7 @@ def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, 
 
 @jit
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
-                    T, H, E, I, I_S, K_PER, limit, shared_limit,
+                    T, H, E, INTER, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
                     SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
                     EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
@@ -271,9 +281,9 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
             tl.store(owned_ptr + d, e)
     if e >= 0:
         shared = e == E
-        inter = tl.where(shared, I_S, I)
+        inter = tl.where(shared, I_S, INTER)
         if ib * BLOCK_I < inter:
-            base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * I * H))
+            base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * INTER * H))
             rt = tl.arange(0, 16)
             ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
@@ -329,7 +339,7 @@ def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter,
 
 @jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                 T, H, E, I, I_S, D_MAX,
+                 T, H, E, INTER, I_S, D_MAX,
                  D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
                  FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr,
@@ -365,7 +375,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
             d = sd + slot * SPLIT_D
             e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
             for c in tl.static_range(I_CHUNKS):
-                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, I,
+                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, INTER,
                                                    I_S),)
         wait_previous(USE_PDL)
         for it in tl.static_range(D_PER * I_CHUNKS):
@@ -374,7 +384,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
                                          (it % I_CHUNKS) * BLOCK_I + ri, rt, T, I_PAD, FMA, F32_DOT)
     else:
         e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
-        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S)
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S)
         wait_previous(USE_PDL)
         rs = tl.arange(0, D_PER_PAD)
         slots = sd + rs * SPLIT_D
@@ -386,7 +396,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
             d = sd + (it // I_CHUNKS) * SPLIT_D
             rc = (it % I_CHUNKS) * BLOCK_I + ri
             e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
-            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, I, I_S)
+            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, INTER, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
@@ -407,13 +417,13 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
 
 
 @jit
-def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, I, I_S):
+def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S):
     """Expert e's (-1: none) down rows rh at columns ri [BLOCK_H, BLOCK_I] and the tokens' weights for it [16]
     (the shared expert weighs 1), and its width."""
     live = e >= 0
     shared = e == E
-    inter = tl.where(shared, I_S, I)
-    base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * I))
+    inter = tl.where(shared, I_S, INTER)
+    base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * INTER))
     wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter),
                  other=0.0)
     w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0, cache_modifier=".cg")

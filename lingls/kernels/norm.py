@@ -70,7 +70,8 @@ def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool =
     if weight.shape != (n,):
         raise ValueError(f"weight must be [{n}], got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must match x ({tuple(x.shape)} {x.dtype}), got {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(f"residual must match x ({tuple(x.shape)} {x.dtype}), "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
     if out is None:
         out = torch.empty(t, n, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     r = residual if residual is not None else x

@@ -94,8 +94,10 @@ class LayerShape:
         return 5 * self.channels + self.heads
 
     def __post_init__(self):
-        if self.head_dim % self.proj_rows or self.head_dim % self.kda_bv or self.hidden % self.block_k or self.channels % self.block_k:
-            raise ValueError("proj_rows and kda_bv must divide head_dim, block_k must divide hidden and heads * head_dim")
+        if (self.head_dim % self.proj_rows or self.head_dim % self.kda_bv or self.hidden % self.block_k
+                or self.channels % self.block_k):
+            raise ValueError("proj_rows and kda_bv must divide head_dim, block_k must divide hidden and "
+                             "heads * head_dim")
         for name in ("hidden", "head_dim", "inter", "shared_inter"):
             if getattr(self, name) % getattr(self, "gu_rows" if "inter" in name else "proj_rows"):
                 raise ValueError(f"{name} must be a multiple of its tile rows")
@@ -227,7 +229,8 @@ class Schedule:
 
 def _counters(shape: LayerShape) -> dict:
     nh = shape.heads
-    names = [f"head{h}" for h in range(nh)] + ["beta", "kda", "attn", "router", "route", "act", "out", "x", "x2", "done", "epoch"]
+    names = [f"head{h}" for h in range(nh)] + ["beta", "kda", "attn", "router", "route", "act", "out", "x", "x2",
+                                               "done", "epoch"]
     return {n: i for i, n in enumerate(names)}
 
 
@@ -557,7 +560,7 @@ def _gemv_task(w_ptr, out_ptr, h_ptr, a_ptr, nw_ptr, cnt_ptr, stamp_ptr, tile, i
 
 @_jit
 def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cnt_ptr, stamp_ptr, tile, idx, c0, n0,
-                  c1, n1, gen, H, I, I_S, eps, limit, shared_limit, SHARED: tl.constexpr, ROWS: tl.constexpr,
+                  c1, n1, gen, H, INTER, I_S, eps, limit, shared_limit, SHARED: tl.constexpr, ROWS: tl.constexpr,
                   I_PAD: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, TIMELINE: tl.constexpr):
     """SHARED_GU (rows of the shared expert, requested before the wait) or EXPERT_GU (rows of routed slot j,
     requested once the routing is known): SwiGLU of gate and up rows into the slot's activations (bf16, as the
@@ -577,10 +580,10 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
         if NORM:
             rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
     else:
-        n_blk = I // ROWS
+        n_blk = INTER // ROWS
         j = tile // n_blk
         slot = 1 + j
-        inter = I
+        inter = INTER
         lim = limit
         r = (tile % n_blk) * ROWS + tl.arange(0, ROWS)
         _wait(cnt_ptr, c0, n0, gen)  # the attention output or its norm: a norm goes ahead of the routing
@@ -589,7 +592,7 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
             rms = _row_rms(h_ptr, a_ptr, H, eps, True, BLOCK_K)
         _wait(cnt_ptr, c1, n1, gen)
         e = tl.load(topk_i_ptr + j, cache_modifier=".cg").to(tl.int64)
-        base = gu_ptr + e * (2 * I * H)
+        base = gu_ptr + e * (2 * INTER * H)
         g_tiles = _load_rows(base, r, inter, H, BLOCK_K)
         u_tiles = _load_rows(base + inter * H, r, inter, H, BLOCK_K)
         _stamp(stamp_ptr, idx, 1, TIMELINE)
@@ -736,7 +739,7 @@ def _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, st
 
 @_jit
 def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h1_ptr, out_ptr, cnt_ptr, stamp_ptr,
-               tile, idx, c0, n0, c1, n1, gen, H, I, I_S, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+               tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                I_PAD: tl.constexpr, H1_READY: tl.constexpr, TIMELINE: tl.constexpr):
     """Hidden rows tile*ROWS..: the shared expert's down rows (requested first), the routed experts' once the
     routing is known, then the weighted sum over the activations, plus both residual adds (h + a, then + moe)."""
@@ -748,8 +751,8 @@ def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h
     routed = ()
     for j in tl.static_range(TOP_K):
         e = tl.load(topk_i_ptr + j, cache_modifier=".cg").to(tl.int64)
-        routed = routed + (tl.load(dn_ptr + e * H * I + rh[:, None] * I + ri[None, :],
-                                   mask=hm[:, None] & (ri[None, :] < I), other=0.0),)
+        routed = routed + (tl.load(dn_ptr + e * H * INTER + rh[:, None] * INTER + ri[None, :],
+                                   mask=hm[:, None] & (ri[None, :] < INTER), other=0.0),)
     _stamp(stamp_ptr, idx, 1, TIMELINE)
     _wait(cnt_ptr, c1, n1, gen)
     _stamp(stamp_ptr, idx, 2, TIMELINE)
@@ -763,7 +766,8 @@ def _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h
         h1 = tl.load(h1_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg")
     else:
         h1 = (tl.load(h_ptr + rh, mask=hm, other=0.0).to(tl.float32)
-              + tl.load(a_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)).to(out_ptr.dtype.element_ty)
+              + tl.load(a_ptr + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
+              ).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rh, (h1.to(tl.float32) + m.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=hm)
 
 
@@ -782,7 +786,7 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
                   router_ptr, bias_ptr, gu_ptr, dn_ptr, sgu_ptr, sdn_ptr, state_ptr, conv_ptr,
                   p_ptr, o_ptr, a_ptr, logit_ptr, wt_ptr, topk_w_ptr, topk_i_ptr, act_ptr, x_ptr, h1_ptr, x2_ptr,
                   eps, q_scale, lower_bound, scale, limit, shared_limit,
-                  H: tl.constexpr, NH: tl.constexpr, D: tl.constexpr, E: tl.constexpr, I: tl.constexpr,
+                  H: tl.constexpr, NH: tl.constexpr, D: tl.constexpr, E: tl.constexpr, INTER: tl.constexpr,
                   I_S: tl.constexpr, I_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   G: tl.constexpr, G_PAD: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, PROJ_ROWS: tl.constexpr, OPROJ_ROWS: tl.constexpr,
@@ -824,28 +828,28 @@ def _layer_kernel(tasks_ptr, cnt_ptr, stamp_ptr, h_ptr, out_ptr,
             elif kind == 5:  # SHARED_GU
                 if NORM_TASKS:
                     _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, x2_ptr, a_ptr, post_norm_ptr, cnt_ptr,
-                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, True,
-                                  GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, eps, limit, shared_limit,
+                                  True, GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
                 else:
                     _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr,
-                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, True,
-                                  GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, eps, limit, shared_limit,
+                                  True, GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
             elif kind == 6:  # ROUTE
                 _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen,
                             E, scale, TOP_K, K_PAD, G, G_PAD, E // G, EPG_PAD, E_PAD, TOPK_GROUP, TIMELINE)
             elif kind == 7:  # EXPERT_GU
                 if NORM_TASKS:
                     _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, x2_ptr, a_ptr, post_norm_ptr, cnt_ptr,
-                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, False,
-                                  GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, eps, limit, shared_limit,
+                                  False, GU_ROWS, I_PAD, BLOCK_K, False, TIMELINE)
                 else:
                     _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, post_norm_ptr, cnt_ptr,
-                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, eps, limit, shared_limit, False,
-                                  GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
+                                  stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, eps, limit, shared_limit,
+                                  False, GU_ROWS, I_PAD, BLOCK_K, True, TIMELINE)
             elif kind == 8:  # DOWN
                 _down_task(dn_ptr, sdn_ptr, topk_w_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, h1_ptr, out_ptr, cnt_ptr,
-                           stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, I, I_S, DOWN_ROWS, TOP_K, I_PAD, NORM_TASKS,
-                           TIMELINE)
+                           stamp_ptr, tile, idx, c0, n0, c1, n1, gen, H, INTER, I_S, DOWN_ROWS, TOP_K, I_PAD,
+                           NORM_TASKS, TIMELINE)
             elif kind == 9:  # NORM
                 if tile == 0:
                     _norm_task(h_ptr, h_ptr, in_norm_ptr, h1_ptr, x_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen, H, eps,
@@ -925,9 +929,10 @@ def launch(h, out, w: LayerWeights, state, conv_state, schedule: Schedule, ws: W
         w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down, state, conv_state,
         ws.p, ws.o, ws.a, ws.logits, ws.wt, ws.topk_w, ws.topk_i, ws.act, ws.x, ws.h1, ws.x2,
         float(s.eps), s.head_dim ** -0.5, float(s.lower_bound), float(s.scale), float(s.limit), float(s.shared_limit),
-        H=s.hidden, NH=s.heads, D=s.head_dim, E=s.experts, I=s.inter, I_S=s.shared_inter, I_PAD=i_pad, TOP_K=s.top_k,
-        K_PAD=triton.next_power_of_2(s.top_k), G=s.n_group, G_PAD=triton.next_power_of_2(s.n_group),
-        EPG_PAD=triton.next_power_of_2(s.experts // s.n_group), E_PAD=triton.next_power_of_2(s.experts), TOPK_GROUP=s.topk_group, PROJ_ROWS=s.proj_rows, OPROJ_ROWS=s.oproj_rows,
+        H=s.hidden, NH=s.heads, D=s.head_dim, E=s.experts, INTER=s.inter, I_S=s.shared_inter, I_PAD=i_pad,
+        TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), G=s.n_group, G_PAD=triton.next_power_of_2(s.n_group),
+        EPG_PAD=triton.next_power_of_2(s.experts // s.n_group), E_PAD=triton.next_power_of_2(s.experts),
+        TOPK_GROUP=s.topk_group, PROJ_ROWS=s.proj_rows, OPROJ_ROWS=s.oproj_rows,
         ROUTER_ROWS=s.router_rows, GU_ROWS=s.gu_rows, DOWN_ROWS=s.down_rows, BLOCK_K=s.block_k,
         KDA_BV=s.kda_bv, MAX_TASKS=schedule.max_tasks, P=schedule.programs, EPOCH=schedule.epoch, DONE=schedule.done,
         NORM_TASKS=schedule.norm_tasks, H_PAD=triton.next_power_of_2(s.hidden),

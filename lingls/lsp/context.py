@@ -1,7 +1,7 @@
 """Ring buffer of text chunks from other open or recently edited documents, for the prompt's extra context.
 
-A chunk is a window of lines (64 by default) around where the user opened or last asked for a completion in a document. A
-new chunk from the same document that overlaps an older one replaces it (so the ring follows the edits
+A chunk is a window of lines (64 by default) around where the user opened or last asked for a completion in a document.
+A new chunk from the same document that overlaps an older one replaces it (so the ring follows the edits
 instead of filling up with near-copies); the oldest chunk leaves when the ring is full.
 """
 

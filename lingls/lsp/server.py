@@ -17,8 +17,13 @@ from functools import partial
 from typing import Any
 
 from lsprotocol import types as lsp
-from pygls.exceptions import (JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
-                              JsonRpcServerNotInitialized)
+from pygls.exceptions import (
+    JsonRpcException,
+    JsonRpcInvalidParams,
+    JsonRpcInvalidRequest,
+    JsonRpcParseError,
+    JsonRpcServerNotInitialized,
+)
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
@@ -241,7 +246,8 @@ def _changes(raw: Any) -> list | None:
             out.append((c["text"], None, None))
             continue
         r = c["range"]
-        if type(r) is not dict or (start := _position(r.get("start"))) is None or (end := _position(r.get("end"))) is None:
+        if (type(r) is not dict or (start := _position(r.get("start"))) is None
+                or (end := _position(r.get("end"))) is None):
             return None
         out.append((c["text"], start, end))
     return out
@@ -428,7 +434,8 @@ class _Framer(asyncio.Protocol):
                 continue
             if cut is not None and cut.start() < stop:
                 body, stop = bytes(buf[start : cut.start()]), cut.start()
-                error = f"Content-Length {length} does not frame the message: the next one starts after {len(body)} bytes"
+                error = (f"Content-Length {length} does not frame the message: "
+                         f"the next one starts after {len(body)} bytes")
             elif len(buf) < stop:
                 self._scanned = max(start, len(buf) - 64)
                 self._stall = asyncio.get_running_loop().call_later(BODY_STALL_S, self._stalled, start, length)

@@ -278,8 +278,8 @@ class LingConfig:
             if per_group < 2:
                 raise ConfigError(f"n_group: groups of {per_group} expert(s); group scores need at least 2")
             if self.num_experts_per_tok > self.topk_group * per_group:
-                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} > the {self.topk_group * per_group} "
-                                  "experts in the kept groups")
+                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} > "
+                                  f"the {self.topk_group * per_group} experts in the kept groups")
         for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
             limits = getattr(self, key)
             if limits is not None:

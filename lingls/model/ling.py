@@ -128,8 +128,8 @@ class KimiDeltaAttention(nn.Module):
         qkv, new_conv = [], []
         end = None if valid is None else valid.sum()
         for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1), None if conv_state is None else conv_state[:, i],
-                                         end)
+            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1),
+                                         None if conv_state is None else conv_state[:, i], end)
             qkv.append(y.view(b, t, self.heads, self.d))
             new_conv.append(cs)
         q, k, v = qkv
@@ -186,7 +186,8 @@ class GatedMLA(nn.Module):
         super().__init__()
         self.heads = par.split(cfg.num_attention_heads, "num_attention_heads")
         hid = cfg.hidden_size
-        self.nope, self.rope, self.vdim, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.vdim, self.rank = cfg.v_head_dim, cfg.kv_lora_rank
         qdim = self.heads * cfg.qk_head_dim
         if cfg.q_lora_rank:
             self.q_a_proj = _linear(hid, cfg.q_lora_rank)
@@ -284,7 +285,8 @@ class GatedMLA(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float = 0.0):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.gate_proj, self.up_proj = _linear(hidden, inter), _linear(hidden, inter)
+        self.down_proj = _linear(inter, hidden)
         self.limit = limit
 
     def forward(self, x):
@@ -371,8 +373,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: LingConfig, par: Parallel, layer: int):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg, par.split(cfg.moe_intermediate_size, "moe_intermediate_size"), cfg.expert_limit(layer))
-        self.shared_experts = SwiGLU(cfg.hidden_size, par.split(cfg.shared_intermediate, "shared expert intermediate size"),
+        self.experts = Experts(cfg, par.split(cfg.moe_intermediate_size, "moe_intermediate_size"),
+                               cfg.expert_limit(layer))
+        self.shared_experts = SwiGLU(cfg.hidden_size,
+                                     par.split(cfg.shared_intermediate, "shared expert intermediate size"),
                                      cfg.shared_limit(layer)) if cfg.num_shared_experts else None
 
     def forward(self, x):
@@ -490,7 +494,8 @@ class LingForCausalLM(nn.Module):
         n_kda, n_mla = len(self.kda_slot), len(self.mla_slot)
         return InferenceState(
             kda=torch.zeros(n_kda, heads, cfg.head_dim, cfg.head_dim, device=device, dtype=torch.float32),
-            conv=torch.zeros(n_kda, 3, heads * cfg.head_dim, cfg.short_conv_kernel_size - 1, device=device, dtype=dtype),
+            conv=torch.zeros(n_kda, 3, heads * cfg.head_dim, cfg.short_conv_kernel_size - 1, device=device,
+                             dtype=dtype),
             latent=torch.zeros(n_mla, capacity, cfg.latent_dim, device=device, dtype=dtype),
         )
 

@@ -118,7 +118,8 @@ class CheckpointReader:
 
     def _put(self, name: str, source: tuple) -> None:
         if name in self.sources:
-            raise CheckpointError(f"tensor {name} appears twice in {self.path} (as {self.sources[name][1]} and {source[1]})")
+            raise CheckpointError(f"tensor {name} appears twice in {self.path} "
+                                  f"(as {self.sources[name][1]} and {source[1]})")
         self.sources[name] = source
 
     def shape(self, name: str) -> list[int]:
@@ -204,7 +205,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                               "(does config.json match the checkpoint?)")
     for name, shape in expected.items():
         if list(shape) != reader.shape(name):
-            raise CheckpointError(f"{path}: tensor {name} has shape {reader.shape(name)}, config.json implies {list(shape)}")
+            raise CheckpointError(f"{path}: tensor {name} has shape {reader.shape(name)}, "
+                                  f"config.json implies {list(shape)}")
 
     model = model.to_empty(device=device)
     full_params = dict(full.named_parameters())

@@ -30,7 +30,8 @@ class CacheStats:
 
 
 class PrefixCache:
-    def __init__(self, state: InferenceState, max_snapshots: int = 24, every: int = 512, tail: tuple[int, ...] = (1, 8)):
+    def __init__(self, state: InferenceState, max_snapshots: int = 24, every: int = 512,
+                 tail: tuple[int, ...] = (1, 8)):
         self.state = state
         self.tokens: list[int] = []  # the tokens `state` has consumed, in order
         self.every, self.tail = every, tail

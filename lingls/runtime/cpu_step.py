@@ -36,8 +36,15 @@ import torch.nn.functional as F
 
 from lingls.kernels import reference as ref
 from lingls.model.config import KDA
-from lingls.model.ling import (CHUNKED_KDA_MIN_TOKENS, GatedMLA, InferenceState, KimiDeltaAttention,
-                               LingForCausalLM, MoE, SwiGLU)
+from lingls.model.ling import (
+    CHUNKED_KDA_MIN_TOKENS,
+    GatedMLA,
+    InferenceState,
+    KimiDeltaAttention,
+    LingForCausalLM,
+    MoE,
+    SwiGLU,
+)
 
 # up to this many tokens the model's step runs its recurrent KDA form, token by token, as this step does; from
 # CHUNKED_KDA_MIN_TOKENS on it runs the chunked form, and longer inputs go to it

@@ -77,8 +77,9 @@ class FusedStep:
         self.ops = _Ops(device.type == "cuda" if kernels is None else kernels, pdl)
         self.layers = [self._prepare(layer) for layer in model.decoder_layers]
         self.mtp = [self._prepare(layer) for layer in model.mtp_layers]  # the drafter's MTP layers, same kernels
-        self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group, topk_group=self.cfg.topk_group,
-                            normalize=self.cfg.norm_topk_prob, scale=self.cfg.routed_scaling_factor)
+        self.moe_cfg = dict(top_k=self.cfg.num_experts_per_tok, n_group=self.cfg.n_group,
+                            topk_group=self.cfg.topk_group, normalize=self.cfg.norm_topk_prob,
+                            scale=self.cfg.routed_scaling_factor)
 
     def _prepare(self, layer) -> dict:
         """A layer's weights in the layouts the kernels read (views of the model's own, see the module note)."""
@@ -98,8 +99,8 @@ class FusedStep:
             sgu = _fuse_rows([shared.gate_proj, shared.up_proj]) if shared is not None else None
             weights = self.ops.prepare_moe(mlp.gate.weight.detach(), mlp.gate.expert_bias.detach(),
                                            mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach())
-            entry["moe"] = weights._replace(shared_gate_up=sgu,
-                                            shared_down=shared.down_proj.weight.detach() if shared is not None else None)
+            shared_down = shared.down_proj.weight.detach() if shared is not None else None
+            entry["moe"] = weights._replace(shared_gate_up=sgu, shared_down=shared_down)
         elif isinstance(mlp, SwiGLU):
             entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
         return entry
@@ -181,7 +182,7 @@ class FusedStep:
         first input norm x; with `only` (one MLA layer: the MTP layer's), past the cache writes only row `only`
         goes on. Returns (the stream, the kept layers' streams, its norm by `final_norm` or None); with
         `final_norm` the last residual add and that norm are one launch (in the PDL chain, unlike a torch add)."""
-        ops, model = self.ops, self.model
+        model = self.model
         kv_len = state.capacity if kv_len is None else kv_len
         kept = {}
         # rope frequencies (one width and theta per model; computed once per device, outside any graph capture)

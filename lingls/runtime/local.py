@@ -231,7 +231,8 @@ class LocalEngine:
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
             if device == "cpu":
                 torch.set_num_threads(cpu_threads())
-            dtype = getattr(torch, self.dtype) if self.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            dtype = (getattr(torch, self.dtype) if self.dtype
+                     else torch.bfloat16 if device.startswith("cuda") else torch.float32)
             t0 = time.perf_counter()
             def progress(done: int, total: int) -> None:
                 self.load_progress = (f"loading weights from {self.model_dir} to {device}: "
@@ -311,7 +312,8 @@ class LocalEngine:
         room = runner.capacity - 1 - max_new
         if len(ids) > room:  # keep the end of the prompt: it is what the completion continues
             if room < 1:
-                raise EngineError(f"max_tokens={max_new} leaves no room for a prompt in the context of {runner.capacity}")
+                raise EngineError(f"max_tokens={max_new} leaves no room for a prompt in the context of "
+                                  f"{runner.capacity}")
             log.info("prompt of %d tokens truncated to its last %d", len(ids), room)
             ids = ids[-room:]
             self.stats.extra["truncated"] += 1

@@ -14,8 +14,8 @@ How:
   mappings live in the context whose kernels use them. (The first version rebuilt torch's shared CUDA tensors,
   which maps them in the peer device's context; its kernel faulted on its first access on 2 x H200, with or
   without peer access enabled; the context is the likely cause, not yet confirmed: bench/peer_probe.py tests
-  the new mapping step by step.) The runtime is called through ctypes on the libcudart torch loaded; the own buffer becomes a tensor
-  through DLPack.
+  the new mapping step by step.) The runtime is called through ctypes on the libcudart torch loaded; the own buffer
+  becomes a tensor through DLPack.
 - The kernel runs `cdiv(n, BLOCK)` programs; program p owns elements [p*BLOCK, (p+1)*BLOCK) and talks to
   program p of the peers only, through flag (p, src): no grid-wide barrier is needed.
 - Program p's epoch lives in device memory (`epochs[p]`) and the kernel advances it, so the op needs nothing

@@ -66,8 +66,8 @@ def parse_fim(value: str | None) -> FimTemplate | str | None:
         return value
     tokens = [t.strip() for t in value.split(",")]
     if len(tokens) < 3 or len(tokens) > 5 or not all(tokens):
-        raise EngineError(f"fim setting {value!r}: expected auto, none, suffix or PREFIX,SUFFIX,MIDDLE[,FILE_SEP[,EOS]] "
-                          "tokens (see the model's tokenizer_config.json)")
+        raise EngineError(f"fim setting {value!r}: expected auto, none, suffix or "
+                          "PREFIX,SUFFIX,MIDDLE[,FILE_SEP[,EOS]] tokens (see the model's tokenizer_config.json)")
     file_sep = tokens[3] if len(tokens) > 3 else None
     eos = (tokens[4],) if len(tokens) > 4 else FimTemplate().eos
     return FimTemplate(tokens[0], tokens[1], tokens[2], file_sep, eos)
@@ -282,7 +282,8 @@ class RemoteEngine:
             try:
                 event = json.loads(data)
             except ValueError:
-                raise EngineError(f"the completion server at {self.base} sent a malformed event: {data[:80]!r}") from None
+                raise EngineError(f"the completion server at {self.base} sent a malformed event: "
+                                  f"{data[:80]!r}") from None
             text, done = self._event(event)
             if text:
                 self.stats.generated_tokens += 1
@@ -393,7 +394,8 @@ class RemoteEngine:
 
 def _fim_from(info) -> FimTemplate | None:
     """A FimTemplate from a /v1/models entry's `fim` object, if it is a complete one."""
-    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) and info[k] for k in ("prefix", "suffix", "middle")):
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) and info[k]
+                                             for k in ("prefix", "suffix", "middle")):
         return None
     eos = info.get("eos")
     eos = tuple(e for e in eos if isinstance(e, str)) if isinstance(eos, list) else FimTemplate().eos

@@ -385,13 +385,13 @@ class ModelRunner:
         cache, fence = self.cache, self.fence
         try:
             for j in range(max_new):
-                if j:
-                    self.run_step(1, self.bucket(position + 1), greedy)  # consumes token j - 1, chooses token j
-                    cache.tokens.append(token)
-                    position += 1
-                    fence.post(j % 2, self.out[:1])
                 (token,) = fence.read(j % 2)
                 yield token
+                if j + 1 < max_new:  # token j + 1 is asked for: the step that consumes token j chooses it
+                    self.run_step(1, self.bucket(position + 1), greedy)
+                    cache.tokens.append(token)
+                    position += 1
+                    fence.post((j + 1) % 2, self.out[:1])
         except GeneratorExit:  # closed by the consumer: the state matches cache.tokens
             raise
         except BaseException:

@@ -153,9 +153,11 @@ class Server:
                 ("lingls_spec_rounds_total", "Speculative rounds (one target verify step each).", st.rounds),
                 ("lingls_spec_drafted_tokens_total", "Tokens drafted.", st.drafted),
                 ("lingls_spec_accepted_tokens_total", "Drafted tokens accepted by the target.", st.accepted),
-                ("lingls_spec_round_tokens_total", "Tokens produced by speculative rounds (accepted + one each).", st.tokens),
+                ("lingls_spec_round_tokens_total", "Tokens produced by speculative rounds (accepted + one each).",
+                 st.tokens),
                 ("lingls_spec_draft_seconds_total", "Time spent drafting.", round(st.draft_s, 6)),
-                ("lingls_spec_verify_seconds_total", "Time spent in target verify steps (with commit).", round(st.verify_s, 6)),
+                ("lingls_spec_verify_seconds_total", "Time spent in target verify steps (with commit).",
+                 round(st.verify_s, 6)),
             ]
         lines = []
         for name, help, value in counters:
@@ -255,7 +257,8 @@ class Server:
         for key, neutral in _UNSUPPORTED.items():
             value = body.get(key)
             if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
-                raise RequestError(f"{key}: {json.dumps(value)[:40]} is not supported (only {json.dumps(neutral)})", key)
+                raise RequestError(f"{key}: {json.dumps(value)[:40]} is not supported "
+                                   f"(only {json.dumps(neutral)})", key)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

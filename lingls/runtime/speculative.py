@@ -22,9 +22,10 @@ On CUDA each phase (draft, verify) is captured once per (KV bucket, greedy) as a
 Drafters share one small interface (`Drafter`): MTP (the checkpoint's next-token-prediction layer chained K
 times), prompt lookup (the longest recent n-gram match in the prompt and the text generated so far, found on
 the device), the DSpark block drafter (`lingls.model.dspark`: the published Ling-3.0-flash-DSpark layout, which
-ling-nano's shipped drafter also uses; `DSparkRuntime`), and `Fallback(lookup, model drafter)`. `--draft` strings: none, mtp, lookup, a drafter directory, or several joined by '+' (the first
-that has a draft wins: lookup when it matches, else the model drafter). K, the drafts per round, defaults to a
-block drafter's block size (the verify window is K+1 tokens).
+ling-nano's shipped drafter also uses; `DSparkRuntime`), and `Fallback(lookup, model drafter)`. `--draft` strings: none,
+mtp, lookup, a drafter directory, or several joined by '+' (the first that has a draft wins: lookup when it matches,
+else the model drafter). K, the drafts per round, defaults to a block drafter's block size (the verify window is K+1
+tokens).
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ class MTPDrafter(Drafter):
     def prefill(self, h, feats, ids, positions, start):
         rows_h, rows_pos, rows_next = h[:-1], positions[:-1], ids[1:]
         if self.last_at == start - 1:  # the previous step's last row waited for this step's first token
-            rows_h, rows_pos, rows_next = torch.cat([self.h_last, rows_h]), torch.cat([positions[:1] - 1, rows_pos]), ids
+            rows_h, rows_pos, rows_next = (torch.cat([self.h_last, rows_h]), torch.cat([positions[:1] - 1, rows_pos]),
+                                           ids)
         if rows_h.shape[0]:
             self.mtp_step(rows_h, rows_next, self.state, rows_pos, kv_len=start + ids.shape[0])
         self.h_last.copy_(h[-1:])
@@ -290,8 +292,8 @@ class DSparkRuntime(Drafter):
         if kernels is None:
             kernels = dev.type == "cuda" and triton is not None
         self.ops = _DSparkOps(kernels)
-        self.qkv = [_fuse_rows([a.q_proj, a.k_proj, a.v_proj]) for a in (l.self_attn for l in drafter.layers)]
-        self.gate_up = [_fuse_rows([l.mlp.gate_proj, l.mlp.up_proj]) for l in drafter.layers]
+        self.qkv = [_fuse_rows([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in drafter.layers)]
+        self.gate_up = [_fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in drafter.layers]
         self.markov_w1 = drafter.markov_head.markov_w1.weight.detach()
         self.markov_w2 = drafter.markov_head.markov_w2.weight.detach()
 

@@ -10,10 +10,9 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from lingls.kernels import gemv as G
 from tests.kernels.conftest import rel  # noqa: E402
 from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
-
-from lingls.kernels import gemv as G
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

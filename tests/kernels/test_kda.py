@@ -15,9 +15,8 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
-from tests.kernels.conftest import rel  # noqa: E402
-
 from lingls.kernels import by_width_and_tokens, kda
+from tests.kernels.conftest import rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LB = -5.0

@@ -5,10 +5,9 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
-from tests.kernels.conftest import rel  # noqa: E402
-
 from lingls.kernels import mla as M
 from lingls.kernels.mla import heads_per_program, mla_decode_reference, mla_decode_triton
+from tests.kernels.conftest import rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

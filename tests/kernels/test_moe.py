@@ -12,10 +12,9 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
+from lingls.kernels import moe as M
 from tests.kernels.conftest import rel  # noqa: E402
 from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
-
-from lingls.kernels import moe as M
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,7 +28,8 @@ def make(gen, h, e, i, i_s, tied_router=False):
     if tied_router:  # every score 0.5 and only four bias values: exact ties everywhere
         router = torch.zeros_like(router)
         bias = (bias * 20).round().clamp(-2, 1) / 10
-    shared = (r(i_s, h, scale=h ** -0.5), r(i_s, h, scale=h ** -0.5), r(h, i_s, scale=i_s ** -0.5)) if i_s else (None,) * 3
+    shared = ((r(i_s, h, scale=h ** -0.5), r(i_s, h, scale=h ** -0.5), r(h, i_s, scale=i_s ** -0.5)) if i_s
+              else (None,) * 3)
     return M.prepare_moe_weights(router, bias, r(e, 2 * i, h, scale=h ** -0.5), r(e, h, i, scale=i ** -0.5), *shared)
 
 
@@ -69,7 +69,8 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
     assert rel(out, want) < 1e-2
 
 
-@pytest.mark.parametrize("t,knobs", [(9, dict(split_d=1, block_h=32)), (9, dict(split_d=3, router_split=2, router_block_e=8)),
+@pytest.mark.parametrize("t,knobs", [(9, dict(split_d=1, block_h=32)),
+                                     (9, dict(split_d=3, router_split=2, router_block_e=8)),
                                      (9, dict(split_d=64, block_i=32, router_warps=4)),
                                      (9, dict(route_warps=2, split_d=2)),
                                      (1, dict(route_warps=1, router_warps=8)),
@@ -140,7 +141,7 @@ def test_kernels_compile_for_h200():
                   shared_limit="fp32"),
                   dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
                        EARLY_SHARED=True, DEDUP=not fma, TOP_K=8, D_PAD=128),
-                  4, True, divisible=("H", "E", "I", "I_S", "K_PER"))
+                  4, True, divisible=("H", "E", "INTER", "I_S", "K_PER"))
         down = dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32", owned_ptr="*i32",
                     wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
         for d_per, fma in ((1, True), (10, False)):
@@ -148,11 +149,11 @@ def test_kernels_compile_for_h200():
                   dict(D_PER=d_per, D_PER_PAD=triton.next_power_of_2(d_per), SPLIT_D=8, BLOCK_H=64,
                        BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3, I_PAD=256, HAS_RES=False, FMA=fma,
                        AHEAD=False, DEDUP=not fma, USE_PDL=True, F32_DOT=False),
-                  8 if fma else 4, True, divisible=("H", "E", "I", "I_S"))
+                  8 if fma else 4, True, divisible=("H", "E", "INTER", "I_S"))
         build(moe._down_kernel, down,  # one token, all 9 slots' tiles before the wait (the TP=4 settings)
               dict(D_PER=9, D_PER_PAD=16, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False,
                    FMA=True, AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False), 4, True,
-              divisible=("H", "E", "I", "I_S"))
+              divisible=("H", "E", "INTER", "I_S"))
     """)
     assert len(lines) == 9, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers

@@ -5,9 +5,8 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
 
-from tests.kernels.conftest import rel  # noqa: E402
-
 from lingls.kernels import norm
+from tests.kernels.conftest import rel  # noqa: E402
 
 from .test_kda import compile_for_sm90
 
@@ -93,8 +92,8 @@ def test_embed_rms_norm_is_the_lookup_and_the_norm_launch(t, n, dtype, poisoned)
 def test_mtp_input_refuses_mixed_dtypes():
     w = torch.ones(8)
     with pytest.raises(ValueError, match="one dtype"):
-        norm.fused_mtp_input(torch.zeros(1, dtype=torch.long), torch.zeros(4, 8), torch.zeros(1, 8, dtype=torch.bfloat16),
-                             w, w, w, 1e-6)
+        norm.fused_mtp_input(torch.zeros(1, dtype=torch.long), torch.zeros(4, 8),
+                             torch.zeros(1, 8, dtype=torch.bfloat16), w, w, w, 1e-6)
 
 
 def test_dispatch_off_gpu_is_the_reference():

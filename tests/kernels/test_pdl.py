@@ -4,9 +4,8 @@ import pytest
 
 pytest.importorskip("triton")  # GPU-only dependency: the PTX check compiles for sm_90 without a GPU
 
-from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
-
 from lingls.kernels import pdl  # noqa: E402
+from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
 
 
 def test_policy_triggers_early_only_where_it_is_safe_and_measured(monkeypatch):

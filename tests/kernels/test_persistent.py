@@ -11,7 +11,8 @@ from lingls.kernels import persistent as pk
 from tests.kernels.conftest import rel
 
 TINY = pk.LayerShape(hidden=64, heads=2, head_dim=16, experts=16, inter=8, shared_inter=8, top_k=4, n_group=4,
-                     topk_group=2, proj_rows=8, oproj_rows=16, router_rows=8, gu_rows=4, down_rows=16, block_k=32, kda_bv=8)
+                     topk_group=2, proj_rows=8, oproj_rows=16, router_rows=8, gu_rows=4, down_rows=16, block_k=32,
+                     kda_bv=8)
 
 
 @pytest.mark.parametrize("shape,programs,norm_tasks", [(pk.LayerShape(), 132, True)] + [

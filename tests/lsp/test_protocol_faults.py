@@ -135,7 +135,8 @@ async def test_a_batch_is_answered_with_an_error_per_request():
         raw.send_bytes(request(13))
         answer, before = await raw.until_answered(13)
         assert "result" in answer
-        assert sorted((m["id"], m["error"]["code"]) for m in before if "error" in m) == [(11, INVALID_REQUEST), (12, INVALID_REQUEST)]
+        errors = sorted((m["id"], m["error"]["code"]) for m in before if "error" in m)
+        assert errors == [(11, INVALID_REQUEST), (12, INVALID_REQUEST)]
     finally:
         await raw.close()
 

@@ -8,8 +8,8 @@ import pytest
 from lsprotocol import types as lsp
 from pygls.exceptions import JsonRpcRequestCancelled
 
-from lsp_harness import URI, complete, eventually, open_doc, params, serve, stats, type_text
 from lingls.lsp.positions import index_to_column
+from lsp_harness import URI, complete, eventually, open_doc, params, serve, stats, type_text
 
 ADD = "def add(a, b):\n    "
 

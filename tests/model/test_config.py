@@ -33,7 +33,8 @@ def test_tiny_has_query_lora_and_no_mtp():
 def test_transformers_spelling_is_read():
     raw = {"model_type": "bailing_hybrid", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
            "num_attention_heads": 2, "head_dim": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 3,
-           "num_local_experts": 8, "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "moe_renormalize": False,
+           "num_local_experts": 8, "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1,
+           "moe_renormalize": False,
            "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
            "qk_rope_head_dim": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
            "transformers_version": "5.23.0", "dtype": "float32"}

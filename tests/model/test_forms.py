@@ -25,9 +25,10 @@ def build(seed=0, **over):
     return model.eval()
 
 
-@pytest.mark.parametrize("over", [{}, {"q_lora_rank": 12}, {"num_hidden_layers": 6, "layer_group_size": 3,
-                                                             "expert_swiglu_limit_list": [0, 0, 0.5, 0.5, 0.5, 0.5],
-                                                             "share_expert_swiglu_limit_list": [0, 0, 0.3, 0.3, 0.3, 0.3]}])
+@pytest.mark.parametrize("over", [{}, {"q_lora_rank": 12},
+                                  {"num_hidden_layers": 6, "layer_group_size": 3,
+                                   "expert_swiglu_limit_list": [0, 0, 0.5, 0.5, 0.5, 0.5],
+                                   "share_expert_swiglu_limit_list": [0, 0, 0.3, 0.3, 0.3, 0.3]}])
 def test_prefill_then_steps_equal_full_forward(over):
     model = build(1, **over)
     ids = torch.randint(0, 96, (160,), generator=torch.Generator().manual_seed(3))
@@ -152,7 +153,9 @@ def test_mtp_layer_matches_its_definition():
     got = model.mtp_logits(h[:, :-1], ids[:, 1:])
     mtp = model.model.layers[model.n_layers]
     emb = model.model.word_embeddings(ids[0, 1:])
-    x = mtp.eh_proj(torch.cat([ref.rms_norm(emb, mtp.enorm.weight, 1e-6), ref.rms_norm(ref.rms_norm(h[0, :-1], model.model.norm.weight, 1e-6), mtp.hnorm.weight, 1e-6)], -1))
+    x = mtp.eh_proj(torch.cat([ref.rms_norm(emb, mtp.enorm.weight, 1e-6),
+                               ref.rms_norm(ref.rms_norm(h[0, :-1], model.model.norm.weight, 1e-6), mtp.hnorm.weight,
+                                            1e-6)], -1))
     x = x + plain_mla(mtp.attention, ref.rms_norm(x, mtp.input_layernorm.weight, 1e-6), torch.arange(29))
     y = ref.rms_norm(x, mtp.post_attention_layernorm.weight, 1e-6)
     w, idx = ref.route_grouped_topk(F.linear(y, mtp.mlp.gate.weight), mtp.mlp.gate.expert_bias, 2, 2, 1, True, 2.5)

@@ -26,7 +26,8 @@ def _rank(rank: int, size: int, rendezvous: str, ckpt: str, out: str) -> None:
         full = model.logits(ids)
         state = model.new_state(capacity=48)
         steps = [par.all_gather_last(model.head(model.step(ids[:30], state, torch.arange(30))))]
-        steps += [par.all_gather_last(model.head(model.step(ids[i:i + 1], state, torch.arange(i, i + 1)))) for i in range(30, 40)]
+        steps += [par.all_gather_last(model.head(model.step(ids[i:i + 1], state, torch.arange(i, i + 1))))
+                  for i in range(30, 40)]
     if rank == 0:
         torch.save({"full": full, "steps": torch.cat(steps)}, out)
     dist.barrier()  # no rank tears its connections down while another still reads from them

@@ -19,7 +19,8 @@ from .harness import ENV, REPO
 
 PROMPTS = [  # (prefix, suffix)
     ("def add(a, b):\n    return", "\n"),
-    ("import os\n\n\ndef read_file(path):\n    with open(path) as f:\n        return ", "\n\n\ndef main():\n    pass\n"),
+    ("import os\n\n\ndef read_file(path):\n    with open(path) as f:\n        return ",
+     "\n\n\ndef main():\n    pass\n"),
     ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = ", "\n"),
     ("for i in range(10):\n    print(", ")\n"),
 ]

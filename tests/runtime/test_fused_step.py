@@ -71,7 +71,8 @@ def test_step_returns_the_heads_input(model, kernels):
 def test_fusing_rows_keeps_one_copy_of_each_weight(model):
     FusedStep(model, kernels=False)
     attn = model.model.layers[0].attention
-    assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    q = attn.q_proj.weight
+    assert attn.k_proj.weight.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
 
 
 def test_prefill_sized_inputs_are_refused(model):

@@ -121,7 +121,8 @@ def test_fused_add_norm_falls_back_where_the_buffer_cannot_take_it():
 def test_float32_in_place_is_exact_and_parities_alternate():
     ranks = simulated_ranks(2)
     layout = ranks[0].layout
-    received = ranks[0].buffer[layout.flag_bytes:layout.channel_bytes].view(torch.float32).view(2, 2, -1)  # [parity, slot, elems]
+    # [parity, slot, elems]
+    received = ranks[0].buffer[layout.flag_bytes:layout.channel_bytes].view(torch.float32).view(2, 2, -1)
     for call in range(4):
         xs = [torch.randn(5, 1000) for _ in range(2)]  # 5000 elements: the last program is partial
         partial1, want = xs[1].flatten().clone(), xs[0] + xs[1]

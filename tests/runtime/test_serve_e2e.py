@@ -10,7 +10,6 @@ from lingls.model.random_checkpoint import write_weightless_checkpoint
 from tests.model.conftest import small_config
 
 
-
 @pytest.mark.parametrize("tp,draft,accept", [(1, "none", None), (2, "mtp", 1)])
 def test_end_to_end_latency_through_lingls_serve(tmp_path, tp, draft, accept):
     """Plain at TP=1; at TP=2 the MTP drafter on both ranks with SIMULATED acceptance (1 of 2 drafts a round)."""

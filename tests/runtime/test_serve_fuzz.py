@@ -5,8 +5,9 @@ pieces or never finished) mixed with random valid small requests, over raw socke
 
 Every bad request must get a 4xx with an OpenAI-style JSON error body (never a 5xx, a dropped connection or a
 traceback in the server's log), every valid one a completion, each within HANG_S; the server must answer
-/health, prompts holding lone surrogates (valid JSON escapes, served as U+FFFD) and a completion afterwards, and exit cleanly on SIGTERM. Hypothesis draws the cases derandomized (the
-same cases every run). Run with -s to see the counts."""
+/health, prompts holding lone surrogates (valid JSON escapes, served as U+FFFD) and a completion afterwards, and exit
+cleanly on SIGTERM. Hypothesis draws the cases derandomized (the same cases every run). Run with -s to see the
+counts."""
 
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ def exchange(port: int, method: str, path: str, body: bytes, content_type: str |
 
 # ---- the cases ------------------------------------------------------------------------------------------------
 short_text = st.text(st.characters(codec="utf-8", categories=("L", "N", "P", "Zs")), min_size=1, max_size=12)
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=False, allow_infinity=False),
-                        st.text(max_size=8))
+json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
 json_value = st.recursive(json_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                                st.dictionaries(st.text(max_size=5), inner, max_size=3)),
                           max_leaves=6)
@@ -145,15 +146,19 @@ def valid_request(draw) -> dict:
 
 # values each field must refuse: wrong types, or numbers out of its range
 WRONG = {
-    "prompt": st.one_of(st.just(""), st.just([]), st.integers(), st.dictionaries(st.text(max_size=3), json_scalar, max_size=2),
-                        st.lists(st.integers(-10, -1), min_size=1, max_size=3), st.lists(st.text(), min_size=2, max_size=3)),
-    "max_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=5000), st.floats(), st.text(), st.booleans()),
+    "prompt": st.one_of(st.just(""), st.just([]), st.integers(),
+                        st.dictionaries(st.text(max_size=3), json_scalar, max_size=2),
+                        st.lists(st.integers(-10, -1), min_size=1, max_size=3),
+                        st.lists(st.text(), min_size=2, max_size=3)),
+    "max_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=5000), st.floats(), st.text(),
+                            st.booleans()),
     "temperature": st.one_of(st.floats(min_value=2.0, exclude_min=True), st.floats(max_value=0.0, exclude_max=True),
                              st.text(), st.booleans(), st.lists(json_scalar, max_size=2)),
-    "top_p": st.one_of(st.floats(min_value=1.0, exclude_min=True), st.floats(max_value=0.0, exclude_max=True), st.text()),
+    "top_p": st.one_of(st.floats(min_value=1.0, exclude_min=True), st.floats(max_value=0.0, exclude_max=True),
+                       st.text()),
     "seed": st.one_of(st.integers(min_value=2**63), st.integers(max_value=-2**63 - 1), st.floats(), st.text()),
-    "stop": st.one_of(st.integers(), st.lists(st.text(max_size=3), min_size=5, max_size=7), st.text(min_size=1025, max_size=1030),
-                      st.lists(st.integers(), min_size=1, max_size=2)),
+    "stop": st.one_of(st.integers(), st.lists(st.text(max_size=3), min_size=5, max_size=7),
+                      st.text(min_size=1025, max_size=1030), st.lists(st.integers(), min_size=1, max_size=2)),
     "stream": st.one_of(st.integers(), st.text(), st.lists(json_scalar, max_size=2)),
     "stream_options": st.one_of(st.integers(), st.text(), st.lists(json_scalar, max_size=2),
                                 st.dictionaries(st.text(min_size=1, max_size=4).filter(lambda k: k != "include_usage"),
@@ -209,7 +214,8 @@ def bad_request(draw, kind: str) -> dict:
     elif kind == "not_object":
         body = json.dumps(draw(st.one_of(json_scalar, st.lists(json_value, max_size=3)))).encode()
     elif kind == "content_type":
-        args["content_type"] = draw(st.sampled_from(["text/plain", "multipart/form-data; boundary=x", "text/html; charset=utf-8"]))
+        args["content_type"] = draw(st.sampled_from(["text/plain", "multipart/form-data; boundary=x",
+                                                     "text/html; charset=utf-8"]))
     elif kind == "bad_key":
         args["auth"] = draw(st.sampled_from([b"", b"Bearer", b"Bearer wrong", b"Basic Zm9vOmJhcg==", b"Bearer \xe9\xff",
                                              b"Bearer \xc3\xa9", ("Bearer " + KEY + "x").encode()]))

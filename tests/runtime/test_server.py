@@ -225,14 +225,18 @@ async def test_bodies_that_are_not_json_objects_are_400(server):
     url, log = server
     async with aiohttp.ClientSession() as s:
         for data in [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}', b"[1, 2]",
-                     b'{"prompt": "x"', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}"]:
-            async with s.post(url + "/v1/completions", data=data, headers=dict(AUTH, **{"Content-Type": "application/json"})) as r:
+                     b'{"prompt": "x"', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000,
+                     b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}"]:
+            async with s.post(url + "/v1/completions", data=data,
+                              headers=dict(AUTH, **{"Content-Type": "application/json"})) as r:
                 assert r.status == 400, (data[:40], await r.text())
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
-        async with s.post(url + "/v1/completions", data=b'{"prompt": "x"}', headers=dict(AUTH, **{"Content-Type": "text/plain"})) as r:
+        async with s.post(url + "/v1/completions", data=b'{"prompt": "x"}',
+                          headers=dict(AUTH, **{"Content-Type": "text/plain"})) as r:
             assert r.status == 415 and "application/json" in (await r.json())["error"]["message"]
         form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends: the body is still JSON
-        async with s.post(url + "/v1/completions", data=b'{"prompt": "x", "max_tokens": 1}', headers=dict(AUTH, **form)) as r:
+        async with s.post(url + "/v1/completions", data=b'{"prompt": "x", "max_tokens": 1}',
+                          headers=dict(AUTH, **form)) as r:
             assert r.status == 200, await r.text()
         async with s.post(url + "/v1/completions", data=b"x" * (2 << 20), headers=AUTH) as r:
             assert r.status == 413 and (await r.json())["error"]["type"] == "invalid_request_error"
@@ -245,7 +249,8 @@ async def test_a_non_ascii_authorization_header_is_401(server):
     reader, writer = await asyncio.open_connection(host, int(port))
     body = b'{"prompt": "x"}'
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\xff\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                 b"Connection: close\r\n\r\n%s" % (len(body), body))
     reply = await reader.read()
     writer.close()
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]

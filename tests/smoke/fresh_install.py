@@ -30,10 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tests import processes  # noqa: E402  (standard library only, as this script)
+
 HERE = Path(__file__).resolve().parent
 TORCH = "torch==2.13.0"  # the CPU build: .ci/run pins the same
 SOURCE = "def add(a, b):\n    return "  # completed at its end by `lingls complete`
-PROMPT = "import os\n\n\ndef main():\n    path = os.path."  # /v1/completions (ending in a new line, ling-nano answered EOS at once)
+# /v1/completions (ending in a new line, ling-nano answered EOS at once)
+PROMPT = "import os\n\n\ndef main():\n    path = os.path."
 
 
 class SmokeFailure(Exception):

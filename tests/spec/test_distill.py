@@ -16,7 +16,8 @@ from .conftest import plain, random_model
 def test_losses_at_a_perfect_drafter():
     t = torch.randn(2, 3, 4, 10)
     loss, m = losses(t, t.clone(), accept_weight=1.0)
-    assert abs(float(m["kl"])) < 1e-5 and abs(float(m["expected_accepted"]) - 4) < 1e-4 and float(m["greedy_accepted"]) == 4
+    assert (abs(float(m["kl"])) < 1e-5 and abs(float(m["expected_accepted"]) - 4) < 1e-4
+            and float(m["greedy_accepted"]) == 4)
     assert abs(float(loss) + 1.0) < 1e-4
 
 

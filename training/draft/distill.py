@@ -136,7 +136,8 @@ def train(target: LingForCausalLM, drafter: DSparkDrafter, windows: torch.Tensor
                 picks = held[torch.randperm(len(held), generator=eval_gen)[: settings.batch_size]].to(device)
                 _, metrics = step_batch(drafter, target, picks, settings, eval_gen, bf16)
             drafter.train()
-            records.append({"step": step, "seconds": round(elapsed, 1), **{f"heldout_{k}": float(v) for k, v in metrics.items()}})
+            records.append({"step": step, "seconds": round(elapsed, 1),
+                            **{f"heldout_{k}": float(v) for k, v in metrics.items()}})
             log(json.dumps(records[-1]))
         if done:
             return records
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=EMBEDDED)
-    ap.add_argument("--out", type=Path, required=True, help="drafter directory to write (e.g. lingls/assets/ling-nano/draft)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="drafter directory to write (e.g. lingls/assets/ling-nano/draft)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 3 x hidden)")
