@@ -58,9 +58,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 python3 -c "import torch, lingls; print('torch', torch.__version__, 'lingls from', lingls.__file__)"
 for phase in $PHASES; do
     case $phase in
-    tests)  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests)  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     step)   timeout 150 python3 -m lingls.cli bench step --mode shard --profile ${STEP_ARGS:-} --out "$OUT/step.json" --plot 2>&1 | tee "$OUT/step.log" ;;
-    prefix) timeout 120 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" ;;
+    prefix) timeout 300 python3 -m lingls.cli bench prefix --out "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" ;;
     peers)  timeout 150 python3 -m lingls.cli bench step --mode peers --peer-layers 6 --out "$OUT/step_peers.json" 2>&1 | tee "$OUT/peers.log" ;;
     esac
 done
