@@ -29,7 +29,7 @@ models each program's streaming time, so a single program running every task in 
 interpreter test), and `check_schedule` proves from the tables alone that every read follows its writes under
 any interleaving the counters allow.
 
-Weights use `fused_step`'s layouts: the fused projection rows [q; k; v; f; g; b] (`_fuse_rows`), the conv taps
+Weights use `fused_step`'s layouts: the fused projection rows [q; k; v; f; g; b] (`fuse_rows`), the conv taps
 stacked [3, C, 4], the MoE as `moe.MoEWeights` (routed gate_up [E, 2I, H], down [E, H, I], the shared expert's
 [gate; up] [2I_s, H] and down [H, I_s]).
 """

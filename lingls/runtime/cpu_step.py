@@ -45,22 +45,12 @@ from lingls.model.ling import (
     MoE,
     SwiGLU,
 )
+from lingls.runtime.fused_step import fuse_rows
 
 # up to this many tokens the model's step runs its recurrent KDA form, token by token, as this step does; from
 # CHUNKED_KDA_MIN_TOKENS on it runs the chunked form, and longer inputs go to it
 MAX_TOKENS = CHUNKED_KDA_MIN_TOKENS - 1
 GATHER_EXPERTS_MAX_SHARE = 0.5  # read only the chosen experts while they are at most this share of all
-
-
-def _join_rows(params: list[torch.nn.Parameter], width: int) -> torch.Tensor:
-    """One [rows, width] tensor holding the parameters' rows in order; each parameter is re-pointed at its view."""
-    joined = torch.cat([p.detach().reshape(-1, width) for p in params], dim=0).contiguous()
-    start = 0
-    for p in params:
-        rows = p.numel() // width
-        p.data = joined[start:start + rows].view(p.shape)
-        start += rows
-    return joined
 
 
 def supports(model: LingForCausalLM) -> bool:
@@ -87,8 +77,8 @@ class CpuStep:
         attn = layer.attention
         if isinstance(attn, KimiDeltaAttention):
             c, h, d = attn.heads * attn.d, attn.heads, attn.d
-            e["proj"] = _join_rows([m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj,
-                                                       attn.g_proj, attn.b_proj)], hid)
+            e["proj"] = fuse_rows([m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj,
+                                                      attn.g_proj, attn.b_proj)])
             e["split"] = [3 * c, c, c + h]  # q, k, v | f | g, b (both through a sigmoid)
             # [3C, K]: q, k, v channels' taps, oldest first (the order conv1d applies them to the state + input)
             e["conv"] = torch.cat([cv.weight.detach().squeeze(1) for cv in (attn.q_conv1d, attn.k_conv1d,
@@ -104,7 +94,7 @@ class CpuStep:
         elif isinstance(attn, GatedMLA):
             h, nope, rope, rank = attn.heads, attn.nope, attn.rope, attn.rank
             first = [attn.q_a_proj] if hasattr(attn, "q_a_proj") else [attn.q_proj]
-            e["proj"] = _join_rows([m.weight for m in first + [attn.kv_a_proj_with_mqa, attn.g_proj]], hid)
+            e["proj"] = fuse_rows([m.weight for m in first + [attn.kv_a_proj_with_mqa, attn.g_proj]])
             e["split"] = [first[0].weight.shape[0], rank + rope, h]
             w = attn.kv_b_proj.weight.detach().view(h, nope + attn.vdim, rank)
             e["w_k"] = w[:, :nope].contiguous()  # [H, nope, rank]
@@ -127,14 +117,14 @@ class CpuStep:
                 e["shared_inter"], e["shared_limit"] = shared.gate_proj.weight.shape[0], shared.limit
                 e["shared_down_t"] = shared.down_proj.weight.detach().t()
             # rows: router, shared gate, shared up (what every token reads), then every expert's gate-up
-            e["moe_in"] = _join_rows(params + [ex.gate_up_proj], hid)
+            e["moe_in"] = fuse_rows(params + [ex.gate_up_proj])
             e["moe_head_rows"] = e["moe_in"].shape[0] - ex.gate_up_proj.numel() // hid
             e["moe_down"] = torch.cat(downs, dim=0).contiguous()  # [E*I (+ shared), hidden]
             e["experts"], e["inter"], e["limit"] = n_exp, ex.inter, ex.limit
             e["router"], e["gate_up"] = mlp.gate, ex.gate_up_proj
             e["down_rows"] = e["moe_down"][: n_exp * ex.inter].view(n_exp, ex.inter, hid)
         elif isinstance(mlp, SwiGLU):
-            e["gate_up"] = _join_rows([mlp.gate_proj.weight, mlp.up_proj.weight], hid)
+            e["gate_up"] = fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
             e["inter"], e["limit"] = mlp.gate_proj.weight.shape[0], mlp.limit
             e["down_t"] = mlp.down_proj.weight.detach().t()
         return e

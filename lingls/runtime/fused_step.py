@@ -38,13 +38,16 @@ from lingls.model.ling import GatedMLA, KimiDeltaAttention, LingForCausalLM, MoE
 MAX_TOKENS = 16
 
 
-def _fuse_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights' rows into one tensor and re-point each weight at its rows of it."""
-    joined = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+def fuse_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    """One [rows, width] tensor holding the weights' rows in order (width: their last dimension; a 3-D weight,
+    the experts' [E, 2I, H], gives E * 2I rows), each weight re-pointed at its view of it, so the rows are not
+    stored twice and the model's own forms keep reading the same numbers."""
+    width = weights[0].shape[-1]
+    joined = torch.cat([w.detach().reshape(-1, width) for w in weights], dim=0).contiguous()
     start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = joined[start:start + rows]
+    for w in weights:
+        rows = w.numel() // width
+        w.data = joined[start:start + rows].view(w.shape)
         start += rows
     return joined
 
@@ -86,23 +89,24 @@ class FusedStep:
         entry = {"layer": layer}
         attn = layer.attention
         if isinstance(attn, KimiDeltaAttention):
-            entry["proj"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj, attn.g_proj, attn.b_proj])
+            entry["proj"] = fuse_rows([m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj,
+                                                      attn.g_proj, attn.b_proj)])
             entry["conv"] = torch.stack([c.weight.detach().squeeze(1) for c in (attn.q_conv1d, attn.k_conv1d,
                                                                                 attn.v_conv1d)]).contiguous()
         elif isinstance(attn, GatedMLA) and not hasattr(attn, "q_a_proj"):
-            entry["mla_proj"] = _fuse_rows([attn.q_proj, attn.kv_a_proj_with_mqa, attn.g_proj])
+            entry["mla_proj"] = fuse_rows([attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.g_proj.weight])
             w = attn.kv_b_proj.weight.detach().view(attn.heads, attn.nope + attn.vdim, attn.rank)
             entry["w_k"], entry["w_v"] = w[:, : attn.nope], w[:, attn.nope:]  # [H, nope, rank], [H, v, rank]
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             shared = mlp.shared_experts
-            sgu = _fuse_rows([shared.gate_proj, shared.up_proj]) if shared is not None else None
+            sgu = fuse_rows([shared.gate_proj.weight, shared.up_proj.weight]) if shared is not None else None
             weights = self.ops.prepare_moe(mlp.gate.weight.detach(), mlp.gate.expert_bias.detach(),
                                            mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach())
             shared_down = shared.down_proj.weight.detach() if shared is not None else None
             entry["moe"] = weights._replace(shared_gate_up=sgu, shared_down=shared_down)
         elif isinstance(mlp, SwiGLU):
-            entry["gate_up"] = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            entry["gate_up"] = fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
         return entry
 
     @torch.inference_mode()

@@ -268,7 +268,7 @@ class DSparkRuntime(Drafter):
         """kernels: the fused kernels (default: on CUDA with Triton) or their references."""
         from lingls.kernels import reference as ref
         from lingls.kernels import triton
-        from lingls.runtime.fused_step import _fuse_rows
+        from lingls.runtime.fused_step import fuse_rows
 
         cfg = drafter.config
         if not 1 <= k <= cfg.block_size:
@@ -292,8 +292,9 @@ class DSparkRuntime(Drafter):
         if kernels is None:
             kernels = dev.type == "cuda" and triton is not None
         self.ops = _DSparkOps(kernels)
-        self.qkv = [_fuse_rows([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in drafter.layers)]
-        self.gate_up = [_fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in drafter.layers]
+        self.qkv = [fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                    for a in (layer.self_attn for layer in drafter.layers)]
+        self.gate_up = [fuse_rows([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in drafter.layers]
         self.markov_w1 = drafter.markov_head.markov_w1.weight.detach()
         self.markov_w2 = drafter.markov_head.markov_w2.weight.detach()
 
