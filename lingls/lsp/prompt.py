@@ -132,7 +132,8 @@ def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -
     multiple of `WINDOW_STEP`: typing at the end of a long file then moves the start once every
     `WINDOW_STEP` lines instead of at nearly every line, and every request in between shares the prompt's
     whole beginning with the one before it, which the engine's prefix reuse turns into a short re-prefill
-    instead of a cold one (seconds on a CPU). The price is up to `WINDOW_STEP - 1` lines of budget unused."""
+    instead of a cold one (seconds on a CPU). The price is up to `WINDOW_STEP - 1` lines of budget unused,
+    never more than half of the window's lines (where so few fit, the start is the one chosen afresh)."""
     start = text.rfind("\n", 0, offset) + 1
     if offset - start > budget * 3:
         start = offset - budget * 3
@@ -148,7 +149,9 @@ def _prefix_window(text: str, offset: int, counter: TokenCounter, budget: int) -
     if not taken or taken[-1][0] == 0:  # the whole document above the cursor fits
         return (taken[-1][0] if taken else start), used
     top = text.count("\n", 0, taken[-1][0])  # the window's first line index
-    drop = min(-top % WINDOW_STEP, len(taken))
+    drop = -top % WINDOW_STEP
+    if 2 * drop > len(taken):  # lines so long that few fit: every one counts more than a stable start
+        drop = 0
     for _ in range(drop):
         used -= taken.pop()[1]
     return (taken[-1][0] if taken else start), used

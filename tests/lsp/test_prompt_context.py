@@ -60,6 +60,17 @@ def test_window_start_of_a_long_document_moves_in_steps_while_typing():
     assert min(len(text) - s for s in starts) > 0
 
 
+def test_window_of_long_lines_keeps_at_least_half_of_what_fits():
+    """Lines so long that only ~11 fit: wherever the window's top falls against the WINDOW_STEP grid, it keeps
+    at least half of them (moving the start to a multiple of WINDOW_STEP could otherwise drop them all)."""
+    rows = [f"row_{i:03d} = [{', '.join(str(i * j) for j in range(40))}]\n" for i in range(200)]
+    for n in range(170, 200):
+        text = "".join(rows[:n]) + "x = "
+        p = build_prompt(text, len(text), fim=None, counter=counter(), budget=600)
+        assert p.tokens <= 600
+        assert text[len(text) - p.prefix_chars:].count("\n") >= 5, n
+
+
 def test_monster_line_is_cut():
     text = "x" * 100_000
     p = build_prompt(text, len(text), fim=FIM, counter=counter(), budget=100)
