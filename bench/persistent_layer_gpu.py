@@ -4,9 +4,11 @@ launches, in the same run.
     python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
-CUDA C++ runner of `persistent_cuda` on the norm_tasks tables, as a programmatic dependent launch or not),
-cuda_f1, cuda_f2, cuda_f3, cuda_f5 (the runner with 1, 2, 3, 5 ring stages in flight; `cuda` has the default);
-default: norm_tasks, cuda+tl, cuda_nopdl. +tl: record that variant's timeline too.
+CUDA C++ runner of `persistent_cuda` on the local_route tables, as a programmatic dependent launch or not),
+cuda_f2, cuda_f3 (2, 3 ring stages in flight for the kinds the runner limits; `cuda` has the default, 1),
+cuda_limited (the projection and routed experts limited too, as the sixteenth session's runner), cuda_loud
+(no quiet loader during a KDA task); default: cuda+tl, cuda_f2, cuda_limited, cuda_loud. +tl: record that
+variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -70,24 +72,32 @@ def _triton(h, out, w, st, cv, schedule, ws, table, timeline=False):
     return pk.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline)
 
 
-def _cuda(pdl, inflight=pc.INFLIGHT):
+def _cuda(pdl=True, **kw):
     def launch(h, out, w, st, cv, schedule, ws, table, timeline=False):
-        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, inflight=inflight)
+        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, **kw)
     return launch
 
 
+TRITON = dict(norm_tasks=True)
+RECOMPUTE = dict(norm_tasks=False)
+CUDA = dict(norm_tasks=False, local_route=True)
+
+
 def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple]:
-    """(name, programs, shape with its tile sizes, norm_tasks, launch): the norms as tasks or recomputed by
-    every consumer; twice the rows per GEMV task (twice the bytes each task has in flight); the CUDA runner."""
+    """(name, programs, shape with its tile sizes, build_schedule's options, launch): the Triton kernel with
+    the norms as tasks or recomputed by every consumer, twice the rows per GEMV task (twice the bytes each
+    task has in flight); the CUDA runner and its loader's policies."""
     base = pk.LayerShape()
     out = []
     for p in program_counts:
-        out += [(f"persistent_p{p}_norm_tasks", p, base, True, _triton),
-                (f"persistent_p{p}_recompute", p, base, False, _triton),
-                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True, _triton),
-                (f"persistent_p{p}_cuda", p, base, True, _cuda(True)),
-                (f"persistent_p{p}_cuda_nopdl", p, base, True, _cuda(False))]
-        out += [(f"persistent_p{p}_cuda_f{n}", p, base, True, _cuda(True, n)) for n in (1, 2, 3, 5)]
+        out += [(f"persistent_p{p}_norm_tasks", p, base, TRITON, _triton),
+                (f"persistent_p{p}_recompute", p, base, RECOMPUTE, _triton),
+                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), TRITON, _triton),
+                (f"persistent_p{p}_cuda", p, base, CUDA, _cuda()),
+                (f"persistent_p{p}_cuda_nopdl", p, base, CUDA, _cuda(False)),
+                (f"persistent_p{p}_cuda_limited", p, base, CUDA, _cuda(free_kinds=())),
+                (f"persistent_p{p}_cuda_loud", p, base, CUDA, _cuda(kda_quiet=False))]
+        out += [(f"persistent_p{p}_cuda_f{n}", p, base, CUDA, _cuda(inflight=n)) for n in (2, 3)]
     return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
@@ -193,7 +203,7 @@ def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
-    asked = argv[3].split(",") if len(argv) > 3 else ["norm_tasks", "cuda+tl", "cuda_nopdl"]
+    asked = argv[3].split(",") if len(argv) > 3 else ["cuda+tl", "cuda_f2", "cuda_limited", "cuda_loud"]
     only = [a.removesuffix("+tl") for a in asked]
     with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,8 +234,8 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check, outs = {}, {}
-    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
-        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
+    for name, programs, shape, options, run in variants(program_counts, only):
+        schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         ps_st, ps_cv = st0.clone(), cv0.clone()
@@ -243,7 +253,8 @@ def main(argv: list[str]) -> int:
         if run is _triton:
             check[name].update(registers=compiled.n_regs, spills=compiled.n_spills)
         else:
-            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT)
+            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT,
+                               default_free_kinds=[pk.KIND_NAMES[k] for k in pc.FREE_KINDS])
             tri = outs.get(f"persistent_p{programs}_norm_tasks")
             if tri is not None:
                 check[name].update(out_vs_triton=rel(out, tri[0]), out_equal_triton=bool(torch.equal(out, tri[0])),
@@ -280,8 +291,8 @@ def main(argv: list[str]) -> int:
     # referenced here until the end, or the allocator hands their memory to the next variant, whose counters
     # or timeline stamps would then overwrite an earlier graph's task table or counters
     alive = []
-    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
-        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
+    for name, programs, shape, options, run in variants(program_counts, only):
+        schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         alive.append((ws, table))

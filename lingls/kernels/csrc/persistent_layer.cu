@@ -1,17 +1,24 @@
 // One KDA + MoE decoder layer at T=1 as one persistent, warp-specialised kernel (issue 35).
 //
-// The task tables, counters and epoch scheme are lingls/kernels/persistent.py's (`build_schedule`, proven by
-// `check_schedule` and `check_loader`); this file is the runner that executes them. One CTA per SM:
+// The task tables, counters and epoch scheme are lingls/kernels/persistent.py's (`build_schedule(...,
+// norm_tasks=False, local_route=True)`, proven by `check_schedule` and `check_loader`); this file is the runner
+// that executes them. One CTA per SM:
 //
 //   warp 8 (the loader): walks the CTA's task list and, for every task that streams bytes (a GEMV tile's rows,
 //     the experts' rows, a KDA head's recurrent state), takes the next free stage of a shared-memory ring
 //     ("empty" mbarrier) and issues 1-D bulk async copies that complete on the stage's "full" mbarrier. It runs
-//     ahead of the consumers across task boundaries and never waits for a task's inputs, except where the
-//     weights' address depends on the routing (the routed experts' gate-up and down rows): there it waits for
-//     the ROUTE counter, which the task's table row carries (or an earlier task of the list waited for).
+//     ahead of the consumers across task boundaries and never waits for a task's inputs. Where the weights'
+//     address depends on the routing (the routed experts' gate-up and down rows) it waits for this CTA's own
+//     routing (the "routed" mbarrier), then issues every routed copy of its list at once. After a KDA task's
+//     state it waits for that task to end (the "quiet" mbarrier), so no copy queues ahead of the recurrence's
+//     own loads on the way back to the SM.
 //   warps 0-7 (the consumers): per task, wait for the stage's bytes, wait for the task's input counters (one
-//     thread's acquire polls, then a named barrier), read the small input vector from L2, multiply from shared
-//     memory, store, release the stage, and bump the task's counter with a release.
+//     thread's acquire polls, then a named barrier), build the small input vector in shared memory (the
+//     RMSNorms are recomputed here from the residual stream: no norm task, no hop), multiply from shared
+//     memory (a warp per row, 16-byte loads), store, release the stage, and bump the task's counter with a
+//     release. At the CTA's first routed task they first route for themselves from the router's logits (the
+//     grouped top-k of the chain's routing), into shared memory, and hand the choice to the loader: no ROUTE
+//     task, no hop.
 //
 // Counters are never reset: launch g waits for need * g; g comes from the epoch cell that the last CTA of the
 // previous launch advanced. Data other CTAs wrote in this launch is read with ld.global.cg (L2), never L1.
@@ -21,7 +28,7 @@
 
 namespace lingls_persistent {
 
-enum Kind { NONE = 0, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM };
+enum Kind { NONE = 0, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM };  // no ROUTE, NORM here
 constexpr int FIELDS = 8;
 constexpr int CONSUMERS = 256;  // threads of warps 0-7
 constexpr int THREADS = CONSUMERS + 32;
@@ -59,15 +66,14 @@ struct Params {
   float* topk_w;
   int* topk_i;
   bf16* act;
-  bf16* x;
-  bf16* h1;
-  bf16* x2;
   float eps, q_scale, lower_bound, scale, limit, shared_limit;
   int H, NH, D, E, I, I_S, I_PAD, TOP_K, G, TOPK_GROUP;
   int proj_rows, oproj_rows, router_rows, gu_rows, down_rows;
-  int max_tasks, programs, epoch, done, route_counter;
+  int max_tasks, programs, epoch, done, router_counter, router_need;
   int stages, stage_bytes, scratch_floats, timeline;
   int inflight;  // stages the loader keeps in flight (copies issued, not yet landed); the rest of the ring waits
+  int free_kinds;  // bit k: tasks of kind k take ring stages without that limit (every stage of the ring)
+  int kda_quiet;  // the loader waits for a KDA task to end before any later copy
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------
@@ -180,8 +186,9 @@ struct Smem {
   int* tasks;
   uint64_t* full;
   uint64_t* empty;
-  uint64_t* gen_ready;  // the consumers read the generation after the previous launch ended; the loader waits here
-  int* misc;
+  uint64_t* routed;  // the consumers have routed (misc holds the choice); the loader's routed copies wait here
+  uint64_t* quiet;  // the consumers ended a KDA task (one phase per KDA task of the list)
+  int* misc;  // [0]: the generation; [1, 1 + TOP_K): the chosen experts; then their weights (fp32); TOP_K <= 16
 };
 
 __device__ Smem carve(unsigned char* base, const Params& P) {
@@ -202,7 +209,8 @@ __device__ Smem carve(unsigned char* base, const Params& P) {
   off += ((size_t(P.max_tasks) * FIELDS * 4 + 15) / 16) * 16;
   s.full = reinterpret_cast<uint64_t*>(base + off);
   s.empty = s.full + P.stages;
-  s.gen_ready = s.empty + P.stages;
+  s.routed = s.empty + P.stages;
+  s.quiet = s.routed + 1;
   off += size_t(P.stages) * 16 + 16;
   s.misc = reinterpret_cast<int*>(base + off);
   return s;
@@ -220,17 +228,20 @@ __device__ __forceinline__ int stages_of(int kind) {
 // ---- the loader -----------------------------------------------------------------------------------------
 
 __device__ void loader(const Params& P, const Smem& s) {
-  int gen = 0;  // known once the consumers have read it (only the routed experts' loads need it)
   bool after_previous = false;  // past griddepcontrol.wait: everything before this launch is visible
+  bool routed = false;  // this CTA's routing is in s.misc
   int stage = 0;
   uint32_t phase = 0;
   int issued = 0;  // stages armed so far
+  int kda_done = 0;  // KDA tasks of the list the consumers have ended (the quiet fence)
   const int H = P.H, C = P.NH * P.D;
-  // the next free stage, armed for `bytes`, once the stage armed `inflight` stages ago has landed: bytes in
-  // flight queue on the SM's way back from memory, ahead of every load its consumers make (inputs, polls),
-  // so the loader keeps only what the bandwidth needs in flight and lets the ring fill behind it
-  auto next = [&](uint32_t bytes) -> unsigned char* {
-    if (issued >= P.inflight) {
+  const int* chosen = s.misc + 1;
+  // the next free stage, armed for `bytes`. Unless the task's kind streams freely, first the stage armed
+  // `inflight` stages ago must have landed: bytes in flight queue on the SM's way back from memory, ahead of
+  // every load its consumers make (inputs, polls), so where the consumers' hops are on the critical path the
+  // loader keeps only what the bandwidth needs in flight and lets the ring fill behind it
+  auto next = [&](int kind, uint32_t bytes) -> unsigned char* {
+    if (!((P.free_kinds >> kind) & 1) && issued >= P.inflight) {
       const int k = issued - P.inflight;
       mbar_wait(&s.full[k % P.stages], uint32_t(k / P.stages) & 1);
     }
@@ -242,13 +253,11 @@ __device__ void loader(const Params& P, const Smem& s) {
   auto advance = [&]() {
     if (++stage == P.stages) { stage = 0; phase ^= 1; }
   };
-  auto route_wait = [&](const int* row) {  // the routing, where this row carries its wait
-    if (!gen) {
-      mbar_wait(s.gen_ready, 0);
-      gen = s.misc[0];
+  auto route_wait = [&]() {  // this CTA's own routing, once (its consumers route at their first routed task)
+    if (!routed) {
+      mbar_wait(s.routed, 0);
+      routed = true;
     }
-    if (row[2] == P.route_counter) wait_counter(P.cnt, row[2], row[3], gen);
-    if (row[4] == P.route_counter) wait_counter(P.cnt, row[4], row[5], gen);
   };
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
@@ -258,21 +267,21 @@ __device__ void loader(const Params& P, const Smem& s) {
         const int n = 5 * C + P.NH - tile * P.proj_rows;
         const uint32_t b = uint32_t(n < P.proj_rows ? n : P.proj_rows) * H * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.proj + size_t(tile) * P.proj_rows * H, b, bar);
+        bulk_copy(next(kind, b), P.proj + size_t(tile) * P.proj_rows * H, b, bar);
         advance();
         break;
       }
       case OPROJ: {
         const uint32_t b = uint32_t(P.oproj_rows) * C * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.o_proj + size_t(tile) * P.oproj_rows * C, b, bar);
+        bulk_copy(next(kind, b), P.o_proj + size_t(tile) * P.oproj_rows * C, b, bar);
         advance();
         break;
       }
       case ROUTER: {
         const uint32_t b = uint32_t(P.router_rows) * H * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.router + size_t(tile) * P.router_rows * H, b, bar);
+        bulk_copy(next(kind, b), P.router + size_t(tile) * P.router_rows * H, b, bar);
         advance();
         break;
       }
@@ -286,15 +295,14 @@ __device__ void loader(const Params& P, const Smem& s) {
           inter = P.I_S;
           r0 = tile * P.gu_rows;
         } else {
-          route_wait(row);
+          route_wait();
           const int n_blk = P.I / P.gu_rows;
-          const int e = ldcg_i(P.topk_i + tile / n_blk);
-          base = P.gate_up + size_t(e) * 2 * P.I * H;
+          base = P.gate_up + size_t(chosen[tile / n_blk]) * 2 * P.I * H;
           inter = P.I;
           r0 = (tile % n_blk) * P.gu_rows;
         }
         uint64_t* bar = &s.full[stage];
-        unsigned char* dst = next(2 * b);
+        unsigned char* dst = next(kind, 2 * b);
         bulk_copy(dst, base + size_t(r0) * H, b, bar);                 // gate rows
         bulk_copy(dst + b, base + size_t(inter + r0) * H, b, bar);     // up rows
         advance();
@@ -303,13 +311,11 @@ __device__ void loader(const Params& P, const Smem& s) {
       case DOWN: {
         const uint32_t bs = uint32_t(P.down_rows) * P.I_S * 2, br = uint32_t(P.down_rows) * P.I * 2;
         uint64_t* bar = &s.full[stage];
-        unsigned char* dst = next(bs + P.TOP_K * br);
+        unsigned char* dst = next(kind, bs + P.TOP_K * br);
         bulk_copy(dst, P.sdn + size_t(tile) * P.down_rows * P.I_S, bs, bar);  // before the routing is known
-        route_wait(row);
-        for (int j = 0; j < P.TOP_K; ++j) {
-          const int e = ldcg_i(P.topk_i + j);
-          bulk_copy(dst + bs + j * br, P.down + (size_t(e) * H + size_t(tile) * P.down_rows) * P.I, br, bar);
-        }
+        route_wait();
+        for (int j = 0; j < P.TOP_K; ++j)
+          bulk_copy(dst + bs + j * br, P.down + (size_t(chosen[j]) * H + size_t(tile) * P.down_rows) * P.I, br, bar);
         advance();
         break;
       }
@@ -322,9 +328,10 @@ __device__ void loader(const Params& P, const Smem& s) {
         const float* st = P.state + size_t(tile) * P.D * P.D;
         for (int half = 0; half < 2; ++half) {
           uint64_t* bar = &s.full[stage];
-          bulk_copy(next(b), st + size_t(half) * (P.D / 2) * P.D, b, bar);
+          bulk_copy(next(kind, b), st + size_t(half) * (P.D / 2) * P.D, b, bar);
           advance();
         }
+        if (P.kda_quiet) mbar_wait(s.quiet, uint32_t(kda_done++) & 1);
         break;
       }
       default:
@@ -335,15 +342,19 @@ __device__ void loader(const Params& P, const Smem& s) {
 
 // ---- the consumers' tasks -------------------------------------------------------------------------------
 
-// rows [R, K] bf16 in shared memory times xs [K] bf16: every thread takes 8 columns at a time across all R
-// rows; returns the row sums in red[RED .. RED + R) once all threads pass the last barrier
+// rows [R, K] bf16 in shared memory times xs [K] bf16: warp w takes rows w, w + 8, ..., its lanes 8 columns
+// (16 bytes) at a time along the row; returns the row sums in red[RED .. RED + R) once all threads pass the
+// one barrier
 template <int R>
 __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  float acc[R];
+  static_assert(R % 8 == 0, "a warp per row: rows in multiples of the 8 consumer warps");
+  constexpr int RPW = R / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float acc[RPW];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int c = tid; c < K / 8; c += CONSUMERS) {
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+#pragma unroll 2
+  for (int c = lane; c < K / 8; c += 32) {
     const uint4 xv = *reinterpret_cast<const uint4*>(xs + c * 8);
     float xf[8];
     const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
@@ -353,8 +364,8 @@ __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
       xf[2 * q + 1] = __uint_as_float(xw[q] & 0xffff0000u);
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + size_t(r) * K + c * 8);
+    for (int r = 0; r < RPW; ++r) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + size_t(warp + 8 * r) * K + c * 8);
       const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w};
       float a = acc[r];
 #pragma unroll
@@ -366,18 +377,11 @@ __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RPW; ++r) {
     float v = acc[r];
 #pragma unroll
     for (int off = 16; off; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0) red[warp * R + r] = v;
-  }
-  consumer_sync();
-  if (tid < R) {
-    float v = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) v += red[q * R + tid];
-    red[RED + tid] = v;
+    if (lane == 0) red[RED + warp + 8 * r] = v;
   }
   consumer_sync();
 }
@@ -411,17 +415,18 @@ __device__ void load_input(const bf16* src, int K, bf16* xs) {
   consumer_sync();
 }
 
-// NORM: tile 0 x = RMSNorm(h); tile 1 h1 = h + a, x2 = RMSNorm(h1) (the norm kernel's roundings)
-__device__ void norm_task(const Params& P, const Smem& s, int tile) {
+// the GEMV's normed input vector into shared memory, recomputed by every CTA that needs it (no norm task, no
+// hop): without `add` x = RMSNorm(h) * w; with it h1 = h + add (rounded as the residual add writes it), then
+// x2 = RMSNorm(h1) * w, in the norm kernel's roundings. Every load is issued before the first store.
+__device__ void norm_input(const Params& P, const Smem& s, const bf16* add, const bf16* wn) {
   const int H = P.H, nch = H / 8;
-  const bf16* wn = tile == 0 ? P.in_norm : P.post_norm;
   uint4 hvs[MAXC], avs[MAXC], wvs[MAXC];
 #pragma unroll
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
     if (c < nch) {
-      hvs[m] = *reinterpret_cast<const uint4*>(P.h + c * 8);
-      avs[m] = tile ? ldcg_v4(P.a + c * 8) : make_uint4(0, 0, 0, 0);
+      hvs[m] = ldcg_v4(P.h + c * 8);
+      avs[m] = add ? ldcg_v4(add + c * 8) : make_uint4(0, 0, 0, 0);
       wvs[m] = *reinterpret_cast<const uint4*>(wn + c * 8);
     }
   }
@@ -433,23 +438,16 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
     if (c < nch) {
       const bf16* hb = reinterpret_cast<const bf16*>(&hvs[m]);
       const bf16* ab = reinterpret_cast<const bf16*>(&avs[m]);
-      uint4 h1v;
-      bf16* h1b = reinterpret_cast<bf16*>(&h1v);
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         float f = bf2f(hb[q]);
-        if (tile) {
-          h1b[q] = f2bf(f + bf2f(ab[q]));
-          f = bf2f(h1b[q]);
-        }
+        if (add) f = bf2f(f2bf(f + bf2f(ab[q])));
         v[m][q] = f;
         ss = fmaf(f, f, ss);
       }
-      if (tile) *reinterpret_cast<uint4*>(P.h1 + c * 8) = h1v;
     }
   }
   const float rms = rsqrtf(block_sum(ss, s.red + RED + 32) / H + P.eps);
-  bf16* dst = tile == 0 ? P.x : P.x2;
 #pragma unroll
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
@@ -459,9 +457,10 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
       bf16* ob = reinterpret_cast<bf16*>(&ov);
 #pragma unroll
       for (int q = 0; q < 8; ++q) ob[q] = f2bf(bf2f(wb[q]) * bf2f(f2bf(v[m][q] * rms)));
-      *reinterpret_cast<uint4*>(dst + c * 8) = ov;
+      *reinterpret_cast<uint4*>(s.xs + c * 8) = ov;
     }
   }
+  consumer_sync();
 }
 
 // one causal-conv output: taps t (4 bf16, 8 bytes) over the window w0..w2 (oldest first) and the input x; SiLU
@@ -549,8 +548,11 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   }
 }
 
-// ROUTE: sigmoid, bias, grouped top-k (groups by the sum of their best two), renormalised and scaled weights
-__device__ void route_task(const Params& P, const Smem& s) {
+// the routing, on every CTA that hosts routed tasks, at its first one: once the router's tiles are all written
+// (the acquire poll), sigmoid, bias, grouped top-k (groups by the sum of their best two), renormalised and
+// scaled weights, into s.misc (and, the same values from every CTA, into topk_i / topk_w for the caller); then
+// the loader may copy the chosen experts' rows
+__device__ void route_local(const Params& P, const Smem& s, int gen) {
   const int E = P.E, G = P.G, epg = E / G, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* score = s.scratch;
   float* choice = score + E;
@@ -559,9 +561,16 @@ __device__ void route_task(const Params& P, const Smem& s) {
   constexpr int MAXE = 4;  // experts per thread: E <= 1024
   float lg[MAXE], bs[MAXE];
 #pragma unroll
+  for (int m = 0; m < MAXE; ++m) {  // the bias (a weight) before the wait
+    const int e = tid + m * CONSUMERS;
+    if (e < E) bs[m] = P.expert_bias[e];
+  }
+  if (tid == 0) wait_counter(P.cnt, P.router_counter, P.router_need, gen);
+  consumer_sync();
+#pragma unroll
   for (int m = 0; m < MAXE; ++m) {
     const int e = tid + m * CONSUMERS;
-    if (e < E) { lg[m] = ldcg_f(P.logits + e); bs[m] = P.expert_bias[e]; }
+    if (e < E) lg[m] = ldcg_f(P.logits + e);
   }
 #pragma unroll
   for (int m = 0; m < MAXE; ++m) {
@@ -622,17 +631,22 @@ __device__ void route_task(const Params& P, const Smem& s) {
     }
     const float mult = P.scale / (total + 1e-20f);
     if (lane < P.TOP_K) {
+      s.misc[1 + lane] = my_id;
+      reinterpret_cast<float*>(s.misc)[1 + P.TOP_K + lane] = my_w * mult;
       P.topk_w[lane] = my_w * mult;
       P.topk_i[lane] = my_id;
     }
   }
+  consumer_sync();
+  if (tid == 0) mbar_arrive(s.routed);
 }
 
 // the activations every DOWN task of the CTA reads, into shared memory at once (one round trip to L2): the
 // shared expert's as they are, the routed experts' times their routing weight (fp32, as the chain's kernel)
 constexpr int MAXA = 8;  // activations per thread: (1 + TOP_K) * max(I, I_S) <= 2048
 
-__device__ void load_acts(const Params& P, float* acts) {
+__device__ void load_acts(const Params& P, const Smem& s, float* acts) {
+  const float* topk_w = reinterpret_cast<const float*>(s.misc) + 1 + P.TOP_K;
   const int width = P.I > P.I_S ? P.I : P.I_S;
   float a[MAXA], wt[MAXA];
 #pragma unroll
@@ -642,7 +656,7 @@ __device__ void load_acts(const Params& P, float* acts) {
     wt[m] = 1.f;
     if (n < (1 + P.TOP_K) * width && i < (j ? P.I : P.I_S)) {
       a[m] = bf2f(ldcg_bf(P.act + j * P.I_PAD + i));
-      if (j) wt[m] = ldcg_f(P.topk_w + j - 1);
+      if (j) wt[m] = topk_w[j - 1];
     }
   }
 #pragma unroll
@@ -654,13 +668,13 @@ __device__ void load_acts(const Params& P, float* acts) {
 }
 
 // DOWN: hidden rows tile*R..: the shared and routed experts' down rows times their activations (routed ones
-// weighted), summed, plus the residual h1 = h + a
+// weighted), summed, plus the residual h1 = h + a (recomputed at these rows, rounded as the residual add)
 __device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile) {
   const int R = P.down_rows, I = P.I, IS = P.I_S, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int width = I > IS ? I : IS;
   const bf16* routed = w + size_t(R) * IS;
   for (int r = warp; r < R; r += 8) {
-    const bf16 h1 = ldcg_bf(P.h1 + tile * R + r);  // requested before the sums
+    const bf16 hr = ldcg_bf(P.h + tile * R + r), ar = ldcg_bf(P.a + tile * R + r);  // requested before the sums
     float sum = 0.f;
     for (int i = lane; i < width; i += 32) {
       float acc = i < IS ? bf2f(w[r * IS + i]) * acts[i] : 0.f;
@@ -674,7 +688,7 @@ __device__ void down_task(const Params& P, const bf16* w, const float* acts, int
     if (lane == 0) {
       const int row = tile * R + r;
       const float m = bf2f(f2bf(sum));
-      P.out[row] = f2bf(bf2f(h1) + m);
+      P.out[row] = f2bf(bf2f(f2bf(bf2f(hr) + bf2f(ar))) + m);
     }
   }
 }
@@ -684,16 +698,22 @@ __device__ __forceinline__ void stamp(const Params& P, int idx, int k) {
 }
 
 __device__ void consumers(const Params& P, const Smem& s, int gen) {
-  const int tid = threadIdx.x, H = P.H, C = P.NH * P.D;
+  enum Input { NO_INPUT, X, X2, O };  // what xs holds: RMSNorm(h), RMSNorm(h + a), the attention output
+  const int tid = threadIdx.x, C = P.NH * P.D;
   int stage = 0;
   uint32_t phase = 0;
-  const bf16* cached = nullptr;  // the input vector xs holds
+  int input = NO_INPUT;
   bool acts_ready = false;  // s.acts holds this launch's activations
+  bool routed = false;  // s.misc holds this launch's routing
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
     const int kind = row[0], tile = row[1], sig = row[6], idx = row[7];
     if (kind == NONE) continue;
     stamp(P, idx, 0);
+    if (!routed && (kind == EXPERT_GU || kind == DOWN)) {  // before the stage: the loader's copies need it
+      route_local(P, s, gen);
+      routed = true;
+    }
     const int nst = stages_of(kind);
     const unsigned char* w0 = s.ring + size_t(stage) * P.stage_bytes;
     int stage1 = stage + 1 == P.stages ? 0 : stage + 1;
@@ -701,9 +721,9 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
     if (nst >= 1) mbar_wait(&s.full[stage], phase);
     if (nst == 2) mbar_wait(&s.full[stage1], stage1 == 0 ? phase ^ 1 : phase);
     stamp(P, idx, 1);
-    if (tid == 0) {
-      wait_counter(P.cnt, row[2], row[3], gen);
-      wait_counter(P.cnt, row[4], row[5], gen);
+    if (tid == 0) {  // (the routing polled the router's counter already)
+      if (row[2] != P.router_counter || !routed) wait_counter(P.cnt, row[2], row[3], gen);
+      if (row[4] != P.router_counter || !routed) wait_counter(P.cnt, row[4], row[5], gen);
     }
     consumer_sync();
     stamp(P, idx, 2);
@@ -713,9 +733,12 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
       case PROJ:
       case ROUTER: {
         const int R = kind == PROJ ? P.proj_rows : P.router_rows;
-        const bf16* src = kind == PROJ ? P.x : P.x2;
-        if (cached != src) { load_input(src, H, s.xs); cached = src; }
-        gemv_any(R, w, s.xs, H, s.red);
+        const int want = kind == PROJ ? X : X2;
+        if (input != want) {
+          norm_input(P, s, kind == PROJ ? nullptr : P.a, kind == PROJ ? P.in_norm : P.post_norm);
+          input = want;
+        }
+        gemv_any(R, w, s.xs, P.H, s.red);
         if (tid < R) {  // a last PROJ tile's rows past the end were never copied: not stored
           if (kind == ROUTER) P.logits[tile * R + tid] = res[tid];
           else if (tile * R + tid < 5 * C + P.NH) P.p[tile * R + tid] = f2bf(res[tid]);
@@ -723,16 +746,16 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
         break;
       }
       case OPROJ: {
-        if (cached != P.o) { load_input(P.o, C, s.xs); cached = P.o; }
+        if (input != O) { load_input(P.o, C, s.xs); input = O; }
         gemv_any(P.oproj_rows, w, s.xs, C, s.red);
         if (tid < P.oproj_rows) P.a[tile * P.oproj_rows + tid] = f2bf(res[tid]);
         break;
       }
       case SHARED_GU:
       case EXPERT_GU: {
-        if (cached != P.x2) { load_input(P.x2, H, s.xs); cached = P.x2; }
+        if (input != X2) { norm_input(P, s, P.a, P.post_norm); input = X2; }
         const int gr = P.gu_rows;
-        gemv_any(2 * gr, w, s.xs, H, s.red);
+        gemv_any(2 * gr, w, s.xs, P.H, s.red);
         if (tid < gr) {
           float g = res[tid], u = res[gr + tid];
           const float lim = kind == SHARED_GU ? P.shared_limit : P.limit;
@@ -747,19 +770,13 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
       }
       case DOWN:
         if (!acts_ready) {
-          load_acts(P, s.acts);
+          load_acts(P, s, s.acts);
           acts_ready = true;
         }
         down_task(P, w, s.acts, tile);
         break;
       case KDA:
         kda_task(P, s, tile, reinterpret_cast<const float*>(w0), reinterpret_cast<const float*>(w1));
-        break;
-      case ROUTE:
-        route_task(P, s);
-        break;
-      case NORM:
-        norm_task(P, s, tile);
         break;
       default:
         break;
@@ -768,6 +785,7 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
     if (tid == 0) {
       for (int k = 0; k < nst; ++k) mbar_arrive(&s.empty[k == 0 ? stage : stage1]);
       if (sig >= 0) red_release(P.cnt + sig, 1);
+      if (kind == KDA && P.kda_quiet) mbar_arrive(s.quiet);
     }
     stamp(P, idx, 3);
     for (int k = 0; k < nst; ++k)
@@ -785,7 +803,8 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
       mbar_init(&s.full[k], 1);
       mbar_init(&s.empty[k], 1);
     }
-    mbar_init(s.gen_ready, 1);
+    mbar_init(s.routed, 1);
+    mbar_init(s.quiet, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -799,7 +818,6 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (tid == 0) {
     s.misc[0] = ld_acquire(P.cnt + P.epoch) + 1;  // this launch's generation
-    mbar_arrive(s.gen_ready);
   }
   consumer_sync();
   const int gen = s.misc[0];
