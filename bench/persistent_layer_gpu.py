@@ -5,10 +5,9 @@ launches, in the same run.
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
 CUDA C++ runner of `persistent_cuda` on the local_route tables, as a programmatic dependent launch or not),
-cuda_f2, cuda_f3 (2, 3 ring stages in flight for the kinds the runner limits; `cuda` has the default, 1),
-cuda_limited (the projection and routed experts limited too, as the sixteenth session's runner), cuda_loud
-(no quiet loader during a KDA task); default: cuda+tl, cuda_f2, cuda_limited, cuda_loud. +tl: record that
-variant's timeline too.
+cuda_f2, cuda_f3 (2, 3 ring stages in flight; `cuda` has the default, 1), cuda_free (the projection's and
+the routed experts' copies fill the whole ring, unlimited), cuda_loud (no quiet loader during a KDA task);
+default: cuda+tl, cuda_f2, cuda_free, cuda_loud. +tl: record that variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -95,7 +94,7 @@ def variants(program_counts: list[int], only: list[str] | None = None) -> list[t
                 (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), TRITON, _triton),
                 (f"persistent_p{p}_cuda", p, base, CUDA, _cuda()),
                 (f"persistent_p{p}_cuda_nopdl", p, base, CUDA, _cuda(False)),
-                (f"persistent_p{p}_cuda_limited", p, base, CUDA, _cuda(free_kinds=())),
+                (f"persistent_p{p}_cuda_free", p, base, CUDA, _cuda(free_kinds=(pk.PROJ, pk.EXPERT_GU, pk.DOWN))),
                 (f"persistent_p{p}_cuda_loud", p, base, CUDA, _cuda(kda_quiet=False))]
         out += [(f"persistent_p{p}_cuda_f{n}", p, base, CUDA, _cuda(inflight=n)) for n in (2, 3)]
     return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
@@ -203,7 +202,7 @@ def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
-    asked = argv[3].split(",") if len(argv) > 3 else ["cuda+tl", "cuda_f2", "cuda_limited", "cuda_loud"]
+    asked = argv[3].split(",") if len(argv) > 3 else ["cuda+tl", "cuda_f2", "cuda_free", "cuda_loud"]
     only = [a.removesuffix("+tl") for a in asked]
     with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)

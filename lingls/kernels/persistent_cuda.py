@@ -36,16 +36,17 @@ SMEM_LIMIT = 227 * 1024  # a Hopper block's dynamic shared memory
 MAX_STAGES = 8
 CONSUMERS = 256  # the kernel's consumer threads
 RED_FLOATS = 8 * 32 + 32 + 8
-MAX_TOPK = 16  # the routing the kernel keeps in shared memory
+MAX_TOPK = 16  # the routing the kernel keeps in shared memory (then one int: the tasks ended)
 GEMV_ROWS = (8, 16, 32)  # the row counts the kernel's GEMV is instantiated for (a warp per row)
 # stages in flight per SM: the bytes a loader has requested queue ahead of its consumers' own loads (inputs,
 # polls) on the way back to the SM, so more in flight than the bandwidth needs makes every dependent step
-# slower (first H200 run, a full ring of 5 x 40 KB in flight: 84 us per layer; see docs/kernel-log.md) ...
+# slower (first H200 run, a full ring of 5 x 40 KB in flight: 84 us per layer; see docs/kernel-log.md)
 INFLIGHT = 1
-# ... except for the kinds that stream while nothing latency-bound runs on the SM: the projection at the
-# layer's start (all its tiles in flight at once) and the routed experts (all issued the moment the CTA's
-# routing is known)
-FREE_KINDS = (pk.PROJ, pk.EXPERT_GU, pk.DOWN)
+# kinds whose copies may fill the whole ring regardless (the projection at the layer's start, the routed
+# experts the moment the CTA's routing is known: `bench/persistent_layer_gpu.py`'s cuda_free); none by
+# default, as measured: with every copy in flight at once, every L2 round trip of the layer's hops queued
+# behind them (60.6 us per layer against 57.0 us limited, seventeenth session)
+FREE_KINDS = ()
 NVCC_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
 
 _ptr = ctypes.c_void_p
@@ -92,7 +93,7 @@ def smem_plan(schedule: pk.Schedule) -> RingPlan:
     scratch = max(5 * s.head_dim + 2 * CONSUMERS, 2 * s.experts + 2 * s.n_group)
     acts = (1 + s.top_k) * max(s.inter, s.shared_inter)
     rest = (_up(max(s.hidden, s.channels) * 2) + RED_FLOATS * 4 + _up(scratch * 4) + _up(acts * 4)
-            + _up(schedule.max_tasks * pk.FIELDS * 4) + 16 + _up(4 * (1 + 2 * MAX_TOPK)))
+            + _up(schedule.max_tasks * pk.FIELDS * 4) + 16 + _up(4 * (2 + 2 * MAX_TOPK)))
     stages = min(MAX_STAGES, (SMEM_LIMIT - rest - 16 * MAX_STAGES) // stage)
     if stages < 2:
         raise ValueError(f"a stage of {stage} bytes leaves room for {stages} stages; the KDA task needs 2")
@@ -110,6 +111,8 @@ def check_supported(schedule: pk.Schedule) -> None:
                        ("2 * gu_rows", 2 * s.gu_rows)):
         if rows not in GEMV_ROWS:
             raise ValueError(f"{name} = {rows}: the kernel's GEMV takes {GEMV_ROWS} rows")
+    if s.down_rows > 32:
+        raise ValueError("down_rows must be at most 32")
     if s.hidden % s.oproj_rows or s.experts % s.router_rows or s.hidden % s.down_rows:
         raise ValueError("the output projection's, router's and down rows must split into whole tiles")
     if s.hidden % 8 or s.channels % 8 or s.inter % 8 or s.shared_inter % 8:

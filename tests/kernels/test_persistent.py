@@ -176,7 +176,8 @@ def _nvcc():
 @pytest.mark.skipif(not torch.cuda.is_available() or not _nvcc(), reason="needs CUDA and nvcc")
 @pytest.mark.parametrize("programs,pdl,policy", [(p, pdl, {}) for p in (1, 3, 40) for pdl in (True, False)]
                          + [(3, True, dict(inflight=2)), (40, True, dict(inflight=8)),
-                            (40, True, dict(free_kinds=())), (3, True, dict(kda_quiet=False))])
+                            (40, True, dict(free_kinds=(pk.PROJ, pk.EXPERT_GU, pk.DOWN))),
+                            (3, True, dict(kda_quiet=False))])
 def test_cuda_runner_matches_reference(programs, pdl, policy):
     """Two launches (the second on the next generation of the counters) against the plain-torch layer; the
     routing every program computed for itself is the reference's."""

@@ -31,7 +31,9 @@ namespace lingls_persistent {
 enum Kind { NONE = 0, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM };  // no ROUTE, NORM here
 constexpr int FIELDS = 8;
 constexpr int CONSUMERS = 256;  // threads of warps 0-7
-constexpr int THREADS = CONSUMERS + 32;
+constexpr int LOADER = CONSUMERS;  // warp 8's lane 0
+constexpr int SIGNALLER = CONSUMERS + 32;  // warp 9's lane 0
+constexpr int THREADS = CONSUMERS + 64;
 constexpr int RED = 8 * 32;  // floats of the GEMV's cross-warp partials, then 32 row sums, then 8 for block_sum
 constexpr int RED_FLOATS = RED + 32 + 8;
 
@@ -117,6 +119,17 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void red_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void red_relaxed(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.shared::cta.s32 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(p))), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(uint32_t(__cvta_generic_to_shared(p))) : "memory");
+  return v;
+}
 __device__ __forceinline__ int atom_acq_rel(int* p, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -161,6 +174,16 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+// shared -> global, asynchronous: no generic store of the issuing thread waits for it (nor does a fence)
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // fp32 sum over the consumer threads, the same value in all of them; `red` holds 8 floats (reused after)
 __device__ float block_sum(float v, float* red) {
@@ -189,6 +212,7 @@ struct Smem {
   uint64_t* routed;  // the consumers have routed (misc holds the choice); the loader's routed copies wait here
   uint64_t* quiet;  // the consumers ended a KDA task (one phase per KDA task of the list)
   int* misc;  // [0]: the generation; [1, 1 + TOP_K): the chosen experts; then their weights (fp32); TOP_K <= 16
+  int* ended;  // tasks of the list the consumers have ended (the signaller releases their counters)
 };
 
 __device__ Smem carve(unsigned char* base, const Params& P) {
@@ -213,6 +237,7 @@ __device__ Smem carve(unsigned char* base, const Params& P) {
   s.quiet = s.routed + 1;
   off += size_t(P.stages) * 16 + 16;
   s.misc = reinterpret_cast<int*>(base + off);
+  s.ended = s.misc + 1 + 2 * 16;
   return s;
 }
 
@@ -471,7 +496,10 @@ __device__ __forceinline__ float conv_silu(uint2 t, bf16 w0, bf16 w1, bf16 w2, f
 }
 
 // KDA: head h's conv + SiLU, q/k L2 norm, gate, delta rule on the state streamed into two stages, gated norm
-__device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0, const float* S1) {
+// (the new state is written over the old in the two ring stages and goes back to global memory as two bulk
+// stores, issued by thread 0 and awaited only before the stages are reused: the task's signal does not wait
+// for 64 KB of stores to be acknowledged, as it would behind a fence)
+__device__ void kda_task(const Params& P, const Smem& s, int h, float* S0, float* S1) {
   const int D = P.D, C = P.NH * D, tid = threadIdx.x;
   float* q = s.scratch;
   float* k = q + D;
@@ -527,15 +555,22 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   float kS = 0.f;
   for (int j = 0; j < nsplit; ++j) kS += part[j * D + col];
   const float err = beta * (v[col] - kS);
-  float* out_state = P.state + size_t(h) * D * D;
   float oacc = 0.f;
   for (int r = sp * rows; r < (sp + 1) * rows; ++r) {
-    const float Pv = (r < half ? S0[r * D + col] : S1[(r - half) * D + col]) * dec[r];
+    float* S = r < half ? S0 + r * D + col : S1 + (r - half) * D + col;
+    const float Pv = *S * dec[r];
     oacc = fmaf(Pv, q[r], oacc);
-    out_state[size_t(r) * D + col] = fmaf(k[r], err, Pv);
+    *S = fmaf(k[r], err, Pv);
   }
   opart[tid] = oacc;
+  fence_async_smem();  // the new state, for the bulk stores' async proxy
   consumer_sync();
+  if (tid == 0) {
+    float* out_state = P.state + size_t(h) * D * D;
+    bulk_store(out_state, S0, uint32_t(half) * D * 4);
+    bulk_store(out_state + size_t(half) * D, S1, uint32_t(D - half) * D * 4);
+    bulk_commit();
+  }
   float o = 0.f;
   if (sp == 0) {
     for (int j = 0; j < nsplit; ++j) o += opart[j * D + col];
@@ -669,12 +704,35 @@ __device__ void load_acts(const Params& P, const Smem& s, float* acts) {
 
 // DOWN: hidden rows tile*R..: the shared and routed experts' down rows times their activations (routed ones
 // weighted), summed, plus the residual h1 = h + a (recomputed at these rows, rounded as the residual add)
-__device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile) {
+constexpr int MAX_DOWN_ROWS = 32;  // 4 rows per warp
+
+struct DownResidual {  // lane 0's h and a at its warp's rows, requested before the activations
+  bf16 h[MAX_DOWN_ROWS / 8], a[MAX_DOWN_ROWS / 8];
+};
+
+__device__ DownResidual load_down_residual(const Params& P, int tile) {
+  DownResidual d;
+  const int R = P.down_rows, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < MAX_DOWN_ROWS / 8; ++q) {
+    const int r = warp + 8 * q;
+    if ((threadIdx.x & 31) == 0 && r < R) {
+      d.h[q] = ldcg_bf(P.h + tile * R + r);
+      d.a[q] = ldcg_bf(P.a + tile * R + r);
+    }
+  }
+  return d;
+}
+
+__device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile, const DownResidual& d) {
   const int R = P.down_rows, I = P.I, IS = P.I_S, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int width = I > IS ? I : IS;
   const bf16* routed = w + size_t(R) * IS;
-  for (int r = warp; r < R; r += 8) {
-    const bf16 hr = ldcg_bf(P.h + tile * R + r), ar = ldcg_bf(P.a + tile * R + r);  // requested before the sums
+#pragma unroll
+  for (int q = 0; q < MAX_DOWN_ROWS / 8; ++q) {
+    const int r = warp + 8 * q;
+    if (r >= R) break;
+    const bf16 hr = d.h[q], ar = d.a[q];
     float sum = 0.f;
     for (int i = lane; i < width; i += 32) {
       float acc = i < IS ? bf2f(w[r * IS + i]) * acts[i] : 0.f;
@@ -707,7 +765,7 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
   bool routed = false;  // s.misc holds this launch's routing
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
-    const int kind = row[0], tile = row[1], sig = row[6], idx = row[7];
+    const int kind = row[0], tile = row[1], idx = row[7];
     if (kind == NONE) continue;
     stamp(P, idx, 0);
     if (!routed && (kind == EXPERT_GU || kind == DOWN)) {  // before the stage: the loader's copies need it
@@ -715,9 +773,9 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
       routed = true;
     }
     const int nst = stages_of(kind);
-    const unsigned char* w0 = s.ring + size_t(stage) * P.stage_bytes;
+    unsigned char* w0 = s.ring + size_t(stage) * P.stage_bytes;
     int stage1 = stage + 1 == P.stages ? 0 : stage + 1;
-    const unsigned char* w1 = s.ring + size_t(stage1) * P.stage_bytes;
+    unsigned char* w1 = s.ring + size_t(stage1) * P.stage_bytes;
     if (nst >= 1) mbar_wait(&s.full[stage], phase);
     if (nst == 2) mbar_wait(&s.full[stage1], stage1 == 0 ? phase ^ 1 : phase);
     stamp(P, idx, 1);
@@ -768,28 +826,56 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
         }
         break;
       }
-      case DOWN:
+      case DOWN: {
+        const DownResidual d = load_down_residual(P, tile);  // in flight with the activations
         if (!acts_ready) {
           load_acts(P, s, s.acts);
           acts_ready = true;
         }
-        down_task(P, w, s.acts, tile);
+        down_task(P, w, s.acts, tile, d);
         break;
+      }
       case KDA:
-        kda_task(P, s, tile, reinterpret_cast<const float*>(w0), reinterpret_cast<const float*>(w1));
+        kda_task(P, s, tile, reinterpret_cast<float*>(w0), reinterpret_cast<float*>(w1));
         break;
       default:
         break;
     }
     consumer_sync();  // every thread's reads of the stage and its stores are done
+    stamp(P, idx, 3);
     if (tid == 0) {
+      st_release_cta(s.ended, i + 1);  // the signaller releases the task's counter
+      if (kind == KDA) bulk_wait_read();  // the new state has left the stages
       for (int k = 0; k < nst; ++k) mbar_arrive(&s.empty[k == 0 ? stage : stage1]);
-      if (sig >= 0) red_release(P.cnt + sig, 1);
       if (kind == KDA && P.kda_quiet) mbar_arrive(s.quiet);
     }
-    stamp(P, idx, 3);
     for (int k = 0; k < nst; ++k)
       if (++stage == P.stages) { stage = 0; phase ^= 1; }
+  }
+}
+
+// ---- the signaller ---------------------------------------------------------------------------------------
+
+// Releases the counters of the tasks the consumers ended, in list order, so that no consumer waits for its
+// stores to be acknowledged (a release waits for every earlier store of the CTA it has seen: under a full
+// stream of copies, a round trip to L2 of a microsecond or more per task). Whatever has ended since its last
+// look goes under one fence: fence.acq_rel.gpu then relaxed adds is a release of each (the consumers' stores
+// reach it through their barrier and the release/acquire of `ended` in shared memory).
+__device__ void signaller(const Params& P, const Smem& s) {
+  int n = 0;  // the list's tasks (the table pads a list at its end)
+  while (n < P.max_tasks && s.tasks[n * FIELDS] != NONE) ++n;
+  int signalled = 0;
+  while (signalled < n) {
+    const int ended = ld_acquire_cta(s.ended);
+    if (ended == signalled) {
+      __nanosleep(32);  // (the spin shares its SM sub-partition with two consumer warps)
+      continue;
+    }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    for (; signalled < ended; ++signalled) {
+      const int sig = s.tasks[signalled * FIELDS + 6];
+      if (sig >= 0) red_relaxed(P.cnt + sig, 1);
+    }
   }
 }
 
@@ -805,11 +891,13 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
     }
     mbar_init(s.routed, 1);
     mbar_init(s.quiet, 1);
+    *s.ended = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (tid >= CONSUMERS) {  // the weights stream before the previous launch has ended (PDL)
-    if (tid == CONSUMERS) loader(P, s);
+    if (tid == LOADER) loader(P, s);
+    if (tid == SIGNALLER) signaller(P, s);
     return;
   }
   // under programmatic dependent launch the next launch may start as this one's CTAs leave their SMs; its
@@ -823,6 +911,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
   const int gen = s.misc[0];
   consumers(P, s, gen);
   if (tid == 0) {
+    bulk_wait_all();  // a KDA task's state stores, complete before this CTA ends
     const int arrived = atom_acq_rel(P.cnt + P.done, 1);
     if (arrived == gen * P.programs - 1) red_release(P.cnt + P.epoch, 1);  // the next launch's generation
   }
