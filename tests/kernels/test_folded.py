@@ -1,0 +1,50 @@
+"""The chain's hops folded into its kernels (bench/persistent_layer_gpu.py's "chain6"): a one-token GEMV with the
+RMSNorm before it recomputed by every program, against the norm kernel then the GEMV's reference."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on CPU
+
+from lingls.kernels import gemv as G  # noqa: E402
+from lingls.kernels import norm as Nm  # noqa: E402
+from tests.kernels.conftest import rel  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("n,k,swiglu,add,split_k", [(24, 320, False, True, None), (16, 200, True, False, 2),
+                                                    (40, 256, False, False, 1)])
+def test_folded_norm_gemv_matches_norm_then_gemv(poisoned, n, k, swiglu, add, split_k):
+    """nw * RMSNorm(x (+ add)) @ W^T in one launch == the norm's reference then the GEMV's; the first program's
+    copies of h (the new residual) and of the normed row equal the norm's."""
+    gen = torch.Generator().manual_seed(n + k)
+    r = lambda *s, scale=1.0, mean=0.0: (mean + torch.randn(*s, generator=gen) * scale).to(DEV, torch.bfloat16)  # noqa: E731
+    x, w, nw = r(1, k, scale=3.0), r(2 * n if swiglu else n, k, scale=k ** -0.5), r(k, scale=0.1, mean=1.0)
+    a = r(1, k) if add else None
+    h_out, x_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    # the norm kernel itself (under the interpreter its fp32 -> bf16 casts differ from torch's in the last bit)
+    want_x, want_h = Nm.fused_add_rms_norm(x, None if a is None else a.clone(), nw, 1e-6)
+    want = G.gemv_reference(want_x, w, None, swiglu, 0.7 if swiglu else 0.0)
+    out = torch.full((1, n), float("nan"), dtype=torch.float32, device=DEV)
+    G.gemv(x, w, None, swiglu, 0.7 if swiglu else 0.0, out=out, split_k=split_k, block_n=8, block_k=64, fma=True,
+           norm=G.NormIn(nw, 1e-6, add=a, h_out=h_out if add else None, x_out=x_out))
+    exact = G.gemv_reference(want_x.float(), w.float(), None, swiglu, 0.7 if swiglu else 0.0)
+    assert rel(out, exact) < 1e-5
+    assert torch.equal(x_out, want_x)
+    if add:
+        assert torch.equal(h_out, want_h)
+    y = G.gemv(x, w, None, swiglu, 0.7 if swiglu else 0.0, block_n=8, block_k=64, fma=True, norm=G.NormIn(nw, 1e-6, a))
+    assert rel(y, want) < 1e-2
+
+
+def test_folded_norm_refuses_what_it_cannot_do():
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError):
+        G.NormIn(torch.ones(64, dtype=torch.bfloat16), 1e-6).check(x, True)
+    with pytest.raises(ValueError):
+        G.NormIn(torch.ones(64, dtype=torch.bfloat16), 1e-6, x_out=x[:1]).check(x[:1], True)
+    with pytest.raises(ValueError):
+        G.NormIn(torch.ones(64), 1e-6).check(x[:1], True)
+    del w
