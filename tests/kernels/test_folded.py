@@ -48,3 +48,32 @@ def test_folded_norm_refuses_what_it_cannot_do():
     with pytest.raises(ValueError):
         G.NormIn(torch.ones(64), 1e-6).check(x[:1], True)
     del w
+
+
+@pytest.mark.parametrize("conf", [(128, 512, 16, 16, 8, 8, 4, True), (64, 64, 16, 24, 4, 8, 4, False)],
+                         ids=["flash-router", "wide-shared"])
+def test_moe_with_folded_norm_and_routing_in_the_expert_kernels(poisoned, conf):
+    """fused_moe(norm=..., route_in=True) (three launches: the router with the post-attention norm folded in,
+    then gate-up and down each routing for themselves) == the norm kernel then the four-launch MoE, bit for bit,
+    whose routing is the reference router's (checked here too); the residual and normed row it writes equal
+    the norm kernel's."""
+    from lingls.kernels import moe as M
+    from tests.kernels.test_moe import check_routing, make
+    h, e, i, i_s, k, g, tg, normalize = conf
+    gen = torch.Generator().manual_seed(h + e)
+    w = make(gen, h, e, i, i_s)
+    a = torch.randn(1, h, generator=gen).to(DEV, torch.bfloat16)
+    res = (torch.randn(1, h, generator=gen) * 4).to(DEV, torch.bfloat16)
+    nw = (1.0 + 0.1 * torch.randn(h, generator=gen)).to(DEV, torch.bfloat16)
+    cfg = dict(top_k=k, n_group=g, topk_group=tg, normalize=normalize, scale=2.5, limit=0.0, shared_limit=0.0)
+    x2, h1 = Nm.fused_add_rms_norm(a, res.clone(), nw, 1e-6)
+    want, tw, ti = M.fused_moe(x2, *w, return_routing=True, **cfg)
+    check_routing(x2, w, cfg, tw, ti)
+    assert rel(want, M.fused_moe_reference(x2, *w, routing=(tw, ti), **cfg)) < 1e-2
+    h_out, x_out = torch.full_like(a, float("nan")), torch.full_like(a, float("nan"))
+    got = M.fused_moe(a, *w, norm=G.NormIn(nw, 1e-6, add=res, h_out=h_out, x_out=x_out), route_in=True, **cfg)
+    assert torch.equal(h_out, h1) and torch.equal(x_out, x2)
+    assert torch.equal(got, want)
+    assert torch.equal(M.fused_moe(x2, *w, route_in=True, **cfg), want)
+    with pytest.raises(ValueError):
+        M.fused_moe(x2, *w, route_in=True, return_routing=True, **cfg)
