@@ -77,3 +77,40 @@ def test_moe_with_folded_norm_and_routing_in_the_expert_kernels(poisoned, conf):
     assert torch.equal(M.fused_moe(x2, *w, route_in=True, **cfg), want)
     with pytest.raises(ValueError):
         M.fused_moe(x2, *w, route_in=True, return_routing=True, **cfg)
+
+
+def test_folded_kernels_compile_for_h200():
+    """The folded variants at flash's TP=4 rank shapes (the KDA projection's GEMV with the input norm and the
+    residual add, the router with the post-attention norm, gate-up and down routing for themselves) through
+    the GPU compiler and ptxas for sm_90. Not spill-free: the projection GEMV spills 56 bytes a thread (its
+    10 weight tiles in registers beside the row's norm inputs), gate-up 32 (the routing's [512] vectors on two
+    warps); `pytest -k compile -s` prints the usage lines."""
+    from tests.kernels.test_kda import compile_for_sm90
+    lines = compile_for_sm90("""
+        from lingls.kernels import gemv, moe
+        norm = dict(add_ptr="*bf16", nw_ptr="*bf16", h_out_ptr="*bf16", x_out_ptr="*bf16", eps="fp32")
+        build(gemv._gemv_kernel, dict(norm, x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16",
+              part_ptr="*fp32", cnt_ptr="*i32", limit="fp32"),
+              dict(BLOCK_N=8, BLOCK_K=256, K_ITERS=10, SPLIT_K=1, SWIGLU=False, HAS_RES=False, FMA=True, USE_PDL=2,
+                   F32_DOT=False, NORM=2, K_PAD=4096, WRITE_H=True), 4, True, divisible=("N", "K", "K_PER"))
+        build(moe._router_kernel, dict(norm, x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32"),
+              dict(BLOCK_E=8, BLOCK_K=128, K_ITERS=5, FMA=True, USE_PDL=2, F32_DOT=False, NORM=2, K_PAD=4096,
+                   WRITE_H=True, WRITE_X=True), 4, True, divisible=("E", "H", "K_PER"))
+        route = dict(ROUTE_IN=True, R_SPLIT=4, K_PAD=8, G=8, G_PAD=8, EPG=64, EPG_PAD=64, E_PAD=512, TOPK_GROUP=4,
+                     NORMALIZE=True)
+        tables = dict(rpart_ptr="*fp32", bias_ptr="*fp32", scale="fp32")
+        build(moe._gate_up_kernel, dict(tables, x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
+              owned_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32",
+              shared_limit="fp32"),
+              dict(route, BLOCK_I=4, BLOCK_K=256, K_ITERS=10, I_PAD=256, SPLIT_K=1, FMA=True, USE_PDL=1,
+                   F32_DOT=False, EARLY_SHARED=True, DEDUP=False, TOP_K=8, D_PAD=16),
+              2, True, divisible=("H", "E", "INTER", "I_S", "K_PER"))
+        build(moe._down_kernel, dict(tables, act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32",
+              owned_ptr="*i32", wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+              dict(route, D_PER=9, D_PER_PAD=16, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256,
+                   HAS_RES=False, FMA=True, AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False, TOP_K=8), 4, True,
+              divisible=("H", "E", "INTER", "I_S"))
+    """)
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert "LOCAL:0 " in line, line
