@@ -393,7 +393,8 @@ def main(argv: list[str]) -> int:
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
     for name, c in result["check"]["folded"].items():
         print(f"  {name}: residual vs chain {c['out_vs_chain']:.2e} (equal: {c['out_equal_chain']}), next input vs "
-              f"chain {c['next_input_vs_chain']:.2e} (equal: {c['next_input_equal_chain']}), vs ref {c['out_vs_ref']:.2e}")
+              f"chain {c['next_input_vs_chain']:.2e} (equal: {c['next_input_equal_chain']}), "
+              f"vs ref {c['out_vs_ref']:.2e}")
     for name, ts in timings.items():
         print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor"
               f"  {min(ts) / min(timings['chain']):.2f}x chain")

@@ -414,7 +414,8 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
                  D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
                  FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, TOP_K: tl.constexpr = 1, ROUTE_IN: tl.constexpr = False, R_SPLIT: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
+                 F32_DOT: tl.constexpr, TOP_K: tl.constexpr = 1, ROUTE_IN: tl.constexpr = False,
+                 R_SPLIT: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
                  G: tl.constexpr = 1, G_PAD: tl.constexpr = 1, EPG: tl.constexpr = 1, EPG_PAD: tl.constexpr = 1,
                  E_PAD: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, NORMALIZE: tl.constexpr = False):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
@@ -665,7 +666,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     gu_cnt = counters(dev, h_blocks + d_max * i_blocks)[h_blocks:]  # past the down kernel's, which may overlap
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, part, expert_bias, t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), float(scale), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
+        float(limit), float(shared_limit), float(scale), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k,
+        K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, DEDUP=dedup, TOP_K=top_k, D_PAD=triton.next_power_of_2(d_max),
         **inline, num_warps=k["gu_warps"], num_stages=3, **launch)
