@@ -1,12 +1,16 @@
 """One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
 launches, in the same run.
 
-    python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
+    python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...] [CHAIN,...]
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
-CUDA C++ runner of `persistent_cuda` on the norm_tasks tables, as a programmatic dependent launch or not),
-cuda_f1, cuda_f2, cuda_f3, cuda_f5 (the runner with 1, 2, 3, 5 ring stages in flight; `cuda` has the default);
-default: norm_tasks, cuda+tl, cuda_nopdl. +tl: record that variant's timeline too.
+CUDA C++ runner of `persistent_cuda` on the local_route tables, as a programmatic dependent launch or not),
+cuda_f2, cuda_f3 (2, 3 ring stages in flight; `cuda` has the default, 1), cuda_free (the projection's and
+the routed experts' copies fill the whole ring, unlimited), cuda_loud (no quiet loader during a KDA task);
+default: cuda+tl, cuda_f2, cuda_free, cuda_loud. +tl: record that variant's timeline too; "none": no persistent
+variant. CHAIN: the chains of launches timed beside "chain" (default: chain6, chain7; "none": only "chain"):
+chain7 = the chain with its two RMSNorms folded into the GEMVs after them (7 launches per layer), chain6 = that
+and the routing folded into the expert kernels (6 launches).
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -14,6 +18,7 @@ default: norm_tasks, cuda+tl, cuda_nopdl. +tl: record that variant's timeline to
   replay over all of them, median of many replays, per layer:
   chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
           norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
+  chain7 / chain6 = `folded_layer`'s launches (the hops of the chain folded into its kernels);
   persistent = one `persistent.launch` (Triton) or `persistent_cuda.launch` (CUDA C++) per layer.
   Variants (`variants`): the RMSNorms as tasks of their own or recomputed by every consumer task; twice the
   rows per GEMV task; the CUDA runner.
@@ -63,6 +68,37 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
     return x
 
 
+def folded_layer(m, res, w: pk.LayerWeights, state, conv, s: pk.LayerShape, h_buf, h1_buf, x2_buf,
+                 route_in: bool):
+    """`chain_layer` with its hops folded into the kernels after them: the input norm (with the residual add of
+    the previous layer's MoE output m) recomputed by every program of the projection GEMV, the post-attention
+    norm (with the attention output's residual add) by every router program, and with route_in the routing by
+    every program of the expert kernels: 6 launches per layer (7 without route_in), 9 in the chain.
+    m: the previous layer's MoE output, None at the first layer (res is then its input, left as it is);
+    res: the residual stream before m. The new residual streams go to h_buf (after attention's input) and
+    h1_buf (after its output; x2_buf: the MoE's normed input), never the buffers the same kernel reads.
+    Returns (m, residual) for the next layer, whose input is their sum's norm."""
+    c = s.channels
+    if m is None:
+        p = gemv.gemv(res, w.proj, pdl=True, norm=gemv.NormIn(w.in_norm, s.eps))
+        h = res
+    else:
+        p = gemv.gemv(m, w.proj, pdl=True, norm=gemv.NormIn(w.in_norm, s.eps, add=res, h_out=h_buf))
+        h = h_buf
+    q, k, v, f, g, b = p.split([c, c, c, c, c, s.heads], dim=1)
+    o = kda.fused_kda_step(q, k, v, f, b, g, conv, w.conv, w.a_log, w.dt_bias, w.o_norm, state,
+                           lower_bound=s.lower_bound, eps=s.eps, pdl=True)
+    a = gemv.gemv(o, w.o_proj, pdl=True)
+    m = moe.fused_moe(a, w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down,
+                      top_k=s.top_k, n_group=s.n_group, topk_group=s.topk_group, normalize=True, scale=s.scale,
+                      pdl=True, norm=gemv.NormIn(w.post_norm, s.eps, add=h, h_out=h1_buf, x_out=x2_buf),
+                      route_in=route_in)
+    return m, h1_buf
+
+
+CHAINS = {"chain7": False, "chain6": True}  # name: route_in
+
+
 BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
 
 
@@ -70,24 +106,32 @@ def _triton(h, out, w, st, cv, schedule, ws, table, timeline=False):
     return pk.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline)
 
 
-def _cuda(pdl, inflight=pc.INFLIGHT):
+def _cuda(pdl=True, **kw):
     def launch(h, out, w, st, cv, schedule, ws, table, timeline=False):
-        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, inflight=inflight)
+        return pc.launch(h, out, w, st, cv, schedule, ws, table, timeline=timeline, pdl=pdl, **kw)
     return launch
 
 
+TRITON = dict(norm_tasks=True)
+RECOMPUTE = dict(norm_tasks=False)
+CUDA = dict(norm_tasks=False, local_route=True)
+
+
 def variants(program_counts: list[int], only: list[str] | None = None) -> list[tuple]:
-    """(name, programs, shape with its tile sizes, norm_tasks, launch): the norms as tasks or recomputed by
-    every consumer; twice the rows per GEMV task (twice the bytes each task has in flight); the CUDA runner."""
+    """(name, programs, shape with its tile sizes, build_schedule's options, launch): the Triton kernel with
+    the norms as tasks or recomputed by every consumer, twice the rows per GEMV task (twice the bytes each
+    task has in flight); the CUDA runner and its loader's policies."""
     base = pk.LayerShape()
     out = []
     for p in program_counts:
-        out += [(f"persistent_p{p}_norm_tasks", p, base, True, _triton),
-                (f"persistent_p{p}_recompute", p, base, False, _triton),
-                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), True, _triton),
-                (f"persistent_p{p}_cuda", p, base, True, _cuda(True)),
-                (f"persistent_p{p}_cuda_nopdl", p, base, True, _cuda(False))]
-        out += [(f"persistent_p{p}_cuda_f{n}", p, base, True, _cuda(True, n)) for n in (1, 2, 3, 5)]
+        out += [(f"persistent_p{p}_norm_tasks", p, base, TRITON, _triton),
+                (f"persistent_p{p}_recompute", p, base, RECOMPUTE, _triton),
+                (f"persistent_p{p}_norm_tasks_2x_rows", p, pk.LayerShape(**BIG_TILES), TRITON, _triton),
+                (f"persistent_p{p}_cuda", p, base, CUDA, _cuda()),
+                (f"persistent_p{p}_cuda_nopdl", p, base, CUDA, _cuda(False)),
+                (f"persistent_p{p}_cuda_free", p, base, CUDA, _cuda(free_kinds=(pk.PROJ, pk.EXPERT_GU, pk.DOWN))),
+                (f"persistent_p{p}_cuda_loud", p, base, CUDA, _cuda(kda_quiet=False))]
+        out += [(f"persistent_p{p}_cuda_f{n}", p, base, CUDA, _cuda(inflight=n)) for n in (2, 3)]
     return [v for v in out if only is None or v[0].split("_", 2)[2] in only]
 
 
@@ -193,7 +237,9 @@ def main(argv: list[str]) -> int:
     out_dir = Path(argv[0]) if argv else Path(".")
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
-    asked = argv[3].split(",") if len(argv) > 3 else ["norm_tasks", "cuda+tl", "cuda_nopdl"]
+    asked = argv[3].split(",") if len(argv) > 3 else ["cuda+tl", "cuda_f2", "cuda_free", "cuda_loud"]
+    chains = argv[4].split(",") if len(argv) > 4 else list(CHAINS)
+    chains = [c for c in chains if c != "none"]
     only = [a.removesuffix("+tl") for a in asked]
     with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,8 +270,22 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check, outs = {}, {}
-    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
-        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
+    folded_check = {}
+    for name in chains:
+        bufs = [torch.full_like(h0, float("nan")) for _ in range(3)]
+        f_st, f_cv, f_in = st0.clone(), cv0.clone(), h0.clone()
+        m, r = folded_layer(None, f_in, w, f_st, f_cv, s, *bufs, route_in=CHAINS[name])
+        fx, _ = norm.fused_add_rms_norm(m, r, final_norm, s.eps)
+        wait_or_die(f"{name}, first launch")
+        cx, _ = norm.fused_add_rms_norm(res, None, final_norm, s.eps)  # the chain's next input, from its residual
+        folded_check[name] = dict(out_vs_ref=rel(r, expect), out_vs_chain=rel(r, res),
+                                  out_equal_chain=bool(torch.equal(r, res)), next_input_vs_chain=rel(fx, cx),
+                                  next_input_equal_chain=bool(torch.equal(fx, cx)), state_vs_ref=rel(f_st, ref_st),
+                                  state_equal_chain=bool(torch.equal(f_st, ch_st)), input_unchanged=bool(
+                                      torch.equal(f_in, h0)))
+        print(f"check {name}: {folded_check[name]}", flush=True)
+    for name, programs, shape, options, run in variants(program_counts, only):
+        schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         ps_st, ps_cv = st0.clone(), cv0.clone()
@@ -243,14 +303,16 @@ def main(argv: list[str]) -> int:
         if run is _triton:
             check[name].update(registers=compiled.n_regs, spills=compiled.n_spills)
         else:
-            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT)
+            check[name].update(ring=dataclasses.asdict(pc.smem_plan(schedule)), default_inflight=pc.INFLIGHT,
+                               default_free_kinds=[pk.KIND_NAMES[k] for k in pc.FREE_KINDS])
             tri = outs.get(f"persistent_p{programs}_norm_tasks")
             if tri is not None:
                 check[name].update(out_vs_triton=rel(out, tri[0]), out_equal_triton=bool(torch.equal(out, tri[0])),
                                    state_vs_triton=rel(ps_st, tri[1]))
             check[name]["graph_generations"] = graph_check(schedule, run, dev)
         print(f"check {name}: {check[name]}", flush=True)
-    result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check)
+    result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check,
+                           folded=folded_check)
     print(f"chain vs ref: out {result['check']['chain_vs_ref']:.2e}, state {result['check']['chain_state_vs_ref']:.2e}",
           flush=True)
 
@@ -274,14 +336,27 @@ def main(argv: list[str]) -> int:
         wait_or_die("graph replay")
         return g
 
-    graphs = {"chain": graph(chain_all)}
-    tl_graphs = {}
     # a captured graph holds its buffers' addresses, not the tensors: every variant's workspace and table stay
     # referenced here until the end, or the allocator hands their memory to the next variant, whose counters
     # or timeline stamps would then overwrite an earlier graph's task table or counters
     alive = []
-    for name, programs, shape, norm_tasks, run in variants(program_counts, only):
-        schedule = pk.build_schedule(shape, programs, norm_tasks=norm_tasks)
+    graphs = {"chain": graph(chain_all)}
+    for name in chains:
+        bufs = [torch.empty_like(h0) for _ in range(3)]
+        f_res = torch.empty_like(h0)
+
+        def folded_all(bufs=bufs, f_res=f_res, route_in=CHAINS[name]):
+            f_res.copy_(h0)
+            m, r = None, f_res
+            for lw, (st, cv) in zip(layers, states):
+                m, r = folded_layer(m, r, lw, st, cv, s, *bufs, route_in=route_in)
+            norm.fused_add_rms_norm(m, r, final_norm, s.eps, pdl=True)  # the chain's last launch, as there
+
+        graphs[name] = graph(folded_all)
+        alive.append((bufs, f_res))
+    tl_graphs = {}
+    for name, programs, shape, options, run in variants(program_counts, only):
+        schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
         table = schedule.table.to(dev)
         alive.append((ws, table))
@@ -316,6 +391,10 @@ def main(argv: list[str]) -> int:
 
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
+    for name, c in result["check"]["folded"].items():
+        print(f"  {name}: residual vs chain {c['out_vs_chain']:.2e} (equal: {c['out_equal_chain']}), next input vs "
+              f"chain {c['next_input_vs_chain']:.2e} (equal: {c['next_input_equal_chain']}), "
+              f"vs ref {c['out_vs_ref']:.2e}")
     for name, ts in timings.items():
         print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor"
               f"  {min(ts) / min(timings['chain']):.2f}x chain")

@@ -221,6 +221,7 @@ class Schedule:
     epoch: int  # the epoch cell's index in the counters
     done: int  # the arrivals counter's index
     norm_tasks: bool  # see `layer_tasks`
+    local_route: bool = False  # see `layer_tasks`
 
     @property
     def max_tasks(self) -> int:
@@ -234,11 +235,16 @@ def _counters(shape: LayerShape) -> dict:
     return {n: i for i, n in enumerate(names)}
 
 
-def layer_tasks(shape: LayerShape, norm_tasks: bool = True) -> tuple[list[Task], dict]:
+def layer_tasks(shape: LayerShape, norm_tasks: bool = True, local_route: bool = False) -> tuple[list[Task], dict]:
     """The layer's tasks in a topological order, with what each reads and writes (for `check_schedule`).
     norm_tasks: the two RMSNorms are tasks of their own (NORM tile 0: the input norm; tile 1: the residual add
     and the post-attention norm) whose outputs the GEMV tasks read; otherwise every consumer task recomputes
-    the norm it needs from the residual stream (no dependent hop, but a reduction over H per task)."""
+    the norm it needs from the residual stream (no dependent hop, but a reduction over H per task).
+    local_route (without norm_tasks): no ROUTE task; every program that hosts routed tasks (EXPERT_GU, DOWN)
+    routes for itself from the router's logits at its first routed task, so each routed task waits for the
+    router's tiles and reads their logits (the CUDA runner; one hop fewer, the routing on every such SM)."""
+    if local_route and norm_tasks:
+        raise ValueError("local_route recomputes the norms in their consumers: use it with norm_tasks=False")
     s, c, H, bf = shape, shape.channels, shape.hidden, 2
     cnt = _counters(shape)
     tasks: list[Task] = []
@@ -283,17 +289,23 @@ def layer_tasks(shape: LayerShape, norm_tasks: bool = True) -> tuple[list[Task],
     for t in range(n_sgu):
         tasks.append(Task(SHARED_GU, t, [x2_wait], cnt["act"], x2_in, {("act", 0, t)},
                           weight_bytes=2 * s.gu_rows * H * bf, latency_us=1.0))
-    tasks.append(Task(ROUTE, 0, [(cnt["router"], n_router)], cnt["route"], {("logit", t) for t in range(n_router)},
-                      {"route"}, latency_us=4.0))
+    logits = {("logit", t) for t in range(n_router)}
+    if local_route:  # the routing is each routed task's own first step (once per program): it waits for the logits
+        route_wait, route_reads = (cnt["router"], n_router), logits
+    else:
+        tasks.append(Task(ROUTE, 0, [(cnt["router"], n_router)], cnt["route"], logits, {"route"}, latency_us=4.0))
+        route_wait, route_reads = (cnt["route"], 1), {"route"}
     for j in range(s.top_k):
         for t in range(n_egu):
-            tasks.append(Task(EXPERT_GU, j * n_egu + t, [x2_wait, (cnt["route"], 1)], cnt["act"],
-                              x2_in | {"route"}, {("act", 1 + j, t)}, late_bytes=2 * s.gu_rows * H * bf,
-                              latency_us=1.0))
+            # local_route: the router's tiles each waited for the output projection, so the wait for the router
+            # covers the post-attention norm's inputs too
+            tasks.append(Task(EXPERT_GU, j * n_egu + t, [route_wait] if local_route else [x2_wait, route_wait],
+                              cnt["act"], x2_in | route_reads, {("act", 1 + j, t)},
+                              late_bytes=2 * s.gu_rows * H * bf, latency_us=1.0))
     acts = {("act", 0, t) for t in range(n_sgu)} | {("act", 1 + j, t) for j in range(s.top_k) for t in range(n_egu)}
     for t in range(n_down):
-        tasks.append(Task(DOWN, t, [(cnt["route"], 1), (cnt["act"], n_sgu + s.top_k * n_egu)], cnt["out"],
-                          h1_in | {"route"} | acts, {("out", t)}, weight_bytes=s.down_rows * s.shared_inter * bf,
+        tasks.append(Task(DOWN, t, [route_wait, (cnt["act"], n_sgu + s.top_k * n_egu)], cnt["out"],
+                          h1_in | route_reads | acts, {("out", t)}, weight_bytes=s.down_rows * s.shared_inter * bf,
                           late_bytes=s.top_k * s.down_rows * s.inter * bf, latency_us=1.0))
     for i, t in enumerate(tasks):
         t.index = i
@@ -301,14 +313,14 @@ def layer_tasks(shape: LayerShape, norm_tasks: bool = True) -> tuple[list[Task],
 
 
 def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, hop_us: float = 1.0,
-                   norm_tasks: bool = True) -> Schedule:
+                   norm_tasks: bool = True, local_route: bool = False) -> Schedule:
     """Deal the layer's tasks to `programs` programs by a list schedule over a simple model (each program
     streams at bandwidth / programs; a task's inputs are ready `hop_us` after its last producer ends; weights
     requested before the wait stream during it). Tasks are taken in the topological order and each goes to the
     program where it would end first, appended to its list, so every list is in topological order. A wait on a
     counter an earlier task of the same program already waited for is left out of the table (its slot -1): the
     count has been reached, and a poll costs a round trip to L2."""
-    tasks, cnt = layer_tasks(shape, norm_tasks)
+    tasks, cnt = layer_tasks(shape, norm_tasks, local_route)
     per_us = bandwidth / programs / 1e6  # bytes per us per program
     free = [0.0] * programs
     ends_by_counter: dict[int, float] = {}
@@ -336,7 +348,7 @@ def build_schedule(shape: LayerShape, programs: int, bandwidth: float = 4.0e12, 
             reached.update(c for c, _ in t.waits)
             table[p, i] = torch.tensor([t.kind, t.tile, waits[0][0], waits[0][1], waits[1][0], waits[1][1], t.signal,
                                         t.index], dtype=torch.int32)
-    return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"], norm_tasks)
+    return Schedule(shape, programs, tasks, table, len(cnt), cnt["epoch"], cnt["done"], norm_tasks, local_route)
 
 
 def _table_tasks(schedule: Schedule) -> list[list[tuple]]:
@@ -439,24 +451,32 @@ ROUTED_WEIGHTS = (EXPERT_GU, DOWN)  # tasks whose weights' address depends on th
 
 
 def check_loader(schedule: Schedule) -> None:
-    """Prove that the CUDA runner's loader (`persistent_cuda`) is safe on these tables; raise AssertionError if not.
+    """Prove that the CUDA runner (`persistent_cuda`) cannot deadlock on these tables and copies only the chosen
+    experts' rows; raise AssertionError if not.
 
-    The loader walks a program's list in order, ahead of its consumers, and waits for no counter except before
-    the copies of a task whose weights depend on the routing (EXPERT_GU, DOWN: it reads the chosen experts),
-    where it waits for the ROUTE counter named in that task's table row. So every such task must carry the
-    routing wait itself or follow, in its program's list, a task that carried it (the loader passed that
-    wait first; counts only grow). Then the loader's waits are a subset of the waits its consumers make at
-    the same task or earlier, and `check_schedule`'s executions bound them: whenever the consumers reach a
-    task, the loader can have issued its copies, so the ring (stages freed in list order) cannot deadlock,
-    and the experts it reads were chosen before it reads them."""
-    route = _counters(schedule.shape)["route"]
+    The runner routes on every program that hosts routed tasks (a `local_route` schedule): its consumers, on
+    reaching the program's first routed task (EXPERT_GU, DOWN) and before anything else of that task, wait for
+    the router counter, compute the routing from the logits into shared memory and hand it to the loader.
+    The loader walks the list in order, ahead of the consumers, and waits for nothing but free ring stages,
+    that routing (before the first routed task's copies) and the end of a KDA task (so no copy queues ahead
+    of the recurrence's own loads); the last two are the consumers' own progress at the same task, which
+    needs only copies the loader issued before it. So the loader cannot block its consumers if the routing
+    can complete: every program's first routed task must carry the wait for the router's tiles in its table
+    row (or follow a task of the list that did; counts only grow), and no router tile may come after it in
+    the same list (the consumers would wait for their own later task). `check_schedule` covers the rest."""
+    assert schedule.local_route and not schedule.norm_tasks, "the CUDA runner runs local_route schedules"
+    router = _counters(schedule.shape)["router"]
     for p, lst in enumerate(_table_tasks(schedule)):
-        routed_known = False
+        waited, first_routed = False, None
         for i, waits, _ in lst:
-            routed_known |= any(c == route for c, _ in waits)
-            if schedule.tasks[i].kind in ROUTED_WEIGHTS:
-                assert routed_known, f"program {p}: task {i} ({KIND_NAMES[schedule.tasks[i].kind]}) would copy " \
-                    "its experts' rows before any wait for the routing"
+            kind = schedule.tasks[i].kind
+            waited |= any(c == router for c, _ in waits)
+            if kind in ROUTED_WEIGHTS and first_routed is None:
+                first_routed = i
+                assert waited, f"program {p}: task {i} ({KIND_NAMES[kind]}) would route before the router's " \
+                    "tiles are all written"
+            assert not (kind == ROUTER and first_routed is not None), \
+                f"program {p}: router tile task {i} after the routed task {first_routed} that waits for it"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -916,6 +936,8 @@ def launch(h, out, w: LayerWeights, state, conv_state, schedule: Schedule, ws: W
            timeline: bool = False, num_warps: int = 8):
     """`persistent_layer`'s launch; returns Triton's compiled kernel (its registers and spills, for benchmarks)."""
     s = schedule.shape
+    if schedule.local_route:
+        raise ValueError("this kernel runs the ROUTE task; local_route schedules are the CUDA runner's")
     if h.shape != (1, s.hidden) or out.shape != h.shape:
         raise ValueError(f"h and out must be [1, {s.hidden}], got {tuple(h.shape)}, {tuple(out.shape)}")
     if state.shape != (s.heads, s.head_dim, s.head_dim) or state.dtype != torch.float32:

@@ -1,12 +1,15 @@
 """The persistent KDA + MoE layer as a warp-specialised CUDA C++ kernel (csrc/persistent_layer.cu).
 
-Runs the task tables of `persistent.build_schedule` (norm tasks; proven by `persistent.check_schedule` and
-`persistent.check_loader`) with one CTA per SM: a loader warp streams every task's weights into a ring of
-shared-memory stages with 1-D bulk async copies, running ahead of the consumers across task boundaries (only
-the routed experts' rows wait for the routing), and eight consumer warps wait for a stage and the task's
-input counters, multiply from shared memory and signal. Why: the Triton kernel of `persistent` held one task's
-weights in flight per SM (a program at 255 registers), 2.1x slower than the chain of launches
-(docs/kernel-log.md); here each SM keeps up to `stages` tasks' bytes in flight.
+Runs the task tables of `persistent.build_schedule(shape, programs, norm_tasks=False, local_route=True)`
+(proven by `persistent.check_schedule` and `persistent.check_loader`) with one CTA per SM: a loader warp
+streams every task's weights into a ring of shared-memory stages with 1-D bulk async copies, running ahead of
+the consumers across task boundaries, and eight consumer warps wait for a stage and the task's input counters,
+multiply from shared memory and signal. There is no task for the RMSNorms or the routing: every CTA that needs
+a normed input recomputes it from the residual stream, and every CTA that hosts routed tasks routes for
+itself from the router's logits and then issues all its routed experts' copies at once. Why: the Triton kernel
+of `persistent` held one task's weights in flight per SM, 2.1x slower than the chain of launches, and the
+first version of this runner (norm and routing tasks, one CTA routing for all) spent its time in those hops
+(docs/kernel-log.md).
 
 The source is compiled on first use with nvcc (sm_90a) into a shared library cached under
 ~/.cache/lingls/persistent/ and launched through ctypes on the current stream, so a CUDA graph captures it.
@@ -33,21 +36,27 @@ SMEM_LIMIT = 227 * 1024  # a Hopper block's dynamic shared memory
 MAX_STAGES = 8
 CONSUMERS = 256  # the kernel's consumer threads
 RED_FLOATS = 8 * 32 + 32 + 8
-GEMV_ROWS = (8, 16, 32)
+MAX_TOPK = 16  # the routing the kernel keeps in shared memory (then one int: the tasks ended)
+GEMV_ROWS = (8, 16, 32)  # the row counts the kernel's GEMV is instantiated for (a warp per row)
 # stages in flight per SM: the bytes a loader has requested queue ahead of its consumers' own loads (inputs,
 # polls) on the way back to the SM, so more in flight than the bandwidth needs makes every dependent step
 # slower (first H200 run, a full ring of 5 x 40 KB in flight: 84 us per layer; see docs/kernel-log.md)
-INFLIGHT = 2  # the row counts the kernel's GEMV is instantiated for
+INFLIGHT = 1
+# kinds whose copies may fill the whole ring regardless (the projection at the layer's start, the routed
+# experts the moment the CTA's routing is known: `bench/persistent_layer_gpu.py`'s cuda_free); none by
+# default, as measured: with every copy in flight at once, every L2 round trip of the layer's hops queued
+# behind them (60.6 us per layer against 57.0 us limited, seventeenth session)
+FREE_KINDS = ()
 NVCC_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
 
 _ptr = ctypes.c_void_p
 _POINTERS = ["tasks", "cnt", "stamps", "h", "out", "in_norm", "proj", "conv_w", "a_log", "dt_bias", "o_norm", "o_proj",
              "post_norm", "router", "expert_bias", "gate_up", "down", "sgu", "sdn", "state", "conv", "p", "o", "a",
-             "logits", "topk_w", "topk_i", "act", "x", "h1", "x2"]
+             "logits", "topk_w", "topk_i", "act"]
 _FLOATS = ["eps", "q_scale", "lower_bound", "scale", "limit", "shared_limit"]
 _INTS = ["H", "NH", "D", "E", "I", "I_S", "I_PAD", "TOP_K", "G", "TOPK_GROUP", "proj_rows", "oproj_rows",
-         "router_rows", "gu_rows", "down_rows", "max_tasks", "programs", "epoch", "done", "route_counter", "stages",
-         "stage_bytes", "scratch_floats", "timeline", "inflight"]
+         "router_rows", "gu_rows", "down_rows", "max_tasks", "programs", "epoch", "done", "router_counter",
+         "router_need", "stages", "stage_bytes", "scratch_floats", "timeline", "inflight", "free_kinds", "kda_quiet"]
 
 
 class _Params(ctypes.Structure):
@@ -84,7 +93,7 @@ def smem_plan(schedule: pk.Schedule) -> RingPlan:
     scratch = max(5 * s.head_dim + 2 * CONSUMERS, 2 * s.experts + 2 * s.n_group)
     acts = (1 + s.top_k) * max(s.inter, s.shared_inter)
     rest = (_up(max(s.hidden, s.channels) * 2) + RED_FLOATS * 4 + _up(scratch * 4) + _up(acts * 4)
-            + _up(schedule.max_tasks * pk.FIELDS * 4) + 16 + 16)
+            + _up(schedule.max_tasks * pk.FIELDS * 4) + 16 + _up(4 * (2 + 2 * MAX_TOPK)))
     stages = min(MAX_STAGES, (SMEM_LIMIT - rest - 16 * MAX_STAGES) // stage)
     if stages < 2:
         raise ValueError(f"a stage of {stage} bytes leaves room for {stages} stages; the KDA task needs 2")
@@ -94,12 +103,16 @@ def smem_plan(schedule: pk.Schedule) -> RingPlan:
 def check_supported(schedule: pk.Schedule) -> None:
     """Refuse, with the reason, a schedule or shape the kernel does not run."""
     s = schedule.shape
-    if not schedule.norm_tasks:
-        raise ValueError("the CUDA runner runs the norm_tasks schedule (the norms as tasks of their own)")
+    if not schedule.local_route:
+        raise ValueError("the CUDA runner runs local_route schedules (norms recomputed, routing on every SM)")
+    if s.top_k > MAX_TOPK:
+        raise ValueError(f"top_k must be at most {MAX_TOPK}")
     for name, rows in (("proj_rows", s.proj_rows), ("oproj_rows", s.oproj_rows), ("router_rows", s.router_rows),
                        ("2 * gu_rows", 2 * s.gu_rows)):
         if rows not in GEMV_ROWS:
             raise ValueError(f"{name} = {rows}: the kernel's GEMV takes {GEMV_ROWS} rows")
+    if s.down_rows > 32:
+        raise ValueError("down_rows must be at most 32")
     if s.hidden % s.oproj_rows or s.experts % s.router_rows or s.hidden % s.down_rows:
         raise ValueError("the output projection's, router's and down rows must split into whole tiles")
     if s.hidden % 8 or s.channels % 8 or s.inter % 8 or s.shared_inter % 8:
@@ -167,11 +180,13 @@ def _check_tensors(h, out, w: pk.LayerWeights, state, conv_state, s: pk.LayerSha
 
 def launch(h: torch.Tensor, out: torch.Tensor, w: pk.LayerWeights, state: torch.Tensor, conv_state: torch.Tensor,
            schedule: pk.Schedule, ws: pk.Workspace, table: torch.Tensor | None = None, timeline: bool = False,
-           pdl: bool = True, inflight: int = INFLIGHT) -> torch.Tensor:
+           pdl: bool = True, inflight: int = INFLIGHT, free_kinds=FREE_KINDS, kda_quiet: bool = True) -> torch.Tensor:
     """The layer in one launch, as `persistent.persistent_layer`: h [1, H] -> out [1, H]; state and conv_state
     updated in place. `table`: the schedule's table on h's device (default: copied here). pdl: launched as a
     programmatic dependent launch, so its loader streams weights while the previous kernel finishes.
-    inflight: ring stages the loader keeps in flight at once (at most the ring's stages)."""
+    inflight: ring stages the loader keeps in flight at once (at most the ring's stages), except for tasks of
+    `free_kinds`, which may fill the whole ring. kda_quiet: the loader issues no copy past a KDA task until
+    that task has ended."""
     s = schedule.shape
     check_supported(schedule)
     _check_tensors(h, out, w, state, conv_state, s)
@@ -184,14 +199,15 @@ def launch(h: torch.Tensor, out: torch.Tensor, w: pk.LayerWeights, state: torch.
          "o_proj": w.o_proj, "post_norm": w.post_norm, "router": w.router, "expert_bias": w.expert_bias,
          "gate_up": w.gate_up, "down": w.down, "sgu": w.shared_gate_up, "sdn": w.shared_down, "state": state,
          "conv": conv_state, "p": ws.p, "o": ws.o, "a": ws.a, "logits": ws.logits, "topk_w": ws.topk_w,
-         "topk_i": ws.topk_i, "act": ws.act, "x": ws.x, "h1": ws.h1, "x2": ws.x2}
+         "topk_i": ws.topk_i, "act": ws.act}
     params = _Params(
         *(t[n].data_ptr() for n in _POINTERS),
         float(s.eps), s.head_dim ** -0.5, float(s.lower_bound), float(s.scale), float(s.limit), float(s.shared_limit),
         s.hidden, s.heads, s.head_dim, s.experts, s.inter, s.shared_inter, ws.act.shape[1], s.top_k, s.n_group,
         s.topk_group, s.proj_rows, s.oproj_rows, s.router_rows, s.gu_rows, s.down_rows, schedule.max_tasks,
-        schedule.programs, schedule.epoch, schedule.done, cnt["route"], plan.stages, plan.stage_bytes,
-        plan.scratch_floats, int(timeline), max(1, min(inflight, plan.stages)))
+        schedule.programs, schedule.epoch, schedule.done, cnt["router"], -(-s.experts // s.router_rows),
+        plan.stages, plan.stage_bytes, plan.scratch_floats, int(timeline), max(1, min(inflight, plan.stages)),
+        sum(1 << k for k in free_kinds), int(kda_quiet))
     err = library().lingls_persistent_layer(ctypes.byref(params), ctypes.sizeof(_Params), plan.smem_bytes, int(pdl),
                                             ctypes.c_void_p(torch.cuda.current_stream(h.device).cuda_stream))
     if err:

@@ -219,6 +219,7 @@ def build(fn, types, consts, num_warps=4, pdl=False, divisible=()):
     # as the JIT specializes a launch: pointers (torch's allocations are 16-byte aligned) and the integer
     # arguments named in `divisible` (sizes and strides that are multiples of 16 at the model's shapes) get
     # tt.divisibility 16, without which loads stay scalar and loops unpipelined
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: types.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     cx = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     div = [n for n in fn.arg_names if sig[n].startswith("*") or n in divisible]

@@ -111,38 +111,60 @@ def test_kernel_matches_reference(programs, norm_tasks):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The CUDA C++ runner (lingls.kernels.persistent_cuda) on the norm_tasks tables
+# The CUDA C++ runner (lingls.kernels.persistent_cuda) on the local_route tables: the norms recomputed by their
+# consumers, the routing by every program that hosts routed tasks
+
+LOCAL = dict(norm_tasks=False, local_route=True)
+
 
 @pytest.mark.parametrize("shape,programs", [(pk.LayerShape(), 132)] + [(TINY, p) for p in (1, 3, 40)])
 def test_cuda_runner_tables_are_proven(shape, programs):
-    """The tables the CUDA runner executes: `check_schedule` (the consumers' waits) is the test above's;
-    here `check_loader` (its loader copies routed experts' rows only after a wait for the routing) and the
-    runner's own limits, with a ring of at least two stages that fits a Hopper block's shared memory."""
+    """The tables the CUDA runner executes: `check_schedule` (the consumers' waits, every read after its
+    write under any interleaving, the routed tasks reading the logits), `check_loader` (the loader waits only
+    for its own CTA's routing and KDA tasks, which cannot deadlock), and the runner's own limits, with a ring
+    of at least two stages that fits a Hopper block's shared memory."""
     from lingls.kernels import persistent_cuda as pc
 
-    schedule = pk.build_schedule(shape, programs)
+    schedule = pk.build_schedule(shape, programs, **LOCAL)
+    pk.check_schedule(schedule, interleavings=2 if shape.hidden > 1000 else 30, seed=programs)
+    assert {t.kind for t in schedule.tasks} == set(range(1, 9)) - {pk.ROUTE}  # no ROUTE, no NORM task
     pc.check_supported(schedule)
     plan = pc.smem_plan(schedule)
     assert 2 <= plan.stages <= pc.MAX_STAGES and plan.smem_bytes <= pc.SMEM_LIMIT
     assert plan.stage_bytes >= max(pc.stage_bytes_by_kind(shape).values())
 
 
-def test_check_loader_refuses_routed_copies_before_the_routing():
+def test_local_route_needs_recomputed_norms():
+    with pytest.raises(ValueError, match="norm_tasks=False"):
+        pk.build_schedule(TINY, 3, norm_tasks=True, local_route=True)
+
+
+def test_check_loader_refuses_routing_before_the_router():
     from lingls.kernels import persistent_cuda as pc
 
-    schedule = pk.build_schedule(TINY, 3)
-    route = pk._counters(TINY)["route"]
+    schedule = pk.build_schedule(TINY, 3, **LOCAL)
+    router = pk._counters(TINY)["router"]
     table = schedule.table.clone()
-    for p in range(schedule.programs):  # every program's first wait for the routing dropped
-        hits = ((table[p, :, 2] == route) | (table[p, :, 4] == route)).nonzero()
+    for p in range(schedule.programs):  # every program's first wait for the router's tiles dropped
+        hits = ((table[p, :, 2] == router) | (table[p, :, 4] == router)).nonzero()
         if len(hits):
             i = hits[0, 0]
-            slot = 2 if table[p, i, 2] == route else 4
+            slot = 2 if table[p, i, 2] == router else 4
             table[p, i, slot:slot + 2] = torch.tensor([-1, 0])
-    with pytest.raises(AssertionError, match="before any wait for the routing"):
+    with pytest.raises(AssertionError, match="would route before"):
         pk.check_loader(dataclasses.replace(schedule, table=table))
-    with pytest.raises(ValueError, match="norm_tasks"):
-        pc.check_supported(pk.build_schedule(TINY, 3, norm_tasks=False))
+    # a router tile after the routed task that waits for it: the consumers would wait for themselves
+    one = pk.build_schedule(TINY, 1, **LOCAL)
+    table = one.table.clone()
+    kinds = table[0, :, 0].tolist()
+    r, g = kinds.index(pk.ROUTER), kinds.index(pk.EXPERT_GU)
+    table[0, [r, g]] = table[0, [g, r]]
+    with pytest.raises(AssertionError):
+        pk.check_loader(dataclasses.replace(one, table=table))
+    with pytest.raises(ValueError, match="local_route"):
+        pc.check_supported(pk.build_schedule(TINY, 3))
+    with pytest.raises(ValueError, match="local_route"):  # the Triton kernel runs the ROUTE task
+        pk.launch(None, None, None, None, None, schedule, None)
 
 
 def _nvcc():
@@ -152,14 +174,17 @@ def _nvcc():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _nvcc(), reason="needs CUDA and nvcc")
-@pytest.mark.parametrize("programs,pdl,inflight", [(p, pdl, None) for p in (1, 3, 40) for pdl in (True, False)]
-                         + [(3, True, 1), (40, True, 8)])
-def test_cuda_runner_matches_reference(programs, pdl, inflight):
-    """Two launches (the second on the next generation of the counters) against the plain-torch layer."""
+@pytest.mark.parametrize("programs,pdl,policy", [(p, pdl, {}) for p in (1, 3, 40) for pdl in (True, False)]
+                         + [(3, True, dict(inflight=2)), (40, True, dict(inflight=8)),
+                            (40, True, dict(free_kinds=(pk.PROJ, pk.EXPERT_GU, pk.DOWN))),
+                            (3, True, dict(kda_quiet=False))])
+def test_cuda_runner_matches_reference(programs, pdl, policy):
+    """Two launches (the second on the next generation of the counters) against the plain-torch layer; the
+    routing every program computed for itself is the reference's."""
     from lingls.kernels import persistent_cuda as pc
 
     s = TINY
-    schedule = pk.build_schedule(s, programs)
+    schedule = pk.build_schedule(s, programs, **LOCAL)
     ws = pk.workspace(schedule, "cuda")
     for seed in (programs, programs + 10):
         w, h, state, conv = _inputs(s, seed)
@@ -169,7 +194,7 @@ def test_cuda_runner_matches_reference(programs, pdl, inflight):
         st, cv = state.cuda(), conv.cuda()
         out = torch.full_like(h, float("nan")).cuda()
         torch.cuda.synchronize()
-        pc.launch(h.cuda(), out, wd, st, cv, schedule, ws, pdl=pdl, inflight=inflight or pc.INFLIGHT)
+        pc.launch(h.cuda(), out, wd, st, cv, schedule, ws, pdl=pdl, **policy)
         assert rel(out.cpu(), expect) < 1e-2
         assert rel(st.cpu(), ref_state) < 1e-2
         assert rel(cv.cpu(), ref_conv) < 1e-2

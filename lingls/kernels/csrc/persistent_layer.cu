@@ -1,17 +1,24 @@
 // One KDA + MoE decoder layer at T=1 as one persistent, warp-specialised kernel (issue 35).
 //
-// The task tables, counters and epoch scheme are lingls/kernels/persistent.py's (`build_schedule`, proven by
-// `check_schedule` and `check_loader`); this file is the runner that executes them. One CTA per SM:
+// The task tables, counters and epoch scheme are lingls/kernels/persistent.py's (`build_schedule(...,
+// norm_tasks=False, local_route=True)`, proven by `check_schedule` and `check_loader`); this file is the runner
+// that executes them. One CTA per SM:
 //
 //   warp 8 (the loader): walks the CTA's task list and, for every task that streams bytes (a GEMV tile's rows,
 //     the experts' rows, a KDA head's recurrent state), takes the next free stage of a shared-memory ring
 //     ("empty" mbarrier) and issues 1-D bulk async copies that complete on the stage's "full" mbarrier. It runs
-//     ahead of the consumers across task boundaries and never waits for a task's inputs, except where the
-//     weights' address depends on the routing (the routed experts' gate-up and down rows): there it waits for
-//     the ROUTE counter, which the task's table row carries (or an earlier task of the list waited for).
+//     ahead of the consumers across task boundaries and never waits for a task's inputs. Where the weights'
+//     address depends on the routing (the routed experts' gate-up and down rows) it waits for this CTA's own
+//     routing (the "routed" mbarrier), then issues every routed copy of its list at once. After a KDA task's
+//     state it waits for that task to end (the "quiet" mbarrier), so no copy queues ahead of the recurrence's
+//     own loads on the way back to the SM.
 //   warps 0-7 (the consumers): per task, wait for the stage's bytes, wait for the task's input counters (one
-//     thread's acquire polls, then a named barrier), read the small input vector from L2, multiply from shared
-//     memory, store, release the stage, and bump the task's counter with a release.
+//     thread's acquire polls, then a named barrier), build the small input vector in shared memory (the
+//     RMSNorms are recomputed here from the residual stream: no norm task, no hop), multiply from shared
+//     memory (a warp per row, 16-byte loads), store, release the stage, and bump the task's counter with a
+//     release. At the CTA's first routed task they first route for themselves from the router's logits (the
+//     grouped top-k of the chain's routing), into shared memory, and hand the choice to the loader: no ROUTE
+//     task, no hop.
 //
 // Counters are never reset: launch g waits for need * g; g comes from the epoch cell that the last CTA of the
 // previous launch advanced. Data other CTAs wrote in this launch is read with ld.global.cg (L2), never L1.
@@ -21,10 +28,12 @@
 
 namespace lingls_persistent {
 
-enum Kind { NONE = 0, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM };
+enum Kind { NONE = 0, PROJ, KDA, OPROJ, ROUTER, SHARED_GU, ROUTE, EXPERT_GU, DOWN, NORM };  // no ROUTE, NORM here
 constexpr int FIELDS = 8;
 constexpr int CONSUMERS = 256;  // threads of warps 0-7
-constexpr int THREADS = CONSUMERS + 32;
+constexpr int LOADER = CONSUMERS;  // warp 8's lane 0
+constexpr int SIGNALLER = CONSUMERS + 32;  // warp 9's lane 0
+constexpr int THREADS = CONSUMERS + 64;
 constexpr int RED = 8 * 32;  // floats of the GEMV's cross-warp partials, then 32 row sums, then 8 for block_sum
 constexpr int RED_FLOATS = RED + 32 + 8;
 
@@ -59,15 +68,14 @@ struct Params {
   float* topk_w;
   int* topk_i;
   bf16* act;
-  bf16* x;
-  bf16* h1;
-  bf16* x2;
   float eps, q_scale, lower_bound, scale, limit, shared_limit;
   int H, NH, D, E, I, I_S, I_PAD, TOP_K, G, TOPK_GROUP;
   int proj_rows, oproj_rows, router_rows, gu_rows, down_rows;
-  int max_tasks, programs, epoch, done, route_counter;
+  int max_tasks, programs, epoch, done, router_counter, router_need;
   int stages, stage_bytes, scratch_floats, timeline;
   int inflight;  // stages the loader keeps in flight (copies issued, not yet landed); the rest of the ring waits
+  int free_kinds;  // bit k: tasks of kind k take ring stages without that limit (every stage of the ring)
+  int kda_quiet;  // the loader waits for a KDA task to end before any later copy
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------
@@ -110,6 +118,17 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 }
 __device__ __forceinline__ void red_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_relaxed(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.shared::cta.s32 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(p))), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(uint32_t(__cvta_generic_to_shared(p))) : "memory");
+  return v;
 }
 __device__ __forceinline__ int atom_acq_rel(int* p, int v) {
   int old;
@@ -155,6 +174,16 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+// shared -> global, asynchronous: no generic store of the issuing thread waits for it (nor does a fence)
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // fp32 sum over the consumer threads, the same value in all of them; `red` holds 8 floats (reused after)
 __device__ float block_sum(float v, float* red) {
@@ -180,8 +209,10 @@ struct Smem {
   int* tasks;
   uint64_t* full;
   uint64_t* empty;
-  uint64_t* gen_ready;  // the consumers read the generation after the previous launch ended; the loader waits here
-  int* misc;
+  uint64_t* routed;  // the consumers have routed (misc holds the choice); the loader's routed copies wait here
+  uint64_t* quiet;  // the consumers ended a KDA task (one phase per KDA task of the list)
+  int* misc;  // [0]: the generation; [1, 1 + TOP_K): the chosen experts; then their weights (fp32); TOP_K <= 16
+  int* ended;  // tasks of the list the consumers have ended (the signaller releases their counters)
 };
 
 __device__ Smem carve(unsigned char* base, const Params& P) {
@@ -202,9 +233,11 @@ __device__ Smem carve(unsigned char* base, const Params& P) {
   off += ((size_t(P.max_tasks) * FIELDS * 4 + 15) / 16) * 16;
   s.full = reinterpret_cast<uint64_t*>(base + off);
   s.empty = s.full + P.stages;
-  s.gen_ready = s.empty + P.stages;
+  s.routed = s.empty + P.stages;
+  s.quiet = s.routed + 1;
   off += size_t(P.stages) * 16 + 16;
   s.misc = reinterpret_cast<int*>(base + off);
+  s.ended = s.misc + 1 + 2 * 16;
   return s;
 }
 
@@ -220,17 +253,20 @@ __device__ __forceinline__ int stages_of(int kind) {
 // ---- the loader -----------------------------------------------------------------------------------------
 
 __device__ void loader(const Params& P, const Smem& s) {
-  int gen = 0;  // known once the consumers have read it (only the routed experts' loads need it)
   bool after_previous = false;  // past griddepcontrol.wait: everything before this launch is visible
+  bool routed = false;  // this CTA's routing is in s.misc
   int stage = 0;
   uint32_t phase = 0;
   int issued = 0;  // stages armed so far
+  int kda_done = 0;  // KDA tasks of the list the consumers have ended (the quiet fence)
   const int H = P.H, C = P.NH * P.D;
-  // the next free stage, armed for `bytes`, once the stage armed `inflight` stages ago has landed: bytes in
-  // flight queue on the SM's way back from memory, ahead of every load its consumers make (inputs, polls),
-  // so the loader keeps only what the bandwidth needs in flight and lets the ring fill behind it
-  auto next = [&](uint32_t bytes) -> unsigned char* {
-    if (issued >= P.inflight) {
+  const int* chosen = s.misc + 1;
+  // the next free stage, armed for `bytes`. Unless the task's kind streams freely, first the stage armed
+  // `inflight` stages ago must have landed: bytes in flight queue on the SM's way back from memory, ahead of
+  // every load its consumers make (inputs, polls), so where the consumers' hops are on the critical path the
+  // loader keeps only what the bandwidth needs in flight and lets the ring fill behind it
+  auto next = [&](int kind, uint32_t bytes) -> unsigned char* {
+    if (!((P.free_kinds >> kind) & 1) && issued >= P.inflight) {
       const int k = issued - P.inflight;
       mbar_wait(&s.full[k % P.stages], uint32_t(k / P.stages) & 1);
     }
@@ -242,13 +278,11 @@ __device__ void loader(const Params& P, const Smem& s) {
   auto advance = [&]() {
     if (++stage == P.stages) { stage = 0; phase ^= 1; }
   };
-  auto route_wait = [&](const int* row) {  // the routing, where this row carries its wait
-    if (!gen) {
-      mbar_wait(s.gen_ready, 0);
-      gen = s.misc[0];
+  auto route_wait = [&]() {  // this CTA's own routing, once (its consumers route at their first routed task)
+    if (!routed) {
+      mbar_wait(s.routed, 0);
+      routed = true;
     }
-    if (row[2] == P.route_counter) wait_counter(P.cnt, row[2], row[3], gen);
-    if (row[4] == P.route_counter) wait_counter(P.cnt, row[4], row[5], gen);
   };
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
@@ -258,21 +292,21 @@ __device__ void loader(const Params& P, const Smem& s) {
         const int n = 5 * C + P.NH - tile * P.proj_rows;
         const uint32_t b = uint32_t(n < P.proj_rows ? n : P.proj_rows) * H * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.proj + size_t(tile) * P.proj_rows * H, b, bar);
+        bulk_copy(next(kind, b), P.proj + size_t(tile) * P.proj_rows * H, b, bar);
         advance();
         break;
       }
       case OPROJ: {
         const uint32_t b = uint32_t(P.oproj_rows) * C * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.o_proj + size_t(tile) * P.oproj_rows * C, b, bar);
+        bulk_copy(next(kind, b), P.o_proj + size_t(tile) * P.oproj_rows * C, b, bar);
         advance();
         break;
       }
       case ROUTER: {
         const uint32_t b = uint32_t(P.router_rows) * H * 2;
         uint64_t* bar = &s.full[stage];
-        bulk_copy(next(b), P.router + size_t(tile) * P.router_rows * H, b, bar);
+        bulk_copy(next(kind, b), P.router + size_t(tile) * P.router_rows * H, b, bar);
         advance();
         break;
       }
@@ -286,15 +320,14 @@ __device__ void loader(const Params& P, const Smem& s) {
           inter = P.I_S;
           r0 = tile * P.gu_rows;
         } else {
-          route_wait(row);
+          route_wait();
           const int n_blk = P.I / P.gu_rows;
-          const int e = ldcg_i(P.topk_i + tile / n_blk);
-          base = P.gate_up + size_t(e) * 2 * P.I * H;
+          base = P.gate_up + size_t(chosen[tile / n_blk]) * 2 * P.I * H;
           inter = P.I;
           r0 = (tile % n_blk) * P.gu_rows;
         }
         uint64_t* bar = &s.full[stage];
-        unsigned char* dst = next(2 * b);
+        unsigned char* dst = next(kind, 2 * b);
         bulk_copy(dst, base + size_t(r0) * H, b, bar);                 // gate rows
         bulk_copy(dst + b, base + size_t(inter + r0) * H, b, bar);     // up rows
         advance();
@@ -303,13 +336,11 @@ __device__ void loader(const Params& P, const Smem& s) {
       case DOWN: {
         const uint32_t bs = uint32_t(P.down_rows) * P.I_S * 2, br = uint32_t(P.down_rows) * P.I * 2;
         uint64_t* bar = &s.full[stage];
-        unsigned char* dst = next(bs + P.TOP_K * br);
+        unsigned char* dst = next(kind, bs + P.TOP_K * br);
         bulk_copy(dst, P.sdn + size_t(tile) * P.down_rows * P.I_S, bs, bar);  // before the routing is known
-        route_wait(row);
-        for (int j = 0; j < P.TOP_K; ++j) {
-          const int e = ldcg_i(P.topk_i + j);
-          bulk_copy(dst + bs + j * br, P.down + (size_t(e) * H + size_t(tile) * P.down_rows) * P.I, br, bar);
-        }
+        route_wait();
+        for (int j = 0; j < P.TOP_K; ++j)
+          bulk_copy(dst + bs + j * br, P.down + (size_t(chosen[j]) * H + size_t(tile) * P.down_rows) * P.I, br, bar);
         advance();
         break;
       }
@@ -322,9 +353,10 @@ __device__ void loader(const Params& P, const Smem& s) {
         const float* st = P.state + size_t(tile) * P.D * P.D;
         for (int half = 0; half < 2; ++half) {
           uint64_t* bar = &s.full[stage];
-          bulk_copy(next(b), st + size_t(half) * (P.D / 2) * P.D, b, bar);
+          bulk_copy(next(kind, b), st + size_t(half) * (P.D / 2) * P.D, b, bar);
           advance();
         }
+        if (P.kda_quiet) mbar_wait(s.quiet, uint32_t(kda_done++) & 1);
         break;
       }
       default:
@@ -335,15 +367,19 @@ __device__ void loader(const Params& P, const Smem& s) {
 
 // ---- the consumers' tasks -------------------------------------------------------------------------------
 
-// rows [R, K] bf16 in shared memory times xs [K] bf16: every thread takes 8 columns at a time across all R
-// rows; returns the row sums in red[RED .. RED + R) once all threads pass the last barrier
+// rows [R, K] bf16 in shared memory times xs [K] bf16: warp w takes rows w, w + 8, ..., its lanes 8 columns
+// (16 bytes) at a time along the row; returns the row sums in red[RED .. RED + R) once all threads pass the
+// one barrier
 template <int R>
 __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  float acc[R];
+  static_assert(R % 8 == 0, "a warp per row: rows in multiples of the 8 consumer warps");
+  constexpr int RPW = R / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float acc[RPW];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int c = tid; c < K / 8; c += CONSUMERS) {
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+#pragma unroll 2
+  for (int c = lane; c < K / 8; c += 32) {
     const uint4 xv = *reinterpret_cast<const uint4*>(xs + c * 8);
     float xf[8];
     const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
@@ -353,8 +389,8 @@ __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
       xf[2 * q + 1] = __uint_as_float(xw[q] & 0xffff0000u);
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + size_t(r) * K + c * 8);
+    for (int r = 0; r < RPW; ++r) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + size_t(warp + 8 * r) * K + c * 8);
       const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w};
       float a = acc[r];
 #pragma unroll
@@ -366,18 +402,11 @@ __device__ void gemv_rows(const bf16* w, const bf16* xs, int K, float* red) {
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RPW; ++r) {
     float v = acc[r];
 #pragma unroll
     for (int off = 16; off; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0) red[warp * R + r] = v;
-  }
-  consumer_sync();
-  if (tid < R) {
-    float v = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) v += red[q * R + tid];
-    red[RED + tid] = v;
+    if (lane == 0) red[RED + warp + 8 * r] = v;
   }
   consumer_sync();
 }
@@ -411,17 +440,18 @@ __device__ void load_input(const bf16* src, int K, bf16* xs) {
   consumer_sync();
 }
 
-// NORM: tile 0 x = RMSNorm(h); tile 1 h1 = h + a, x2 = RMSNorm(h1) (the norm kernel's roundings)
-__device__ void norm_task(const Params& P, const Smem& s, int tile) {
+// the GEMV's normed input vector into shared memory, recomputed by every CTA that needs it (no norm task, no
+// hop): without `add` x = RMSNorm(h) * w; with it h1 = h + add (rounded as the residual add writes it), then
+// x2 = RMSNorm(h1) * w, in the norm kernel's roundings. Every load is issued before the first store.
+__device__ void norm_input(const Params& P, const Smem& s, const bf16* add, const bf16* wn) {
   const int H = P.H, nch = H / 8;
-  const bf16* wn = tile == 0 ? P.in_norm : P.post_norm;
   uint4 hvs[MAXC], avs[MAXC], wvs[MAXC];
 #pragma unroll
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
     if (c < nch) {
-      hvs[m] = *reinterpret_cast<const uint4*>(P.h + c * 8);
-      avs[m] = tile ? ldcg_v4(P.a + c * 8) : make_uint4(0, 0, 0, 0);
+      hvs[m] = ldcg_v4(P.h + c * 8);
+      avs[m] = add ? ldcg_v4(add + c * 8) : make_uint4(0, 0, 0, 0);
       wvs[m] = *reinterpret_cast<const uint4*>(wn + c * 8);
     }
   }
@@ -433,23 +463,16 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
     if (c < nch) {
       const bf16* hb = reinterpret_cast<const bf16*>(&hvs[m]);
       const bf16* ab = reinterpret_cast<const bf16*>(&avs[m]);
-      uint4 h1v;
-      bf16* h1b = reinterpret_cast<bf16*>(&h1v);
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         float f = bf2f(hb[q]);
-        if (tile) {
-          h1b[q] = f2bf(f + bf2f(ab[q]));
-          f = bf2f(h1b[q]);
-        }
+        if (add) f = bf2f(f2bf(f + bf2f(ab[q])));
         v[m][q] = f;
         ss = fmaf(f, f, ss);
       }
-      if (tile) *reinterpret_cast<uint4*>(P.h1 + c * 8) = h1v;
     }
   }
   const float rms = rsqrtf(block_sum(ss, s.red + RED + 32) / H + P.eps);
-  bf16* dst = tile == 0 ? P.x : P.x2;
 #pragma unroll
   for (int m = 0; m < MAXC; ++m) {
     const int c = threadIdx.x + m * CONSUMERS;
@@ -459,9 +482,10 @@ __device__ void norm_task(const Params& P, const Smem& s, int tile) {
       bf16* ob = reinterpret_cast<bf16*>(&ov);
 #pragma unroll
       for (int q = 0; q < 8; ++q) ob[q] = f2bf(bf2f(wb[q]) * bf2f(f2bf(v[m][q] * rms)));
-      *reinterpret_cast<uint4*>(dst + c * 8) = ov;
+      *reinterpret_cast<uint4*>(s.xs + c * 8) = ov;
     }
   }
+  consumer_sync();
 }
 
 // one causal-conv output: taps t (4 bf16, 8 bytes) over the window w0..w2 (oldest first) and the input x; SiLU
@@ -472,7 +496,10 @@ __device__ __forceinline__ float conv_silu(uint2 t, bf16 w0, bf16 w1, bf16 w2, f
 }
 
 // KDA: head h's conv + SiLU, q/k L2 norm, gate, delta rule on the state streamed into two stages, gated norm
-__device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0, const float* S1) {
+// (the new state is written over the old in the two ring stages and goes back to global memory as two bulk
+// stores, issued by thread 0 and awaited only before the stages are reused: the task's signal does not wait
+// for 64 KB of stores to be acknowledged, as it would behind a fence)
+__device__ void kda_task(const Params& P, const Smem& s, int h, float* S0, float* S1) {
   const int D = P.D, C = P.NH * D, tid = threadIdx.x;
   float* q = s.scratch;
   float* k = q + D;
@@ -528,15 +555,22 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   float kS = 0.f;
   for (int j = 0; j < nsplit; ++j) kS += part[j * D + col];
   const float err = beta * (v[col] - kS);
-  float* out_state = P.state + size_t(h) * D * D;
   float oacc = 0.f;
   for (int r = sp * rows; r < (sp + 1) * rows; ++r) {
-    const float Pv = (r < half ? S0[r * D + col] : S1[(r - half) * D + col]) * dec[r];
+    float* S = r < half ? S0 + r * D + col : S1 + (r - half) * D + col;
+    const float Pv = *S * dec[r];
     oacc = fmaf(Pv, q[r], oacc);
-    out_state[size_t(r) * D + col] = fmaf(k[r], err, Pv);
+    *S = fmaf(k[r], err, Pv);
   }
   opart[tid] = oacc;
+  fence_async_smem();  // the new state, for the bulk stores' async proxy
   consumer_sync();
+  if (tid == 0) {
+    float* out_state = P.state + size_t(h) * D * D;
+    bulk_store(out_state, S0, uint32_t(half) * D * 4);
+    bulk_store(out_state + size_t(half) * D, S1, uint32_t(D - half) * D * 4);
+    bulk_commit();
+  }
   float o = 0.f;
   if (sp == 0) {
     for (int j = 0; j < nsplit; ++j) o += opart[j * D + col];
@@ -549,8 +583,11 @@ __device__ void kda_task(const Params& P, const Smem& s, int h, const float* S0,
   }
 }
 
-// ROUTE: sigmoid, bias, grouped top-k (groups by the sum of their best two), renormalised and scaled weights
-__device__ void route_task(const Params& P, const Smem& s) {
+// the routing, on every CTA that hosts routed tasks, at its first one: once the router's tiles are all written
+// (the acquire poll), sigmoid, bias, grouped top-k (groups by the sum of their best two), renormalised and
+// scaled weights, into s.misc (and, the same values from every CTA, into topk_i / topk_w for the caller); then
+// the loader may copy the chosen experts' rows
+__device__ void route_local(const Params& P, const Smem& s, int gen) {
   const int E = P.E, G = P.G, epg = E / G, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* score = s.scratch;
   float* choice = score + E;
@@ -559,9 +596,16 @@ __device__ void route_task(const Params& P, const Smem& s) {
   constexpr int MAXE = 4;  // experts per thread: E <= 1024
   float lg[MAXE], bs[MAXE];
 #pragma unroll
+  for (int m = 0; m < MAXE; ++m) {  // the bias (a weight) before the wait
+    const int e = tid + m * CONSUMERS;
+    if (e < E) bs[m] = P.expert_bias[e];
+  }
+  if (tid == 0) wait_counter(P.cnt, P.router_counter, P.router_need, gen);
+  consumer_sync();
+#pragma unroll
   for (int m = 0; m < MAXE; ++m) {
     const int e = tid + m * CONSUMERS;
-    if (e < E) { lg[m] = ldcg_f(P.logits + e); bs[m] = P.expert_bias[e]; }
+    if (e < E) lg[m] = ldcg_f(P.logits + e);
   }
 #pragma unroll
   for (int m = 0; m < MAXE; ++m) {
@@ -622,17 +666,22 @@ __device__ void route_task(const Params& P, const Smem& s) {
     }
     const float mult = P.scale / (total + 1e-20f);
     if (lane < P.TOP_K) {
+      s.misc[1 + lane] = my_id;
+      reinterpret_cast<float*>(s.misc)[1 + P.TOP_K + lane] = my_w * mult;
       P.topk_w[lane] = my_w * mult;
       P.topk_i[lane] = my_id;
     }
   }
+  consumer_sync();
+  if (tid == 0) mbar_arrive(s.routed);
 }
 
 // the activations every DOWN task of the CTA reads, into shared memory at once (one round trip to L2): the
 // shared expert's as they are, the routed experts' times their routing weight (fp32, as the chain's kernel)
 constexpr int MAXA = 8;  // activations per thread: (1 + TOP_K) * max(I, I_S) <= 2048
 
-__device__ void load_acts(const Params& P, float* acts) {
+__device__ void load_acts(const Params& P, const Smem& s, float* acts) {
+  const float* topk_w = reinterpret_cast<const float*>(s.misc) + 1 + P.TOP_K;
   const int width = P.I > P.I_S ? P.I : P.I_S;
   float a[MAXA], wt[MAXA];
 #pragma unroll
@@ -642,7 +691,7 @@ __device__ void load_acts(const Params& P, float* acts) {
     wt[m] = 1.f;
     if (n < (1 + P.TOP_K) * width && i < (j ? P.I : P.I_S)) {
       a[m] = bf2f(ldcg_bf(P.act + j * P.I_PAD + i));
-      if (j) wt[m] = ldcg_f(P.topk_w + j - 1);
+      if (j) wt[m] = topk_w[j - 1];
     }
   }
 #pragma unroll
@@ -654,13 +703,36 @@ __device__ void load_acts(const Params& P, float* acts) {
 }
 
 // DOWN: hidden rows tile*R..: the shared and routed experts' down rows times their activations (routed ones
-// weighted), summed, plus the residual h1 = h + a
-__device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile) {
+// weighted), summed, plus the residual h1 = h + a (recomputed at these rows, rounded as the residual add)
+constexpr int MAX_DOWN_ROWS = 32;  // 4 rows per warp
+
+struct DownResidual {  // lane 0's h and a at its warp's rows, requested before the activations
+  bf16 h[MAX_DOWN_ROWS / 8], a[MAX_DOWN_ROWS / 8];
+};
+
+__device__ DownResidual load_down_residual(const Params& P, int tile) {
+  DownResidual d;
+  const int R = P.down_rows, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < MAX_DOWN_ROWS / 8; ++q) {
+    const int r = warp + 8 * q;
+    if ((threadIdx.x & 31) == 0 && r < R) {
+      d.h[q] = ldcg_bf(P.h + tile * R + r);
+      d.a[q] = ldcg_bf(P.a + tile * R + r);
+    }
+  }
+  return d;
+}
+
+__device__ void down_task(const Params& P, const bf16* w, const float* acts, int tile, const DownResidual& d) {
   const int R = P.down_rows, I = P.I, IS = P.I_S, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int width = I > IS ? I : IS;
   const bf16* routed = w + size_t(R) * IS;
-  for (int r = warp; r < R; r += 8) {
-    const bf16 h1 = ldcg_bf(P.h1 + tile * R + r);  // requested before the sums
+#pragma unroll
+  for (int q = 0; q < MAX_DOWN_ROWS / 8; ++q) {
+    const int r = warp + 8 * q;
+    if (r >= R) break;
+    const bf16 hr = d.h[q], ar = d.a[q];
     float sum = 0.f;
     for (int i = lane; i < width; i += 32) {
       float acc = i < IS ? bf2f(w[r * IS + i]) * acts[i] : 0.f;
@@ -674,7 +746,7 @@ __device__ void down_task(const Params& P, const bf16* w, const float* acts, int
     if (lane == 0) {
       const int row = tile * R + r;
       const float m = bf2f(f2bf(sum));
-      P.out[row] = f2bf(bf2f(h1) + m);
+      P.out[row] = f2bf(bf2f(f2bf(bf2f(hr) + bf2f(ar))) + m);
     }
   }
 }
@@ -684,26 +756,32 @@ __device__ __forceinline__ void stamp(const Params& P, int idx, int k) {
 }
 
 __device__ void consumers(const Params& P, const Smem& s, int gen) {
-  const int tid = threadIdx.x, H = P.H, C = P.NH * P.D;
+  enum Input { NO_INPUT, X, X2, O };  // what xs holds: RMSNorm(h), RMSNorm(h + a), the attention output
+  const int tid = threadIdx.x, C = P.NH * P.D;
   int stage = 0;
   uint32_t phase = 0;
-  const bf16* cached = nullptr;  // the input vector xs holds
+  int input = NO_INPUT;
   bool acts_ready = false;  // s.acts holds this launch's activations
+  bool routed = false;  // s.misc holds this launch's routing
   for (int i = 0; i < P.max_tasks; ++i) {
     const int* row = s.tasks + i * FIELDS;
-    const int kind = row[0], tile = row[1], sig = row[6], idx = row[7];
+    const int kind = row[0], tile = row[1], idx = row[7];
     if (kind == NONE) continue;
     stamp(P, idx, 0);
+    if (!routed && (kind == EXPERT_GU || kind == DOWN)) {  // before the stage: the loader's copies need it
+      route_local(P, s, gen);
+      routed = true;
+    }
     const int nst = stages_of(kind);
-    const unsigned char* w0 = s.ring + size_t(stage) * P.stage_bytes;
+    unsigned char* w0 = s.ring + size_t(stage) * P.stage_bytes;
     int stage1 = stage + 1 == P.stages ? 0 : stage + 1;
-    const unsigned char* w1 = s.ring + size_t(stage1) * P.stage_bytes;
+    unsigned char* w1 = s.ring + size_t(stage1) * P.stage_bytes;
     if (nst >= 1) mbar_wait(&s.full[stage], phase);
     if (nst == 2) mbar_wait(&s.full[stage1], stage1 == 0 ? phase ^ 1 : phase);
     stamp(P, idx, 1);
-    if (tid == 0) {
-      wait_counter(P.cnt, row[2], row[3], gen);
-      wait_counter(P.cnt, row[4], row[5], gen);
+    if (tid == 0) {  // (the routing polled the router's counter already)
+      if (row[2] != P.router_counter || !routed) wait_counter(P.cnt, row[2], row[3], gen);
+      if (row[4] != P.router_counter || !routed) wait_counter(P.cnt, row[4], row[5], gen);
     }
     consumer_sync();
     stamp(P, idx, 2);
@@ -713,9 +791,12 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
       case PROJ:
       case ROUTER: {
         const int R = kind == PROJ ? P.proj_rows : P.router_rows;
-        const bf16* src = kind == PROJ ? P.x : P.x2;
-        if (cached != src) { load_input(src, H, s.xs); cached = src; }
-        gemv_any(R, w, s.xs, H, s.red);
+        const int want = kind == PROJ ? X : X2;
+        if (input != want) {
+          norm_input(P, s, kind == PROJ ? nullptr : P.a, kind == PROJ ? P.in_norm : P.post_norm);
+          input = want;
+        }
+        gemv_any(R, w, s.xs, P.H, s.red);
         if (tid < R) {  // a last PROJ tile's rows past the end were never copied: not stored
           if (kind == ROUTER) P.logits[tile * R + tid] = res[tid];
           else if (tile * R + tid < 5 * C + P.NH) P.p[tile * R + tid] = f2bf(res[tid]);
@@ -723,16 +804,16 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
         break;
       }
       case OPROJ: {
-        if (cached != P.o) { load_input(P.o, C, s.xs); cached = P.o; }
+        if (input != O) { load_input(P.o, C, s.xs); input = O; }
         gemv_any(P.oproj_rows, w, s.xs, C, s.red);
         if (tid < P.oproj_rows) P.a[tile * P.oproj_rows + tid] = f2bf(res[tid]);
         break;
       }
       case SHARED_GU:
       case EXPERT_GU: {
-        if (cached != P.x2) { load_input(P.x2, H, s.xs); cached = P.x2; }
+        if (input != X2) { norm_input(P, s, P.a, P.post_norm); input = X2; }
         const int gr = P.gu_rows;
-        gemv_any(2 * gr, w, s.xs, H, s.red);
+        gemv_any(2 * gr, w, s.xs, P.H, s.red);
         if (tid < gr) {
           float g = res[tid], u = res[gr + tid];
           const float lim = kind == SHARED_GU ? P.shared_limit : P.limit;
@@ -745,33 +826,56 @@ __device__ void consumers(const Params& P, const Smem& s, int gen) {
         }
         break;
       }
-      case DOWN:
+      case DOWN: {
+        const DownResidual d = load_down_residual(P, tile);  // in flight with the activations
         if (!acts_ready) {
-          load_acts(P, s.acts);
+          load_acts(P, s, s.acts);
           acts_ready = true;
         }
-        down_task(P, w, s.acts, tile);
+        down_task(P, w, s.acts, tile, d);
         break;
+      }
       case KDA:
-        kda_task(P, s, tile, reinterpret_cast<const float*>(w0), reinterpret_cast<const float*>(w1));
-        break;
-      case ROUTE:
-        route_task(P, s);
-        break;
-      case NORM:
-        norm_task(P, s, tile);
+        kda_task(P, s, tile, reinterpret_cast<float*>(w0), reinterpret_cast<float*>(w1));
         break;
       default:
         break;
     }
     consumer_sync();  // every thread's reads of the stage and its stores are done
-    if (tid == 0) {
-      for (int k = 0; k < nst; ++k) mbar_arrive(&s.empty[k == 0 ? stage : stage1]);
-      if (sig >= 0) red_release(P.cnt + sig, 1);
-    }
     stamp(P, idx, 3);
+    if (tid == 0) {
+      st_release_cta(s.ended, i + 1);  // the signaller releases the task's counter
+      if (kind == KDA) bulk_wait_read();  // the new state has left the stages
+      for (int k = 0; k < nst; ++k) mbar_arrive(&s.empty[k == 0 ? stage : stage1]);
+      if (kind == KDA && P.kda_quiet) mbar_arrive(s.quiet);
+    }
     for (int k = 0; k < nst; ++k)
       if (++stage == P.stages) { stage = 0; phase ^= 1; }
+  }
+}
+
+// ---- the signaller ---------------------------------------------------------------------------------------
+
+// Releases the counters of the tasks the consumers ended, in list order, so that no consumer waits for its
+// stores to be acknowledged (a release waits for every earlier store of the CTA it has seen: under a full
+// stream of copies, a round trip to L2 of a microsecond or more per task). Whatever has ended since its last
+// look goes under one fence: fence.acq_rel.gpu then relaxed adds is a release of each (the consumers' stores
+// reach it through their barrier and the release/acquire of `ended` in shared memory).
+__device__ void signaller(const Params& P, const Smem& s) {
+  int n = 0;  // the list's tasks (the table pads a list at its end)
+  while (n < P.max_tasks && s.tasks[n * FIELDS] != NONE) ++n;
+  int signalled = 0;
+  while (signalled < n) {
+    const int ended = ld_acquire_cta(s.ended);
+    if (ended == signalled) {
+      __nanosleep(32);  // (the spin shares its SM sub-partition with two consumer warps)
+      continue;
+    }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    for (; signalled < ended; ++signalled) {
+      const int sig = s.tasks[signalled * FIELDS + 6];
+      if (sig >= 0) red_relaxed(P.cnt + sig, 1);
+    }
   }
 }
 
@@ -785,12 +889,15 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
       mbar_init(&s.full[k], 1);
       mbar_init(&s.empty[k], 1);
     }
-    mbar_init(s.gen_ready, 1);
+    mbar_init(s.routed, 1);
+    mbar_init(s.quiet, 1);
+    *s.ended = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (tid >= CONSUMERS) {  // the weights stream before the previous launch has ended (PDL)
-    if (tid == CONSUMERS) loader(P, s);
+    if (tid == LOADER) loader(P, s);
+    if (tid == SIGNALLER) signaller(P, s);
     return;
   }
   // under programmatic dependent launch the next launch may start as this one's CTAs leave their SMs; its
@@ -799,12 +906,12 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (tid == 0) {
     s.misc[0] = ld_acquire(P.cnt + P.epoch) + 1;  // this launch's generation
-    mbar_arrive(s.gen_ready);
   }
   consumer_sync();
   const int gen = s.misc[0];
   consumers(P, s, gen);
   if (tid == 0) {
+    bulk_wait_all();  // a KDA task's state stores, complete before this CTA ends
     const int arrived = atom_acq_rel(P.cnt + P.done, 1);
     if (arrived == gen * P.programs - 1) red_release(P.cnt + P.epoch, 1);  // the next launch's generation
   }
