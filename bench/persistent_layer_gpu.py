@@ -1,16 +1,13 @@
 """One KDA + MoE layer at T=1, one TP=4 rank of Ling-3.0-flash: the persistent kernel against the chain of
 launches, in the same run.
 
-    python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...] [CHAIN,...]
+    python -m bench.persistent_layer_gpu OUT_DIR [LAYERS] [PROGRAMS,...] [VARIANT[+tl],...]
 
 VARIANT: norm_tasks, recompute, norm_tasks_2x_rows (the Triton kernel), cuda, cuda_nopdl (the warp-specialised
 CUDA C++ runner of `persistent_cuda` on the local_route tables, as a programmatic dependent launch or not),
 cuda_f2, cuda_f3 (2, 3 ring stages in flight; `cuda` has the default, 1), cuda_free (the projection's and
 the routed experts' copies fill the whole ring, unlimited), cuda_loud (no quiet loader during a KDA task);
-default: cuda+tl, cuda_f2, cuda_free, cuda_loud. +tl: record that variant's timeline too; "none": no persistent
-variant. CHAIN: the chains of launches timed beside "chain" (default: chain6, chain7; "none": only "chain"):
-chain7 = the chain with its two RMSNorms folded into the GEMVs after them (7 launches per layer), chain6 = that
-and the routing folded into the expert kernels (6 launches).
+default: cuda+tl, cuda_f2, cuda_free, cuda_loud. +tl: record that variant's timeline too.
 
 - Correctness at the real shapes on layer 0: persistent vs chain vs the plain-torch layer (fp32 math), the
   output and the KDA state as relative errors, and whether the three chose the same experts.
@@ -18,7 +15,6 @@ and the routing folded into the expert kernels (6 launches).
   replay over all of them, median of many replays, per layer:
   chain = fused_step's launches for the layer (input norm, proj GEMV, KDA step, output GEMV, post-attention
           norm, the MoE's four launches), PDL on, as `FusedStep._run` issues them;
-  chain7 / chain6 = `folded_layer`'s launches (the hops of the chain folded into its kernels);
   persistent = one `persistent.launch` (Triton) or `persistent_cuda.launch` (CUDA C++) per layer.
   Variants (`variants`): the RMSNorms as tasks of their own or recomputed by every consumer task; twice the
   rows per GEMV task; the CUDA runner.
@@ -66,37 +62,6 @@ def chain_layer(res, x, w: pk.LayerWeights, state, conv, s: pk.LayerShape, next_
                       pdl=True)
     x, _ = norm.fused_add_rms_norm(m, res, next_norm, s.eps, pdl=True)
     return x
-
-
-def folded_layer(m, res, w: pk.LayerWeights, state, conv, s: pk.LayerShape, h_buf, h1_buf, x2_buf,
-                 route_in: bool):
-    """`chain_layer` with its hops folded into the kernels after them: the input norm (with the residual add of
-    the previous layer's MoE output m) recomputed by every program of the projection GEMV, the post-attention
-    norm (with the attention output's residual add) by every router program, and with route_in the routing by
-    every program of the expert kernels: 6 launches per layer (7 without route_in), 9 in the chain.
-    m: the previous layer's MoE output, None at the first layer (res is then its input, left as it is);
-    res: the residual stream before m. The new residual streams go to h_buf (after attention's input) and
-    h1_buf (after its output; x2_buf: the MoE's normed input), never the buffers the same kernel reads.
-    Returns (m, residual) for the next layer, whose input is their sum's norm."""
-    c = s.channels
-    if m is None:
-        p = gemv.gemv(res, w.proj, pdl=True, norm=gemv.NormIn(w.in_norm, s.eps))
-        h = res
-    else:
-        p = gemv.gemv(m, w.proj, pdl=True, norm=gemv.NormIn(w.in_norm, s.eps, add=res, h_out=h_buf))
-        h = h_buf
-    q, k, v, f, g, b = p.split([c, c, c, c, c, s.heads], dim=1)
-    o = kda.fused_kda_step(q, k, v, f, b, g, conv, w.conv, w.a_log, w.dt_bias, w.o_norm, state,
-                           lower_bound=s.lower_bound, eps=s.eps, pdl=True)
-    a = gemv.gemv(o, w.o_proj, pdl=True)
-    m = moe.fused_moe(a, w.router, w.expert_bias, w.gate_up, w.down, w.shared_gate_up, w.shared_down,
-                      top_k=s.top_k, n_group=s.n_group, topk_group=s.topk_group, normalize=True, scale=s.scale,
-                      pdl=True, norm=gemv.NormIn(w.post_norm, s.eps, add=h, h_out=h1_buf, x_out=x2_buf),
-                      route_in=route_in)
-    return m, h1_buf
-
-
-CHAINS = {"chain7": False, "chain6": True}  # name: route_in
 
 
 BIG_TILES = dict(proj_rows=16, router_rows=16, oproj_rows=32, gu_rows=8, down_rows=16)
@@ -238,8 +203,6 @@ def main(argv: list[str]) -> int:
     n_layers = int(argv[1]) if len(argv) > 1 else 20
     program_counts = [int(p) for p in argv[2].split(",")] if len(argv) > 2 else [132]
     asked = argv[3].split(",") if len(argv) > 3 else ["cuda+tl", "cuda_f2", "cuda_free", "cuda_loud"]
-    chains = argv[4].split(",") if len(argv) > 4 else list(CHAINS)
-    chains = [c for c in chains if c != "none"]
     only = [a.removesuffix("+tl") for a in asked]
     with_timeline = {a.removesuffix("+tl") for a in asked if a.endswith("+tl")}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,20 +233,6 @@ def main(argv: list[str]) -> int:
     x, _ = norm.fused_add_rms_norm(res, None, w.in_norm, s.eps)
     chain_layer(res, x, w, ch_st, ch_cv, s, final_norm)
     check, outs = {}, {}
-    folded_check = {}
-    for name in chains:
-        bufs = [torch.full_like(h0, float("nan")) for _ in range(3)]
-        f_st, f_cv, f_in = st0.clone(), cv0.clone(), h0.clone()
-        m, r = folded_layer(None, f_in, w, f_st, f_cv, s, *bufs, route_in=CHAINS[name])
-        fx, _ = norm.fused_add_rms_norm(m, r, final_norm, s.eps)
-        wait_or_die(f"{name}, first launch")
-        cx, _ = norm.fused_add_rms_norm(res, None, final_norm, s.eps)  # the chain's next input, from its residual
-        folded_check[name] = dict(out_vs_ref=rel(r, expect), out_vs_chain=rel(r, res),
-                                  out_equal_chain=bool(torch.equal(r, res)), next_input_vs_chain=rel(fx, cx),
-                                  next_input_equal_chain=bool(torch.equal(fx, cx)), state_vs_ref=rel(f_st, ref_st),
-                                  state_equal_chain=bool(torch.equal(f_st, ch_st)), input_unchanged=bool(
-                                      torch.equal(f_in, h0)))
-        print(f"check {name}: {folded_check[name]}", flush=True)
     for name, programs, shape, options, run in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
@@ -311,8 +260,7 @@ def main(argv: list[str]) -> int:
                                    state_vs_triton=rel(ps_st, tri[1]))
             check[name]["graph_generations"] = graph_check(schedule, run, dev)
         print(f"check {name}: {check[name]}", flush=True)
-    result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check,
-                           folded=folded_check)
+    result["check"] = dict(chain_vs_ref=rel(res, expect), chain_state_vs_ref=rel(ch_st, ref_st), persistent=check)
     print(f"chain vs ref: out {result['check']['chain_vs_ref']:.2e}, state {result['check']['chain_state_vs_ref']:.2e}",
           flush=True)
 
@@ -336,25 +284,12 @@ def main(argv: list[str]) -> int:
         wait_or_die("graph replay")
         return g
 
+    graphs = {"chain": graph(chain_all)}
+    tl_graphs = {}
     # a captured graph holds its buffers' addresses, not the tensors: every variant's workspace and table stay
     # referenced here until the end, or the allocator hands their memory to the next variant, whose counters
     # or timeline stamps would then overwrite an earlier graph's task table or counters
     alive = []
-    graphs = {"chain": graph(chain_all)}
-    for name in chains:
-        bufs = [torch.empty_like(h0) for _ in range(3)]
-        f_res = torch.empty_like(h0)
-
-        def folded_all(bufs=bufs, f_res=f_res, route_in=CHAINS[name]):
-            f_res.copy_(h0)
-            m, r = None, f_res
-            for lw, (st, cv) in zip(layers, states):
-                m, r = folded_layer(m, r, lw, st, cv, s, *bufs, route_in=route_in)
-            norm.fused_add_rms_norm(m, r, final_norm, s.eps, pdl=True)  # the chain's last launch, as there
-
-        graphs[name] = graph(folded_all)
-        alive.append((bufs, f_res))
-    tl_graphs = {}
     for name, programs, shape, options, run in variants(program_counts, only):
         schedule = pk.build_schedule(shape, programs, **options)
         ws = pk.workspace(schedule, dev)
@@ -391,10 +326,6 @@ def main(argv: list[str]) -> int:
 
     print(f"\nper layer (median of {reps} replays of {n_layers} layers, two alternations), floor "
           f"{result['floor_us']:.2f} us ({result['layer_bytes'] / 1e6:.1f} MB at {bw / 1e12:.2f} TB/s)")
-    for name, c in result["check"]["folded"].items():
-        print(f"  {name}: residual vs chain {c['out_vs_chain']:.2e} (equal: {c['out_equal_chain']}), next input vs "
-              f"chain {c['next_input_vs_chain']:.2e} (equal: {c['next_input_equal_chain']}), "
-              f"vs ref {c['out_vs_ref']:.2e}")
     for name, ts in timings.items():
         print(f"  {name:38s} {' / '.join(f'{t:7.2f}' for t in ts)} us   {min(ts) / result['floor_us']:.2f}x floor"
               f"  {min(ts) / min(timings['chain']):.2f}x chain")

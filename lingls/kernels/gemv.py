@@ -28,7 +28,6 @@ operands are widened to fp32 first; on a GPU the MMA takes bf16 directly. Both g
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -160,76 +159,18 @@ def _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: 
 
 
 @jit
-def _normed_x(x_ptr, add_ptr, nw_ptr, offs, mask, rms, ADD: tl.constexpr):
-    """Elements offs of the normed row nw * (h * rms), h = x (+ add, rounded to x's dtype), each step rounded as
-    `norm._rms_norm_row` rounds it (the normed row in x's dtype, as the norm kernel writes it), as fp32."""
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if ADD:
-        h = (h.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-    w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return (w * (h.to(tl.float32) * rms).to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
-
-
-@jit
-def _normed_rows_after_wait(x_ptr, add_ptr, nw_ptr, h_out_ptr, x_out_ptr, w_ptr, rn, k_lo, N, K, stride_w, eps,
-                            ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, K_PAD: tl.constexpr,
-                            SWIGLU: tl.constexpr, ADD: tl.constexpr, WRITE_H: tl.constexpr, WRITE_X: tl.constexpr,
-                            USE_PDL: tl.constexpr):
-    """`_rows_after_wait` at one token (FMA path) with the RMSNorm before it folded in: the input is
-    nw * RMSNorm(h), h = x (+ add), and every program computes the rms of the whole row itself after the wait
-    (the row is K elements from L2), so no norm launch sits between this kernel and the one before it. The
-    first program also writes h (the new residual stream) to h_out with WRITE_H, and the normed row to x_out
-    (for a later kernel that reads the same input) with WRITE_X, both in x's dtype."""
-    tiles = _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
-    wait_previous(USE_PDL)
-    ka = tl.arange(0, K_PAD)
-    km = ka < K
-    h = tl.load(x_ptr + ka, mask=km, other=0.0)
-    if ADD:
-        h = (h.to(tl.float32) + tl.load(add_ptr + ka, mask=km, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-    hf = h.to(tl.float32)
-    rms = tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        if WRITE_H:
-            tl.store(h_out_ptr + ka, h, mask=km)
-        if WRITE_X:
-            tl.store(x_out_ptr + ka, _normed_x(x_ptr, add_ptr, nw_ptr, ka, km, rms, ADD), mask=km)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    acc_up = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    for i in tl.static_range(K_ITERS):
-        kk = k_lo + i * BLOCK_K + rk
-        offs = kk[None, :] + 0 * rn[:, None]  # x in the tiles' own layout, as `_fma_rows` reads it
-        xv = _normed_x(x_ptr, add_ptr, nw_ptr, offs, offs < K, rms, ADD).to(tl.float32)
-        wt, wu = tiles[i]
-        acc += wt * xv
-        if SWIGLU:
-            acc_up += wu * xv
-    return (tl.zeros((16, ROWS), tl.float32) + tl.sum(acc, axis=1)[None, :],
-            tl.zeros((16, ROWS), tl.float32) + tl.sum(acc_up, axis=1)[None, :])
-
-
-@jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, add_ptr, nw_ptr, h_out_ptr, x_out_ptr,
-                 T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit, eps,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                 T, N, K, K_PER, stride_x, stride_w, stride_o, stride_r, limit,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, NORM: tl.constexpr = 0, K_PAD: tl.constexpr = 1, WRITE_H: tl.constexpr = False,
-                 WRITE_X: tl.constexpr = False):
-    """NORM (one token, FMA path; `_normed_rows_after_wait`): 1, the input is RMSNorm(x) * nw; 2, RMSNorm(x +
-    add) * nw."""
+                 F32_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    if NORM:
-        acc, acc_up = _normed_rows_after_wait(x_ptr, add_ptr, nw_ptr, h_out_ptr, x_out_ptr, w_ptr, rn, k_lo, N, K,
-                                              stride_w, eps, BLOCK_N, BLOCK_K, K_ITERS, K_PAD, SWIGLU, NORM == 2,
-                                              WRITE_H, WRITE_X, USE_PDL)
-    else:
-        acc, acc_up = _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K,
-                                       K_ITERS, SWIGLU, FMA, USE_PDL, F32_DOT)
+    acc, acc_up = _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
+                                   SWIGLU, FMA, USE_PDL, F32_DOT)
     _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o, stride_r, limit,
             BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
 
@@ -389,48 +330,11 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class NormIn:
-    """The RMSNorm in front of a one-token projection, folded into its kernel: the projection's input is
-    weight * RMSNorm(h), h = x (+ add, rounded to x's dtype: the residual add of `norm.fused_add_rms_norm`),
-    recomputed by every program from the row (`_normed_rows_after_wait`). h_out / x_out, if given: where the
-    kernel's first program writes h (the new residual stream; never x or add, which the other programs read)
-    and the normed row, for later kernels."""
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-    add: torch.Tensor | None = None  # [1, K]
-    h_out: torch.Tensor | None = None  # [1, K]
-    x_out: torch.Tensor | None = None  # [1, K]
-
-    def check(self, x: torch.Tensor, fma_path: bool) -> None:
-        k = x.shape[1]
-        if x.shape[0] != 1 or not fma_path or not x.is_contiguous():
-            raise ValueError(f"a folded norm needs one contiguous row on the FMA path, got {tuple(x.shape)}")
-        if self.weight.shape != (k,) or self.weight.dtype != x.dtype:
-            raise ValueError(f"norm weight must be [{k}] {x.dtype}, got {tuple(self.weight.shape)} {self.weight.dtype}")
-        for name in ("add", "h_out", "x_out"):
-            a = getattr(self, name)
-            if a is not None and (a.shape != x.shape or a.dtype != x.dtype or not a.is_contiguous()):
-                raise ValueError(f"norm {name} must be a contiguous {tuple(x.shape)} {x.dtype}")
-        for out in (self.h_out, self.x_out):
-            if out is not None and any(a is not None and a.data_ptr() == out.data_ptr() for a in (x, self.add)):
-                raise ValueError("h_out and x_out may not be x or add: the other programs read those meanwhile")
-
-    def args(self, x: torch.Tensor) -> tuple:
-        add = self.add if self.add is not None else x
-        return (add, self.weight, self.h_out if self.h_out is not None else x,
-                self.x_out if self.x_out is not None else x)
-
-    def constexprs(self, k: int) -> dict:
-        return dict(NORM=2 if self.add is not None else 1, K_PAD=triton.next_power_of_2(k),
-                    WRITE_H=self.h_out is not None, WRITE_X=self.x_out is not None)
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
          limit: float = 0.0, out: torch.Tensor | None = None, block_n: int | None = None,
          split_k: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, fma: bool | None = None, tma: bool | None = None,
-         pdl: bool = False, norm: NormIn | None = None) -> torch.Tensor:
+         pdl: bool = False) -> torch.Tensor:
     """y = x @ w^T (+ residual), or swiglu over w's [gate; up] row halves; one launch.
 
     x: [T, K] bf16 (T <= 16, last dim contiguous); w: [N, K] bf16 row-major, or [2N, K] with swiglu=True;
@@ -439,7 +343,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     from `_plan`; arguments override both (benchmarks). `fma` (T=1 only) takes the FMA-unit path, `tma` (T > 1,
     16-bit operands) the descriptor-load, warpgroup-MMA path (`_gemv_tma_kernel`). `pdl`: programmatic dependent
     launch (CUDA): the launch and the first weight tile overlap the previous kernel.
-    `norm` (one token): the RMSNorm before the projection folded into it (`NormIn`); x is then the norm's input.
     """
     t, k = x.shape
     assert 1 <= t <= MAX_T, f"gemv handles 1..{MAX_T} rows, got {t}"
@@ -465,15 +368,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
             HAS_RES=residual is not None, USE_PDL=pdl_mode(bool(launch), "gemv", t), F32_DOT=INTERPRET,
             num_warps=num_warps, num_stages=num_stages, **launch)
         return out
-    if norm is not None:
-        norm.check(x, fma and not tma)
-    nargs = norm.args(x) if norm is not None else (x, x, x, x)
     _gemv_kernel[(blocks, split)](
-        x, w, out, res, part, counters(x.device, blocks), *nargs, t, n, k, k_per,
-        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit), float(norm.eps if norm else 0.0),
+        x, w, out, res, part, counters(x.device, blocks), t, n, k, k_per,
+        x.stride(0), w.stride(0), out.stride(0), res.stride(0), float(limit),
         BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT_K=split, SWIGLU=swiglu,
         HAS_RES=residual is not None, FMA=fma, USE_PDL=pdl_mode(bool(launch), "gemv", t), F32_DOT=INTERPRET,
-        **(norm.constexprs(k) if norm is not None else {}), num_warps=num_warps, num_stages=num_stages, **launch)
+        num_warps=num_warps, num_stages=num_stages, **launch)
     return out
 
 

@@ -45,7 +45,6 @@ may differ from I. All bf16, contiguous; expert_bias fp32.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -55,13 +54,11 @@ from lingls.kernels import reference as ref
 from lingls.kernels.gemv import (
     INTERPRET,
     MAX_T,
-    NormIn,
     _accumulate,
     _fma_rows,
     _load_tiles,
     _load_w,
     _mma,
-    _normed_rows_after_wait,
     _rows_after_wait,
     _swiglu,
     counters,
@@ -92,24 +89,18 @@ def prepare_moe_weights(router_w, expert_bias, gate_up, down, shared_gate=None, 
 
 
 @jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, add_ptr, nw_ptr, h_out_ptr, x_out_ptr, T, E, H, K_PER, eps,
+def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, FMA: tl.constexpr,
-                   USE_PDL: tl.constexpr, F32_DOT: tl.constexpr, NORM: tl.constexpr = 0, K_PAD: tl.constexpr = 1,
-                   WRITE_H: tl.constexpr = False, WRITE_X: tl.constexpr = False):
+                   USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
     """Router matvec partials over (block of experts, range of H), as gemv's programs (FMA path at one token):
-    part[range, token, expert] in fp32, summed in a fixed order by `_route_token_kernel` (or by every program
-    of the expert kernels, `route_in`). NORM: the RMSNorm before the MoE folded in, as gemv's (`gemv.NormIn`)."""
+    part[range, token, expert] in fp32, summed in a fixed order by `_route_token_kernel`."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.arange(0, 16)
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo = pid_k * K_PER
-    if NORM:
-        acc, _ = _normed_rows_after_wait(x_ptr, add_ptr, nw_ptr, h_out_ptr, x_out_ptr, w_ptr, re, k_lo, E, H, H, eps,
-                                         BLOCK_E, BLOCK_K, K_ITERS, K_PAD, False, NORM == 2, WRITE_H, WRITE_X, USE_PDL)
-    else:
-        acc, _ = _rows_after_wait(x_ptr, w_ptr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA,
-                                  USE_PDL, F32_DOT)
+    acc, _ = _rows_after_wait(x_ptr, w_ptr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, USE_PDL,
+                              F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
@@ -169,27 +160,6 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     keys alone (1,016 against 1,424 SASS at flash's shapes, the fallback not counted), and the fp32 picks took
     ~7 us off the 1.44 ms TP=4 step (docs/kernel-log.md). No reshape: one reshaped tile chose experts outside
     the top-k on the H200 (Triton 3.6; its interpreter was right)."""
-    chosen, score, mult, ids = _route_choice(part_ptr, gbias, bias, t, E, scale, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG,
-                                             EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK)
-    re = tl.arange(0, E_PAD)
-    valid = re < E
-    kc = tl.arange(0, K_PAD)
-    weights = tl.where(chosen, score, 0.0)
-    tl.store(wt_ptr + t * E + re, weights * mult, mask=valid)
-    if WRITE_TOPK:  # selection order, for callers that ask (tests, benchmarks); the expert kernels read wt
-        kmask = kc < TOP_K
-        vals = tl.sum(tl.where((ids[:, None] == re[None, :]) & kmask[:, None], score[None, :], 0.0), axis=1)
-        tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
-        tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
-    return chosen
-
-
-@jit
-def _route_choice(part_ptr, gbias, bias, t, E, scale, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr,
-                  E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr):
-    """`_route_token`'s choice in registers: (chosen [E_PAD], score [E_PAD], the weights' multiplier, the ids in
-    selection order [K_PAD] where WRITE_TOPK or a tie asked for them)."""
     rg = tl.arange(0, G_PAD)
     rc = tl.arange(0, EPG_PAD)
     gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
@@ -228,30 +198,13 @@ def _route_choice(part_ptr, gbias, bias, t, E, scale, SPLIT: tl.constexpr, TOP_K
         _, ids = _pick_keys(tl.where(chosen, _key(choice, re, E_PAD), _NO_KEY), ids, kc, TOP_K, E_PAD)
     weights = tl.where(chosen, score, 0.0)
     mult = scale / (tl.sum(weights, axis=0) + 1e-20) if NORMALIZE else scale
-    return chosen, score, mult, ids
-
-
-@jit
-def _route_in(part_ptr, bias_ptr, E, scale, SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-              G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr,
-              TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr):
-    """One token's routing inside an expert kernel (`route_in`), from the router's partials: (rank [E_PAD], the
-    chosen experts' position in ascending id order, -1 where not chosen; weight [E_PAD], 0 where not chosen):
-    the choice and weights `_route_token_kernel` writes, with no launch of its own."""
-    gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
-    chosen, score, mult, _ = _route_choice(part_ptr, gbias, bias, 0, E, scale, SPLIT, TOP_K, K_PAD, G, G_PAD, EPG,
-                                           EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, False)
-    c = chosen.to(tl.int32)
-    return tl.where(chosen, tl.cumsum(c, axis=0) - c, -1), tl.where(chosen, score * mult, 0.0)
-
-
-@jit
-def _slot_in(rank, weight, d, E, D_MAX, E_PAD: tl.constexpr):
-    """Slot d's expert and weight from `_route_in` (slot 0: the shared expert, weight 1; past D_MAX: -1)."""
-    re = tl.arange(0, E_PAD)
-    hit = rank == d - 1
-    e = tl.where(d == 0, E, tl.where(d < D_MAX, tl.sum(tl.where(hit, re, 0), axis=0), -1))
-    return e, tl.where(d == 0, 1.0, tl.sum(tl.where(hit, weight, 0.0), axis=0))
+    tl.store(wt_ptr + t * E + re, weights * mult, mask=valid)
+    if WRITE_TOPK:  # selection order, for callers that ask (tests, benchmarks); the expert kernels read wt
+        kmask = kc < TOP_K
+        vals = tl.sum(tl.where((ids[:, None] == re[None, :]) & kmask[:, None], score[None, :], 0.0), axis=1)
+        tl.store(topk_w_ptr + t * TOP_K + kc, vals * mult, mask=kmask)
+        tl.store(topk_i_ptr + t * TOP_K + kc, ids, mask=kmask)
+    return chosen
 
 
 @jit
@@ -294,13 +247,10 @@ def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, 
 
 @jit
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
-                    rpart_ptr, bias_ptr, T, H, E, INTER, I_S, K_PER, limit, shared_limit, scale,
+                    T, H, E, INTER, I_S, K_PER, limit, shared_limit,
                     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
                     SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
-                    EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr,
-                    ROUTE_IN: tl.constexpr = False, R_SPLIT: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                    G: tl.constexpr = 1, G_PAD: tl.constexpr = 1, EPG: tl.constexpr = 1, EPG_PAD: tl.constexpr = 1,
-                    E_PAD: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, NORMALIZE: tl.constexpr = False):
+                    EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -313,31 +263,18 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
     the routing's slots before its own wait.
 
     DEDUP (several tokens): a slot whose expert a lower token's row holds exits (`_lowest_holder`), and the
-    slot's first program writes what the slot became (its expert or -1) to owned_ptr, for the down kernel.
-
-    ROUTE_IN (one token, FMA path, the shared expert in slot 0; `fused_moe(route_in=True)`): no routing launch
-    before this one. Slot 0's programs request their rows, then wait; the others wait, then route for
-    themselves from the router's partials (`_route_in`: the routing kernel's choice) and take slot d's expert.
-    Every program waits before it lets the down kernel launch (which routes for itself too)."""
+    slot's first program writes what the slot became (its expert or -1) to owned_ptr, for the down kernel."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
-    if ROUTE_IN:
-        e = E
-        if d != 0:
-            wait_previous(USE_PDL)
-            rank, weight = _route_in(rpart_ptr, bias_ptr, E, scale, R_SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD,
-                                     E_PAD, TOPK_GROUP, NORMALIZE)
-            e, _ = _slot_in(rank, weight, d, E, tl.num_programs(0), E_PAD)
+    if USE_PDL:
+        if not EARLY_SHARED or d != 0:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+    if EARLY_SHARED:
+        e = tl.load(experts_ptr + d, mask=d != 0, other=E)
     else:
-        if USE_PDL:
-            if not EARLY_SHARED or d != 0:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-        if EARLY_SHARED:
-            e = tl.load(experts_ptr + d, mask=d != 0, other=E)
-        else:
-            e = tl.load(experts_ptr + d)
+        e = tl.load(experts_ptr + d)
     if DEDUP:  # the rows start past slot 0 when the shared expert holds it (EARLY_SHARED says it does)
         e = _lowest_holder(experts_ptr, d, e, 1 if EARLY_SHARED else 0, TOP_K, D_PAD)
         if (ib == 0) & (ks == 0):
@@ -353,9 +290,6 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
             k_lo = ks * K_PER
             if FMA:  # one token: the program's rows over its whole H range requested at once
                 tiles = _load_tiles(base, ri, k_lo, inter, H, H, BLOCK_K, K_ITERS, True)
-                if ROUTE_IN:
-                    if d == 0:
-                        wait_previous(USE_PDL)
                 acc_g, acc_u = _fma_rows(x_ptr, tiles, ri, k_lo, H, BLOCK_I, BLOCK_K, K_ITERS, True)
             else:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32)
@@ -384,40 +318,32 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
                         acc_g += tl.load(part + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
                         acc_u += tl.load(part + 16 * I_PAD + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
                     tl.atomic_xchg(cnt_ptr + block, 0)
-                    _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD,
-                                      ROUTE_IN)
+                    _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
             else:
-                _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD,
-                                      ROUTE_IN)
-    if USE_PDL and EARLY_SHARED and not ROUTE_IN:
+                _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
+    if USE_PDL and EARLY_SHARED:
         if d == 0:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
 
 @jit
-def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr,
-                      CHOSEN: tl.constexpr):
-    """CHOSEN: the one token chose this expert (`ROUTE_IN`; no weight table to read)."""
+def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr):
     act = _swiglu(acc_g, acc_u, limit)
-    if not CHOSEN:
-        w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
-        w = tl.where(shared & (rt < T), 1.0, w)
-        act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
+    w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
+    w = tl.where(shared & (rt < T), 1.0, w)
+    act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
     tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
              mask=(rt[:, None] < T) & (ri[None, :] < inter))
 
 
 @jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                 rpart_ptr, bias_ptr, T, H, E, INTER, I_S, D_MAX, scale,
+                 T, H, E, INTER, I_S, D_MAX,
                  D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
                  FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr,
-                 F32_DOT: tl.constexpr, TOP_K: tl.constexpr = 1, ROUTE_IN: tl.constexpr = False,
-                 R_SPLIT: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                 G: tl.constexpr = 1, G_PAD: tl.constexpr = 1, EPG: tl.constexpr = 1, EPG_PAD: tl.constexpr = 1,
-                 E_PAD: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, NORMALIZE: tl.constexpr = False):
+                 F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -435,10 +361,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
     the duplicates -1 (the first slot's rows, requested early for the routing's expert, then count only if the
     slot kept it). All of a program's slot ids are read at once (D_PER_PAD lanes), so no weight load in the
     loop waits on an id load: Triton's pipeliner then gives the loop two buffers, where an id read inside
-    it left one (the verify step's down kernel at TP=4 with 64-column chunks: ~1,048 -> ~1,031 us per step).
-    ROUTE_IN (with AHEAD): no routing kernel wrote the slots; every program routes for itself from the router's
-    partials before its wait (`_route_in`; the router ran two launches back, and the gate-up programs waited
-    for it before this kernel could launch)."""
+    it left one (the verify step's down kernel at TP=4 with 64-column chunks: ~1,048 -> ~1,031 us per step)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
     rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -447,22 +370,13 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
     acc = tl.zeros((16, BLOCK_H), tl.float32)
     acc2 = tl.zeros((BLOCK_H, BLOCK_I), tl.float32)  # FMA path (one token): weighted products, reduced at the end
     if AHEAD:
-        if ROUTE_IN:
-            rank, weight = _route_in(rpart_ptr, bias_ptr, E, scale, R_SPLIT, TOP_K, K_PAD, G, G_PAD, EPG, EPG_PAD,
-                                     E_PAD, TOPK_GROUP, NORMALIZE)
         tiles = ()  # (slot, chunk) tiles in slot-major order, each with its slot's expert id
         for slot in tl.static_range(D_PER):
             d = sd + slot * SPLIT_D
-            if ROUTE_IN:
-                e, w_in = _slot_in(rank, weight, d, E, D_MAX, E_PAD)
-            else:
-                e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
+            e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
             for c in tl.static_range(I_CHUNKS):
-                rows, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, INTER, I_S,
-                                            not ROUTE_IN)
-                if ROUTE_IN:
-                    w = tl.where(rt == 0, w_in, 0.0)
-                tiles = tiles + ((e, rows, w, inter),)
+                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, INTER,
+                                                   I_S),)
         wait_previous(USE_PDL)
         for it in tl.static_range(D_PER * I_CHUNKS):
             e, wt, w, inter = tiles[it]
@@ -470,7 +384,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
                                          (it % I_CHUNKS) * BLOCK_I + ri, rt, T, I_PAD, FMA, F32_DOT)
     else:
         e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
-        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S, True)
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S)
         wait_previous(USE_PDL)
         rs = tl.arange(0, D_PER_PAD)
         slots = sd + rs * SPLIT_D
@@ -482,7 +396,7 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
             d = sd + (it // I_CHUNKS) * SPLIT_D
             rc = (it % I_CHUNKS) * BLOCK_I + ri
             e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
-            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, INTER, I_S, True)
+            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, INTER, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
@@ -503,16 +417,16 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
 
 
 @jit
-def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S, READ_WT: tl.constexpr):
+def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S):
     """Expert e's (-1: none) down rows rh at columns ri [BLOCK_H, BLOCK_I] and the tokens' weights for it [16]
-    (the shared expert weighs 1; without READ_WT 0, for the caller to fill), and its width."""
+    (the shared expert weighs 1), and its width."""
     live = e >= 0
     shared = e == E
     inter = tl.where(shared, I_S, INTER)
     base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * INTER))
     wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter),
                  other=0.0)
-    w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E) & READ_WT, other=0.0, cache_modifier=".cg")
+    w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0, cache_modifier=".cg")
     return wt, tl.where(live & shared & (rt < T), 1.0, w), inter
 
 
@@ -585,7 +499,7 @@ def _h_ranges(h: int, split: int, block_k: int) -> tuple[int, int]:
 def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shared_down=None, *, top_k: int,
               n_group: int, topk_group: int, normalize: bool, scale: float, limit: float = 0.0,
               shared_limit: float = 0.0, residual: torch.Tensor | None = None, return_routing: bool = False,
-              pdl: bool = False, norm: NormIn | None = None, route_in: bool = False, **knobs):
+              pdl: bool = False, **knobs):
     """MoE of T <= 16 tokens in four launches, nothing read back to the host.
 
     x: [T, H] bf16; the weights as in `MoEWeights`; residual: [T, H] or None (added to the output).
@@ -598,13 +512,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
-    One token only, the hops of the chain folded into its kernels (bench/persistent_layer_gpu.py's chain6):
-    norm (`gemv.NormIn`): the RMSNorm before the MoE recomputed by every router program (x is then the norm's
-    input; the router's first program writes the normed row, which the expert kernels read, to norm.x_out or
-    a buffer of its own, and the new residual to norm.h_out if given).
-    route_in: no routing launch: every program of the expert kernels routes for itself from the router's
-    partials (`_route_in`), three launches where there were four (needs the shared expert and the T=1 knobs:
-    gate-up over all of H, down with dn_ahead).
     """
     t, h = x.shape
     k = {**config_for(t, down.shape[2]), **knobs}
@@ -613,14 +520,6 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     assert 1 <= t <= MAX_T and x.is_contiguous() and e % n_group == 0 and n_group <= 16  # groups as bits
     assert top_k <= topk_group * (e // n_group), "top_k must fit in the kept groups (each token fills its k slots)"
     has_shared = shared_gate_up is not None
-    if route_in and not (t == 1 and has_shared and k["gu_fma"] and k["gu_split"] == 1 and k["dn_fma"]
-                         and k.get("dn_ahead") and not return_routing):
-        raise ValueError("route_in needs one token, a shared expert, the FMA paths over all of H, dn_ahead, and "
-                         "no return_routing (no kernel writes the routing)")
-    if norm is not None:
-        norm.check(x, t == 1)
-        if norm.x_out is None:
-            norm = dataclasses.replace(norm, x_out=torch.empty_like(x))
     i_s = shared_down.shape[1] if has_shared else 0
     d_max = t * top_k + int(has_shared)  # slot 0: the shared expert; then a row of top_k slots per token
     i_pad = triton.next_power_of_2(max(i, i_s))
@@ -644,17 +543,11 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
                    EPG=epg, EPG_PAD=triton.next_power_of_2(epg), E_PAD=triton.next_power_of_2(e),
                    TOPK_GROUP=topk_group, NORMALIZE=normalize, HAS_SHARED=has_shared, WRITE_TOPK=return_routing)
     _router_kernel[(triton.cdiv(e, router_block_e), split)](
-        x, router_w, part, *(norm.args(x) if norm is not None else (x, x, x, x)), t, e, h, k_per,
-        float(norm.eps if norm is not None else 0.0), BLOCK_E=router_block_e, BLOCK_K=router_block_k,
+        x, router_w, part, t, e, h, k_per, BLOCK_E=router_block_e, BLOCK_K=router_block_k,
         K_ITERS=k_per // router_block_k, FMA=t == 1, USE_PDL=pdl_mode(pdl, "router", t), F32_DOT=INTERPRET,
-        **(norm.constexprs(h) if norm is not None else {}), num_warps=k["router_warps"], **launch)
-    if norm is not None:
-        x = norm.x_out  # the normed row, for the expert kernels
-    if not route_in:
-        _route_token_kernel[(t,)](part, expert_bias, topk_w, topk_i, experts, wt, e, float(scale), SPLIT=split,
-                                  USE_PDL=pdl_mode(pdl, "route", t), num_warps=k["route_warps"], **routing, **launch)
-    inline = dict(ROUTE_IN=True, R_SPLIT=split, **{n: routing[n] for n in (
-        "K_PAD", "G", "G_PAD", "EPG", "EPG_PAD", "E_PAD", "TOPK_GROUP", "NORMALIZE")}) if route_in else {}
+        num_warps=k["router_warps"], **launch)
+    _route_token_kernel[(t,)](part, expert_bias, topk_w, topk_i, experts, wt, e, float(scale), SPLIT=split,
+                              USE_PDL=pdl_mode(pdl, "route", t), num_warps=k["route_warps"], **routing, **launch)
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     gu_block_k = k["gu_block_k"]
@@ -665,25 +558,22 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     h_blocks = triton.cdiv(h, block_h)
     gu_cnt = counters(dev, h_blocks + d_max * i_blocks)[h_blocks:]  # past the down kernel's, which may overlap
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
-        x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, part, expert_bias, t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), float(scale), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k,
-        K_ITERS=gu_k_per // gu_block_k,
+        x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
+        float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, DEDUP=dedup, TOP_K=top_k, D_PAD=triton.next_power_of_2(d_max),
-        **inline, num_warps=k["gu_warps"], num_stages=3, **launch)
+        num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
     dn_block_i = min(max(k.get("dn_block_i") or i_pad, 16), i_pad)  # I columns per chunk (0: all; tl.dot: >= 16)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, owned, wt, out, residual if residual is not None else out, down_part,
-        counters(dev, h_blocks), part, expert_bias, t, h, e, i, i_s, d_max, float(scale),
-        D_PER=triton.cdiv(d_max, split_d),
+        counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d),
         D_PER_PAD=triton.next_power_of_2(triton.cdiv(d_max, split_d)), SPLIT_D=split_d,
         BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
         HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
         AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False), DEDUP=dedup,
-        USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, TOP_K=top_k, **inline, num_warps=k["dn_warps"],
-        num_stages=3, **launch)
+        USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i
     return out
