@@ -16,8 +16,7 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor,
   the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
   here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
-  host read. Each launch requests its markov_w2 tile before waiting for the previous kernel (PDL) and keeps
-  it in L2 for the next slot (evict_last).
+  host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
 masked.
 """
@@ -341,19 +340,21 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
 @jit
 def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
                           rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
-                          RANKS: tl.constexpr, PREV_MSG: tl.constexpr, USE_PDL: tl.constexpr):
+                          RANKS: tl.constexpr, PREV_MSG: tl.constexpr):
     """Program block: logits[blk] + markov_w2[blk] @ markov_w1[prev] (each rounded to the logits' dtype, as the
     torch form adds them), its best packed key into part; the last program to arrive writes the token to out
     (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`). prev: a token [1], or with
     PREV_MSG the previous slot's summed exchange message, whose token program 0 also writes to prev_out.
-    The markov_w2 tile is requested before the wait for the previous kernel (PDL: it depends on none) and kept
-    in L2 (evict_last): the round's B choices read the same shard one after another."""
+    The markov_w2 tile is requested first (it depends on nothing) and kept in L2 (evict_last): the round's B
+    choices read the same shard one after another. One H200, TP=4 shard (spec_flash_dspark_markov_ab.json in
+    bench/results): the round 0.356-0.357 ms as here, 0.358-0.359 launched with PDL (the tile requested before
+    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes (two
+    waves of programs, 3 per SM at 166 registers per thread, then the last arrival's reduction)."""
     blk = tl.program_id(0)
     k = tl.arange(0, R)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < V
     w = tl.load(w2_ptr + offs[:, None] * R + k[None, :], mask=m[:, None], other=0.0, eviction_policy="evict_last")
-    wait_previous(USE_PDL)
     if PREV_MSG:
         prev = picked(prev_ptr, 0, 1, RANKS)
         if blk == 0:
@@ -410,9 +411,7 @@ def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: 
         out = torch.empty((2, ranks, 1) if ranks > 1 else (1,), dtype=torch.float32 if ranks > 1 else torch.int64,
                           device=logits_row.device)
     part = torch.empty(nb, dtype=torch.int64, device=logits_row.device)
-    launch = {"launch_pdl": True} if logits_row.is_cuda else {}
     _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out,
                                  prev_out if prev_msg else out, v, rank * v, rank, R=r, BLOCK=block, NB=nb,
-                                 NB_PAD=triton.next_power_of_2(nb), RANKS=ranks, PREV_MSG=prev_msg,
-                                 USE_PDL=pdl_mode(bool(launch), "markov", 1), num_warps=4, **launch)
+                                 NB_PAD=triton.next_power_of_2(nb), RANKS=ranks, PREV_MSG=prev_msg, num_warps=4)
     return out
