@@ -13,8 +13,10 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   stream the cache (one program per head would leave most of them idle at 8 heads).
 - `markov_choose`: one slot's choice: logits row + markov_w2 @ markov_w1[prev] over this rank's vocabulary
   shard, reduced to the greedy token in the same launch (packed keys, last program to arrive decides; under
-  tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor
-  or the previous slot's choice), so the B choices are B launches and no host read.
+  tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor,
+  the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
+  here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
+  host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
 masked.
 """
@@ -27,10 +29,21 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import INTERPRET, _mma, counters, sm_count
+from lingls.kernels.gemv import INTERPRET, _mma, counters, gemv_reference, sm_count
 from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+from lingls.kernels.pdl import mode as pdl_mode
+from lingls.kernels.pdl import wait_previous
+from lingls.kernels.sampling import picked
+
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 ATTEND_BLOCK_N = 64  # keys per tile
+# Two programs per SM: a program's tile loop is a chain of dependent steps (the tile's loads, q k^T, the online
+# softmax's reductions, p v), so one program per SM left the cache streaming at ~2.6 TB/s (12.7 us per layer for
+# 33.6 MB at 8k context, 120 programs: bench/results/spec_flash_dspark.json before this); at the TP=4 shapes a
+# program takes 71,680 bytes of shared memory and 116 registers per thread, so two reside together.
+ATTEND_PROGRAMS_PER_SM = 2
 MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
 _LOG2E = 1.4426950408889634
 
@@ -114,6 +127,111 @@ def block_qk_rope(qkv, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: i
     return q[:, :heads]
 
 
+# ---- q|k|v GEMV + q/k norm + rope + cache write ----------------------------------------------------------------
+QKV_BLOCK_K = 128  # K columns per descriptor load
+
+
+@jit
+def _qkv_rope_kernel(x_desc, w_desc, qn_ptr, kn_ptr, freq_ptr, pos_ptr, q_ptr, ck_ptr, cv_ptr, part_ptr, cnt_ptr,
+                     T, K_PER, s_cache, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                     BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """Program (head, K range): W's rows of one head (query heads, then key heads, then value heads) times x's
+    rows over the K range, as `gemv`'s descriptor path (W's [D, BLOCK_K] and x's [16, BLOCK_K] tiles through the
+    tensor memory accelerator, the product W x^T), its fp32 partial [16, D] to part; the last program of the
+    head to arrive sums the partials (in split order), rounds them to the activations' dtype as the GEMV's
+    output would be, and finishes the head as `_qk_rope_kernel` does: a query head normed, rotated, to q; a key
+    head to the cache's key rows pos + row; a value head copied to the value rows."""
+    head = tl.program_id(0)
+    sp = tl.program_id(1)
+    HEADS: tl.constexpr = H + 2 * KVH
+    HALF: tl.constexpr = D // 2
+    acc = tl.zeros((D, 16), tl.float32)
+    wait_previous(USE_PDL)
+    for it in range(K_ITERS):
+        kk = sp * K_PER + it * BLOCK_K
+        acc = _mma(acc, w_desc.load([head * D, kk]), tl.trans(x_desc.load([0, kk])), F32_DOT)
+    rt = tl.arange(0, 16)
+    d = tl.arange(0, D)
+    tl.store(part_ptr + (sp * HEADS + head) * 16 * D + rt[:, None] * D + d[None, :], tl.trans(acc))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel")
+    if arrived == SPLIT - 1:
+        i = tl.arange(0, HALF)
+        x1 = tl.zeros((16, HALF), tl.float32)
+        x2 = tl.zeros((16, HALF), tl.float32)
+        for s in tl.static_range(SPLIT):
+            row = part_ptr + (s * HEADS + head) * 16 * D + rt[:, None] * D
+            x1 += tl.load(row + i[None, :], cache_modifier=".cg")
+            x2 += tl.load(row + HALF + i[None, :], cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + head, 0)
+        dt = q_ptr.dtype.element_ty  # x's: the projection's rounding, the queries'
+        x1 = x1.to(dt).to(tl.float32)
+        x2 = x2.to(dt).to(tl.float32)
+        live = (rt < T)[:, None] & (i >= 0)[None, :]
+        pos = tl.load(pos_ptr) + rt
+        if head < H + KVH:
+            is_q = head < H
+            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+            w1 = tl.where(is_q, tl.load(qn_ptr + i), tl.load(kn_ptr + i)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qn_ptr + HALF + i), tl.load(kn_ptr + HALF + i)).to(tl.float32)
+            n1 = (x1 * r[:, None]) * w1[None, :]
+            n2 = (x2 * r[:, None]) * w2[None, :]
+            angle = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i)[None, :]
+            c = tl.cos(angle)
+            s_ = tl.sin(angle)
+            y1 = n1 * c - n2 * s_
+            y2 = n2 * c + n1 * s_
+            if is_q:
+                dst = q_ptr + (rt[:, None] * H + head) * D + i[None, :]
+                tl.store(dst, y1.to(dt), mask=live)
+                tl.store(dst + HALF, y2.to(dt), mask=live)
+            else:
+                dst = ck_ptr + pos[:, None] * s_cache + (head - H) * D + i[None, :]
+                tl.store(dst, y1.to(ck_ptr.dtype.element_ty), mask=live)
+                tl.store(dst + HALF, y2.to(ck_ptr.dtype.element_ty), mask=live)
+        else:
+            dst = cv_ptr + pos[:, None] * s_cache + (head - H - KVH) * D + i[None, :]
+            tl.store(dst, x1.to(cv_ptr.dtype.element_ty), mask=live)
+            tl.store(dst + HALF, x2.to(cv_ptr.dtype.element_ty), mask=live)
+
+
+def block_qkv_rope_reference(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: int, kv_heads: int,
+                             eps: float) -> torch.Tensor:
+    """The definition: the q|k|v projection x [T, K] @ w^T (w: [(H + 2 KVH) D, K], heads joined in that order),
+    rounded to x's dtype, then `block_qk_rope_reference`."""
+    return block_qk_rope_reference(gemv_reference(x, w), q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads,
+                                   kv_heads, eps)
+
+
+def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: int, kv_heads: int, eps: float,
+                   split: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """One launch of `_qkv_rope_kernel` (CUDA, or CPU under TRITON_INTERPRET=1); arguments as the reference
+    (T <= 16 rows). Where `gemv` and `block_qk_rope` took two launches and a round trip of the projection.
+    split: K ranges per head (default: about one program per SM over the heads); pdl: programmatic dependent
+    launch (the launch overlaps the previous kernel's end)."""
+    t, k = x.shape
+    d = q_norm.shape[0]
+    heads_all = heads + 2 * kv_heads
+    assert t <= 16 and _pow2(d) and d >= 16 and w.shape == (heads_all * d, k)
+    assert x.stride(1) == 1 and w.stride(1) == 1 and cache_k.stride() == cache_v.stride()
+    assert cache_k.stride(1) == d and cache_k.stride(2) == 1
+    block_k = min(QKV_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(k, block_k)
+    split = max(1, min(tiles, split or sm_count(x.device) // heads_all))
+    k_per = triton.cdiv(tiles, split) * block_k
+    split = triton.cdiv(k, k_per)
+    q = torch.empty(t, max(heads, 1), d, dtype=x.dtype, device=x.device)
+    part = torch.empty(split * heads_all * 16 * d, dtype=torch.float32, device=x.device)
+    launch = {"launch_pdl": True} if pdl and x.is_cuda else {}
+    _qkv_rope_kernel[(heads_all, split)](
+        TensorDescriptor.from_tensor(x, [16, block_k]), TensorDescriptor.from_tensor(w, [d, block_k]), q_norm, k_norm,
+        inv_freq, pos, q, cache_k, cache_v, part, counters(x.device, heads_all), t, k_per, cache_k.stride(0),
+        float(eps), H=heads, KVH=kv_heads, D=d, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
+        USE_PDL=pdl_mode(bool(launch), "qkv_rope", t), F32_DOT=INTERPRET, num_warps=4, num_stages=4, **launch)
+    return q[:, :heads]
+
+
 # ---- block attention -------------------------------------------------------------------------------------------
 @jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2,
@@ -190,9 +308,10 @@ def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tenso
 
 
 def attend_plan(kv_len: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
-    """(splits, tiles per split): about one program per SM over the kv heads, each a whole number of tiles."""
+    """(splits, tiles per split): about ATTEND_PROGRAMS_PER_SM programs per SM over the kv heads, each a whole
+    number of tiles."""
     tiles = triton.cdiv(kv_len, ATTEND_BLOCK_N)
-    want = max(1, min(tiles, sm_count(device) // kv_heads))
+    want = max(1, min(tiles, ATTEND_PROGRAMS_PER_SM * sm_count(device) // kv_heads))
     per = triton.cdiv(tiles, want)
     return triton.cdiv(tiles, per), per
 
@@ -219,21 +338,32 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
 
 # ---- Markov-corrected choice -----------------------------------------------------------------------------------
 @jit
-def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, V, offset, rank,
-                          R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
-                          RANKS: tl.constexpr):
+def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
+                          rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
+                          RANKS: tl.constexpr, PREV_MSG: tl.constexpr):
     """Program block: logits[blk] + markov_w2[blk] @ markov_w1[prev] (each rounded to the logits' dtype, as the
     torch form adds them), its best packed key into part; the last program to arrive writes the token to out
-    (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`)."""
+    (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`). prev: a token [1], or with
+    PREV_MSG the previous slot's summed exchange message, whose token program 0 also writes to prev_out.
+    The markov_w2 tile is requested first (it depends on nothing) and kept in L2 (evict_last): the round's B
+    choices read the same shard one after another. One H200, TP=4 shard (spec_flash_dspark_markov_ab.json in
+    bench/results): the round 0.356-0.357 ms as here, 0.358-0.359 launched with PDL (the tile requested before
+    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes (two
+    waves of programs, 3 per SM at 166 registers per thread, then the last arrival's reduction)."""
     blk = tl.program_id(0)
-    prev = tl.load(prev_ptr)
     k = tl.arange(0, R)
-    e = tl.load(w1_ptr + prev * R + k).to(tl.float32)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < V
-    w = tl.load(w2_ptr + offs[:, None] * R + k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w2_ptr + offs[:, None] * R + k[None, :], mask=m[:, None], other=0.0, eviction_policy="evict_last")
+    if PREV_MSG:
+        prev = picked(prev_ptr, 0, 1, RANKS)
+        if blk == 0:
+            tl.store(prev_out_ptr, prev)
+    else:
+        prev = tl.load(prev_ptr)
+    e = tl.load(w1_ptr + prev * R + k).to(tl.float32)
     dt = logits_ptr.dtype.element_ty
-    bias = tl.sum(w * e[None, :], axis=1).to(dt).to(tl.float32)
+    bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1).to(dt).to(tl.float32)
     x = (tl.load(logits_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias).to(dt).to(tl.float32)
     best = tl.max(tl.where(m, _key(x, offs, 2 ** 31), _NO_KEY), axis=0)
     tl.store(part_ptr + blk, best)
@@ -259,21 +389,29 @@ def markov_corrected_reference(logits_row, prev, w1, w2) -> torch.Tensor:
     return logits_row + (w1[prev].to(w2.dtype) @ w2.t()).to(logits_row.dtype)
 
 
-def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: torch.Tensor | None = None):
+def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: torch.Tensor | None = None,
+                  prev_out: torch.Tensor | None = None):
     """One launch: the greedy token [1] int64 after the Markov correction of logits_row [1, V_local] (this
-    rank's vocabulary shard) by prev [1] (device), or, with ranks > 1, the exchange message [2, ranks, 1] fp32
-    that `runtime.sampling.argmax_shards` all-reduces and `sampling.pick_rows` decides."""
+    rank's vocabulary shard) by prev, or, with ranks > 1, the exchange message [2, ranks, 1] fp32 that
+    `runtime.sampling.argmax_shards` all-reduces and `sampling.pick_rows` decides.
+
+    prev: the previous token [1] int64 (device), or the previous slot's all-reduced exchange message
+    [2, ranks, 1], decided here as `pick_rows` would, its token written to prev_out [1] int64 (required then):
+    so a round of B choices under tensor parallelism is B launches and B all-reduces, and one `pick_rows` for
+    the last, each token written once into the drafts buffer."""
     v = logits_row.shape[-1]
     r = w1.shape[1]
     assert _pow2(r) and w2.shape == (v, r) and w1.is_contiguous() and w2.is_contiguous() and logits_row.stride(-1) == 1
     assert _pow2(ranks)
+    prev_msg = prev.dtype == torch.float32
+    assert not prev_msg or (prev.shape == (2, ranks, 1) and prev.is_contiguous() and prev_out is not None)
     block = max(16, MARKOV_TILE // r)
     nb = triton.cdiv(v, block)
     if out is None:
         out = torch.empty((2, ranks, 1) if ranks > 1 else (1,), dtype=torch.float32 if ranks > 1 else torch.int64,
                           device=logits_row.device)
     part = torch.empty(nb, dtype=torch.int64, device=logits_row.device)
-    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out, v, rank * v, rank,
-                                 R=r, BLOCK=block, NB=nb, NB_PAD=triton.next_power_of_2(nb), RANKS=ranks,
-                                 num_warps=4)
+    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out,
+                                 prev_out if prev_msg else out, v, rank * v, rank, R=r, BLOCK=block, NB=nb,
+                                 NB_PAD=triton.next_power_of_2(nb), RANKS=ranks, PREV_MSG=prev_msg, num_warps=4)
     return out

@@ -327,6 +327,12 @@ CONFIGS: dict[tuple[int, int, bool, int], dict] = {
     (2560, 3072, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
     (3072, 2560, True, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6, tma=True),
     (3664, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
+    # The lm_head's vocabulary shard over the DSpark draft round's 8-row block at TP=4 (the target's own head
+    # runs on cuBLAS, so this key is the drafter's alone). Untuned it took the register-tile path (with the
+    # block's q|k|v GEMVs, since fused with their norm and RoPE in `kernels.dspark`: 105 us of the round's
+    # 0.404 ms for 6 launches, bench/results/spec_flash_dspark.json before this entry); here the settings of
+    # the nearest tuned descriptor-path shape, the TP=2 KDA input projection (K = 2560, whole K per program).
+    (39296, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
 }
 
 

@@ -194,15 +194,20 @@ def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, ids_ptr, msg_ptr, V, strid
 
 
 @jit
-def _pick_kernel(msg_ptr, out_ptr, T, RANKS: tl.constexpr):
-    """Program row: the token of the best score among the ranks' slots of a summed exchange message (the first
-    rank among equal scores)."""
-    row = tl.program_id(0)
+def picked(msg_ptr, row, T, RANKS: tl.constexpr):
+    """Row `row`'s token (int64) of a summed exchange message [2, RANKS, T]: the best score among the ranks'
+    slots, the first rank among equal scores."""
     slot = tl.arange(0, RANKS)
     scores = tl.load(msg_ptr + slot * T + row)
     best = _key_index(tl.max(_key(scores, slot, RANKS), axis=0), RANKS)
-    token = tl.sum(tl.where(slot == best, tl.load(msg_ptr + (RANKS + slot) * T + row), 0.0), axis=0)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    return tl.sum(tl.where(slot == best, tl.load(msg_ptr + (RANKS + slot) * T + row), 0.0), axis=0).to(tl.int64)
+
+
+@jit
+def _pick_kernel(msg_ptr, out_ptr, T, RANKS: tl.constexpr):
+    """Program row: `picked`."""
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, picked(msg_ptr, row, T, RANKS))
 
 
 def argmax_rows(logits: torch.Tensor, block: int = ARGMAX_BLOCK, ids: torch.Tensor | None = None,
@@ -229,10 +234,10 @@ def argmax_rows(logits: torch.Tensor, block: int = ARGMAX_BLOCK, ids: torch.Tens
     return out
 
 
-def pick_rows(msg: torch.Tensor) -> torch.Tensor:
+def pick_rows(msg: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A summed exchange message [2, ranks, T] -> the tokens [T] int64: per row the token of the best score, the
-    first rank on ties (`argmax_rows(..., exchange=...)`)."""
+    first rank on ties (`argmax_rows(..., exchange=...)`). out: [T] int64 to write them into."""
     _, ranks, t = msg.shape
-    out = torch.empty(t, dtype=torch.int64, device=msg.device)
+    out = torch.empty(t, dtype=torch.int64, device=msg.device) if out is None else out
     _pick_kernel[(t,)](msg, out, t, RANKS=ranks, num_warps=1)
     return out

@@ -251,10 +251,11 @@ class DSparkRuntime(Drafter):
     concatenation, no per-row mask). Those rows are past every committed position: the next verify rewrites the
     ones it commits before any query sees them as context, and a later block rewrites the rest.
 
-    The round and the absorption of verified rows run on `ops`: on CUDA the fused kernels (`gemv` for every
-    projection, `q|k|v` and `gate|up` each one GEMV over rows joined at construction, `norm`'s residual add +
-    RMSNorm, and `kernels.dspark`: q/k norm + RoPE + cache write, split-sequence block attention, the
-    Markov-corrected greedy choice), elsewhere their plain-torch references: one wiring, checked on any CPU.
+    The round and the absorption of verified rows run on `ops`: on CUDA the fused kernels (`gemv` for the other
+    projections, `gate|up` one GEMV over rows joined at construction, `norm`'s residual add + RMSNorm, and
+    `kernels.dspark`: the joined q|k|v GEMV with the q/k norm, RoPE and cache write in its launch,
+    split-sequence block attention, the Markov-corrected greedy choice), elsewhere their plain-torch
+    references: one wiring, checked on any CPU.
 
     Greedy: slot by slot, the Markov-corrected argmax over the vocabulary shards (no gathered logits).
     Sampling: each draft is drawn from the drafter's own corrected distribution q_i = target_probs(logits_i +
@@ -313,10 +314,9 @@ class DSparkRuntime(Drafter):
                                 dr.config.rms_norm_eps)
         kv_rows = self.heads * self.head_dim
         for i, layer in enumerate(dr.layers):
-            kv = ops.linear(c, self.qkv[i][kv_rows:])
             norm = layer.self_attn.k_norm.weight
-            ops.qk_rope(kv, norm, norm, self.inv_freq, positions[:1], self.ctx_k[i], self.ctx_v[i], 0,
-                        self.kv_heads, dr.config.rms_norm_eps)
+            ops.qkv_rope(c, self.qkv[i][kv_rows:], norm, norm, self.inv_freq, positions[:1], self.ctx_k[i],
+                         self.ctx_v[i], 0, self.kv_heads, dr.config.rms_norm_eps)
 
     def prefill(self, h, feats, ids, positions, start):
         self._absorb(feats, positions)
@@ -330,9 +330,8 @@ class DSparkRuntime(Drafter):
         kv = kv_len + self.block  # the rows the attention's grid covers (static): the block's are below it
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            qkv = ops.linear(x, self.qkv[i])
-            q = ops.qk_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, self.inv_freq, pos, self.ctx_k[i],
-                            self.ctx_v[i], self.heads, self.kv_heads, eps)
+            q = ops.qkv_rope(x, self.qkv[i], attn.q_norm.weight, attn.k_norm.weight, self.inv_freq, pos,
+                             self.ctx_k[i], self.ctx_v[i], self.heads, self.kv_heads, eps)
             o = ops.attend(q, self.ctx_k[i], self.ctx_v[i], pos, kv)
             x, h = self._reduce_add_norm(ops.linear(o, attn.o_proj.weight), h, layer.post_attention_layernorm.weight)
             m = ops.linear(ops.linear(x, self.gate_up[i], swiglu=True, limit=layer.mlp.limit),
@@ -345,35 +344,42 @@ class DSparkRuntime(Drafter):
         """This rank's vocabulary shard of the block's logits [B, V_local] before the Markov bias."""
         return self.ops.linear(self.block_hidden(cur, pos, kv_len), self.model.lm_head.weight)
 
-    def _choose(self, row, prev, i: int) -> torch.Tensor:
-        """The greedy draft of slot i: the Markov-corrected argmax of logits row [1, V_local] after prev [1]."""
-        par = self.model.par
-        if self.ops.kernels:
-            from lingls.kernels.dspark import markov_choose
-            from lingls.kernels.sampling import pick_rows
+    def _choose_on_device(self, local, cur) -> torch.Tensor:
+        """The greedy drafts by `kernels.dspark.markov_choose`, one launch per slot, each token written once into
+        `drafts`: at TP=1 by its own slot's launch; under TP each launch's exchange message is all-reduced and
+        decided by the next slot's launch (the last by `pick_rows`)."""
+        from lingls.kernels.dspark import markov_choose
+        from lingls.kernels.sampling import pick_rows
 
+        par, w1, w2, drafts = self.model.par, self.markov_w1, self.markov_w2, self.drafts
+        prev = cur
+        for i in range(self.k):
+            row = local[i:i + 1]
             if par.size == 1:
-                return markov_choose(row, prev, self.markov_w1, self.markov_w2, out=self.drafts[i:i + 1])
-            msg = markov_choose(row, prev, self.markov_w1, self.markov_w2, par.rank, par.size)
-            return self.drafts[i:i + 1].copy_(pick_rows(par.all_reduce(msg)))
-        return argmax_shards(row + self.drafter.markov_bias(prev).to(row.dtype), par)
+                prev = markov_choose(row, prev, w1, w2, out=drafts[i:i + 1])
+            else:
+                prev = par.all_reduce(markov_choose(row, prev, w1, w2, par.rank, par.size,
+                                                    prev_out=drafts[i - 1:i] if i else None))
+        if par.size > 1:
+            pick_rows(prev, out=drafts[self.k - 1:self.k])
+        return drafts[:self.k]
 
     def propose(self, cur, pos, kv_len, greedy=True):
         m, dr, r = self.model, self.drafter, self.runner
         local = self.block_logits(cur, pos, kv_len)
+        if greedy and self.ops.kernels:
+            return self._choose_on_device(local, cur), None
         prev, drafts, qs = cur, [], []
         for i in range(self.k):  # semi-autoregressive: each draft biases the next through the Markov head
-            if greedy:
-                prev = self._choose(local[i:i + 1], prev, i)
+            row = local[i:i + 1] + dr.markov_bias(prev).to(local.dtype)
+            if greedy:  # slot by slot, the Markov-corrected argmax over the vocabulary shards
+                prev = argmax_shards(row, m.par)
             else:
-                row = local[i:i + 1] + dr.markov_bias(prev).to(local.dtype)
                 q = target_probs(m.par.all_gather_last(row), r.temperature, r.top_p)
                 noise = -torch.log(uniform_hash(r.seed, pos + 1 + i, DRAFT_KEY - self.vocab))
                 prev = (q / noise).argmax(-1)
                 qs.append(q)
             drafts.append(prev)
-        if greedy and self.ops.kernels:
-            return self.drafts[:self.k], None
         return torch.cat(drafts), None if greedy else torch.cat(qs)
 
     def accept(self, h, feats, tokens, n, positions, kv_len):
@@ -393,7 +399,7 @@ class _DSparkOps:
         self.add_rms_norm = partial(norm.fused_add_rms_norm, pdl=True) if kernels else norm.add_rms_norm_reference
         self.embed_rms_norm = (partial(norm.fused_embed_rms_norm, pdl=True) if kernels
                                else norm.embed_rms_norm_reference)
-        self.qk_rope = dspark.block_qk_rope if kernels else dspark.block_qk_rope_reference
+        self.qkv_rope = _rows_qkv_rope if kernels else dspark.block_qkv_rope_reference
         self.attend = dspark.block_attend if kernels else dspark.block_attend_reference
 
 
@@ -404,6 +410,16 @@ def _rows_linear(x, w, swiglu: bool = False, limit: float = 0.0):
     if x.shape[0] <= gemv.MAX_T:
         return gemv.gemv(x, w, swiglu=swiglu, limit=limit, pdl=x.is_cuda)
     return gemv.gemv_reference(x, w, swiglu=swiglu, limit=limit)
+
+
+def _rows_qkv_rope(x, w, *args):
+    """`dspark.block_qkv_rope` (the q|k|v GEMV with the q/k norm, RoPE and cache write) for up to 16 rows (a
+    round, a verify), the GEMV's reference and then `dspark.block_qk_rope` for more (a prefill chunk)."""
+    from lingls.kernels import dspark, gemv
+
+    if x.shape[0] <= gemv.MAX_T:
+        return dspark.block_qkv_rope(x, w, *args, pdl=x.is_cuda)
+    return dspark.block_qk_rope(gemv.gemv_reference(x, w), *args)
 
 
 class Fallback(Drafter):
