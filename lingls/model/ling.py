@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingls.kernels import prefill_moe
+from lingls.kernels import norm, prefill_moe
 from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
@@ -516,24 +516,46 @@ class LingForCausalLM(nn.Module):
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
-        for i, layer in enumerate(self.decoder_layers):
-            h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
+        if prefill:
+            h = self._prefill_layers(h, state, positions, kv_len, valid)
+        else:
+            for i, layer in enumerate(self.decoder_layers):
+                h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
         return (h, self.model.norm(h)) if normed else h
+
+    def _prefill_layers(self, h, state: InferenceState, positions, kv_len: int, valid=None):
+        """The decoder layers of a prefill step: `_layer_step`'s arithmetic with each residual add and the norm
+        after it as one launch on a GPU (`norm.add_rms_norm`: the same bits as `h + a` then the RMSNorm), where
+        torch spends about eight elementwise launches over [T, hidden] per norm. h is updated in place."""
+        layers, eps = self.decoder_layers, self.config.rms_norm_eps
+        x, h = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a = self._attend(i, layer, x, state, positions, kv_len, True, valid)
+            x, h = norm.add_rms_norm(self.par.all_reduce(a), h, layer.post_attention_layernorm.weight, eps)
+            m = self.par.all_reduce(layer.mlp(x))
+            if i + 1 < len(layers):
+                x, h = norm.add_rms_norm(m, h, layers[i + 1].input_layernorm.weight, eps)
+            else:
+                h = h + m
+        return h
 
     def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False,
                     valid=None):
-        x = layer.input_layernorm(h)
+        a = self._attend(i, layer, layer.input_layernorm(h), state, positions, kv_len, prefill, valid)
+        return layer._mlp(h + self.par.all_reduce(a))
+
+    def _attend(self, i, layer: DecoderLayer, x, state: InferenceState, positions, kv_len, prefill=False,
+                valid=None):
+        """Layer i's attention of its normed input x over the state (updated): this rank's partial output."""
         if layer.kind == KDA:
             s = self.kda_slot[i]
             a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid)
             state.conv[s].copy_(conv[0])
             state.kda[s].copy_(rec[0])
-            a = a[0]
-        else:
-            cache = state.latent[self.mla_slot[i]]
-            cache.index_copy_(0, positions, layer.attention.latent(x, positions))
-            a = layer.attention.attend_latent(x, positions, cache, kv_len, end_aligned=prefill)
-        return layer._mlp(h + self.par.all_reduce(a))
+            return a[0]
+        cache = state.latent[self.mla_slot[i]]
+        cache.index_copy_(0, positions, layer.attention.latent(x, positions))
+        return layer.attention.attend_latent(x, positions, cache, kv_len, end_aligned=prefill)
 
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
                  kv_len: int | None = None, depth: int = 0, normed: bool = False):
