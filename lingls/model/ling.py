@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingls.kernels import norm, prefill_moe
+from lingls.kernels import norm, prefill_kda, prefill_moe
 from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
@@ -97,6 +97,12 @@ class InferenceState:
         self.latent[:, :n].copy_(other.latent[:, :n])
 
 
+def prefill_kernels(x: torch.Tensor) -> bool:
+    """Whether a prefill's many tokens run the prefill kernels (`kernels.prefill_moe`, `kernels.prefill_kda`):
+    on CUDA with Triton, unless LINGLS_KERNELS=0 (the torch ops everywhere, as for the fused step)."""
+    return x.is_cuda and prefill_moe.triton is not None and os.environ.get("LINGLS_KERNELS", "1") != "0"
+
+
 # ---------------------------------------------------------------------------------------------------------
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: LingConfig, par: Parallel):
@@ -124,6 +130,9 @@ class KimiDeltaAttention(nn.Module):
 
         Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
         b, t, _ = x.shape
+        if (b == 1 and t > MLA_ABSORBED_MAX_TOKENS and state is not None and conv_state is not None
+                and self.safe_gate and prefill_kernels(x)):
+            return self._prefill(x[0], conv_state[0], state, valid)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         qkv, new_conv = [], []
         end = None if valid is None else valid.sum()
@@ -146,6 +155,22 @@ class KimiDeltaAttention(nn.Module):
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
         o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)
         return self.dense(o.to(x.dtype).reshape(b, t, -1)), torch.stack(new_conv, 1), state
+
+
+    def _prefill(self, x, conv_state, state, valid):
+        """`forward` of one sequence's many tokens x [T, hidden] through the prefill kernels: the projections, one
+        launch for the convolutions, norms, gate and beta (`prefill_kda.prologue`), one for the new conv state,
+        the chunked recurrence, one for the gated output norm; the same outputs as the torch form."""
+        t = x.shape[0]
+        q, k, v, f = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
+        conv_w = torch.stack([c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        q_, k_, v_, g, beta = prefill_kda.prologue(q, k, v, f, self.b_proj(x), conv_state, conv_w, self.A_log,
+                                                   self.dt_bias, valid, self.lower_bound)
+        end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
+        new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
+        o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
+        o = prefill_kda.gated_norm(o[0], self.g_proj(x), self.o_norm.weight, self.eps, x.dtype)
+        return self.dense(o)[None], new_conv[None], state
 
 
 def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
@@ -313,8 +338,10 @@ class Router(nn.Module):
             logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), self.weight.float())
-        return ref.route_grouped_topk(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group,
-                                      self.normalize, self.scale)
+        # a prefill's many tokens: one routing kernel launch on a GPU instead of a dozen torch ops
+        many = x.shape[0] > GATHER_EXPERTS_MAX_TOKENS and prefill_kernels(x)
+        route = prefill_moe.route if many else ref.route_grouped_topk
+        return route(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.normalize, self.scale)
 
 
 class Experts(nn.Module):
@@ -335,7 +362,7 @@ class Experts(nn.Module):
         n_exp = self.gate_up_proj.shape[0]
         if n_exp <= DENSE_EXPERTS_MAX:
             return self._dense(x, weights, idx)
-        if x.is_cuda and prefill_moe.triton is not None:  # the grouped Triton kernels (kernels/prefill_moe.py)
+        if prefill_kernels(x):  # the grouped Triton kernels (kernels/prefill_moe.py)
             return prefill_moe.moe_prefill_triton(x, weights, idx, self.gate_up_proj, self.down_proj, self.inter,
                                                   self.limit)
         return self._grouped(x, weights, idx)
