@@ -6,8 +6,10 @@ here only as the baseline, `--baseline`), beside the floor (`lingls.bench.floor`
 bf16 matmul peak and its weight bytes over the copy rate, both measured in the same run; the floor is the larger)
 and the time the host takes to issue the prefill. Then the graphed and eager paths' results on every prompt
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
-edit at the end of the longest prompt, with prefix reuse. `--profile N` adds each path's N largest ops and
-kernels of one cold prefill (device time: kernels inside a graph replay are listed by name).
+edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
+kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--profile N` adds
+the runtime's and the eager path's N largest ops and kernels of one cold prefill (device time: kernels inside a
+graph replay are listed by name).
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
@@ -215,7 +217,10 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
           f"from the first kernel's start to the last one's end")
     for r in rows[:top]:
         print(f"  {r['device_ms']:9.2f} ms device {r['host_ms']:9.2f} ms host {r['calls']:7d} x  {r['op']}")
-    return {"kernels": len(kernels), "kernel_ms": kernel_ms, "kernel_span_ms": span_ms, "top": rows[:top]}
+    by_host = sorted(rows, key=lambda r: -r["host_ms"])[:10]
+    print("  by host time: " + "; ".join(f"{r['op'][:40]} {r['host_ms']:.2f} ms x{r['calls']}" for r in by_host))
+    return {"kernels": len(kernels), "kernel_ms": kernel_ms, "kernel_span_ms": span_ms, "top": rows[:top],
+            "top_by_host": by_host}
 
 
 # ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
@@ -279,6 +284,24 @@ def _use(runner: ModelRunner, path: tuple) -> None:
     snapshot spacing, and whether a cold prompt's pieces replay graphs (the padded first piece, the short ones)."""
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path
     runner.cache.every = path[1]
+
+
+def _torch_ops(step):
+    """`step` with the prefill kernels off (LINGLS_KERNELS=0 while it runs: the torch ops of
+    `KimiDeltaAttention.forward`, `Router`, `Experts._grouped`): their reference in the same run."""
+    import os
+
+    def run(ids, state, positions, kv_len):
+        before = os.environ.get("LINGLS_KERNELS")
+        os.environ["LINGLS_KERNELS"] = "0"
+        try:
+            return step(ids, state, positions, kv_len)
+        finally:
+            if before is None:
+                del os.environ["LINGLS_KERNELS"]
+            else:
+                os.environ["LINGLS_KERNELS"] = before
+    return run
 
 
 def _timed_cold(runner: ModelRunner, prompt: list[int], reps: int) -> tuple[float, float]:
@@ -424,6 +447,7 @@ def flash_prefill(a) -> int:
         paths["eager"] = (runner.prefill_step, a.chunk, False)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
         paths[f"eager_chunk{chunk}"] = (runner.prefill_step, chunk, False)
+    paths["eager_torch_ops"] = (_torch_ops(runner.prefill_step), a.chunk, False)
     if not a.no_baseline:
         paths["before_issue_39"] = (legacy_prefill_step(model), 2048, False)
     rows = []
@@ -476,7 +500,7 @@ def flash_prefill(a) -> int:
     append, _ = ttft_ms(runner, edited + [17])
     ops = {}
     if a.profile:
-        for name, path in paths.items():
+        for name, path in ((n, paths[n]) for n in ("runtime", "eager") if n in paths):
             print(f"{name}: the {a.profile} largest ops and kernels of a cold {a.profile_tokens}-token prefill")
             _use(runner, path)
             ops[name] = cold_prefill_profile(runner, prompts.get(a.profile_tokens, prompt), a.profile)

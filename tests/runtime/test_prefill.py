@@ -182,6 +182,9 @@ def test_kda_prefill_kernels_equal_the_torch_form(padded, monkeypatch):
     conv_state = torch.randn(1, 3, c, 3, generator=g).to(dev)
     state = (torch.randn(1, attn.heads, attn.d, attn.d, generator=g) * 0.1).to(dev)
     valid = (torch.arange(t) < 33).to(dev) if padded else None
+    from lingls.model import ling
+
+    monkeypatch.setattr(ling, "_FLA", [None])  # the recurrence in torch on both sides: the kernels are the subject
     with torch.no_grad():
         got = attn._prefill(x, conv_state[0], state.clone(), valid)
         monkeypatch.setenv("LINGLS_KERNELS", "0")  # the torch form on a GPU too
