@@ -212,7 +212,8 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
                  calls=e.count) for e in prof.key_averages()]
     rows.sort(key=lambda r: -r["device_ms"])
     kernel_ms = sum(e.device_time for e in kernels) / 1e3
-    span_ms = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+    span_ms = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3 \
+        if kernels else 0.0
     print(f"  {len(kernels)} kernels, {kernel_ms:.1f} ms of kernel time over a span of {span_ms:.1f} ms "
           f"from the first kernel's start to the last one's end")
     for r in rows[:top]:
@@ -499,11 +500,14 @@ def flash_prefill(a) -> int:
         reused.append(saved)
     append, _ = ttft_ms(runner, edited + [17])
     ops = {}
-    if a.profile:
-        for name, path in ((n, paths[n]) for n in ("runtime", "eager") if n in paths):
-            print(f"{name}: the {a.profile} largest ops and kernels of a cold {a.profile_tokens}-token prefill")
-            _use(runner, path)
-            ops[name] = cold_prefill_profile(runner, prompts.get(a.profile_tokens, prompt), a.profile)
+    if a.profile:  # the runtime's path at each profiled size, the eager one (thousands of ops) at the first
+        sizes_profiled = [int(x) for x in a.profile_tokens.split(",") if int(x) in prompts]
+        for i, t in enumerate(sizes_profiled):
+            for name in ("runtime", "eager") if i == 0 else ("runtime",):
+                if name in paths:
+                    print(f"{name}: the {a.profile} largest ops and kernels of a cold {t}-token prefill")
+                    _use(runner, paths[name])
+                    ops[f"{name}_{t}"] = cold_prefill_profile(runner, prompts[t], a.profile)
         _use(runner, paths["runtime"])
     result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla": fla_version(),
               "layers": a.layers, "tp": a.tp, "prefill_chunk": a.chunk, "reps": a.reps, "paths": list(paths),
@@ -555,7 +559,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/results/prefix.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one more cold prefill by each path: its N largest ops by device time")
-    p.add_argument("--profile-tokens", type=int, default=1536, help="the profiled prompt's length (one of --sizes)")
+    p.add_argument("--profile-tokens", default="1536",
+                   help="the profiled prompts' lengths (of --sizes; a,b,...: the eager path at the first only)")
     a = p.parse_args(argv)
     if a.model:
         import argparse as _argparse

@@ -21,10 +21,10 @@ from lingls.kernels import jit, tl, triton
 
 if triton is not None:
     @jit
-    def _conv_silu(x_ptr, sx, state_ptr, w_ptr, t, cols, K: tl.constexpr, C: tl.constexpr):
+    def _conv_silu(x_ptr, sx, state_ptr, w_ptr, t, cols, K: tl.constexpr, D: tl.constexpr):
         """silu(depthwise causal conv) of token t at channels `cols`, rounded as torch rounds (the conv output
         and the SiLU output to x's dtype); returned in fp32. state [C, K-1]: the inputs before token 0."""
-        acc = tl.zeros(cols.shape, tl.float32)
+        acc = tl.zeros((D,), tl.float32)
         for k in tl.static_range(K):
             src = t - (K - 1) + k  # ext[t + k] of the torch form: state columns first, then the inputs
             if src >= 0:
@@ -44,9 +44,9 @@ if triton is not None:
         C: tl.constexpr = H * D
         cols = h * D + tl.arange(0, D)
         out = t.to(tl.int64) * C + cols
-        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, cols, K, C)
-        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, cols, K, C)
-        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, cols, K, C)
+        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, cols, K, D)
+        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, cols, K, D)
+        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, cols, K, D)
         tl.store(q_out + out, q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale)
         tl.store(k_out + out, k / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
         tl.store(v_out + out, v)
