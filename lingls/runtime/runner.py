@@ -93,11 +93,11 @@ class ModelRunner:
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
                  max_snapshots: int = 24, prefill_graphs: bool | None = None):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
-        8192 on a GPU, where a step's host-side cost (thousands of eager launches) dominates: cold prefills of a
-        Ling-3.0-flash TP=4 rank on an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and
-        181 / 256 ms in one piece (bench/results/prefix.json); the price is coarser snapshots, so an edit far
-        above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates and finer
-        snapshots re-prefill less.
+        8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
+        an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
+        (docs/kernel-log.md, sixteenth session), and one piece is one graph; the price is coarser snapshots, so an
+        edit far above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates
+        and finer snapshots re-prefill less.
 
         prefill_graphs: a cold prompt's first piece runs as a fixed-shape step padded to a token bucket
         (`PREFILL_BUCKETS`), one CUDA graph per bucket, and with CUDA graphs the short pieces (<= 16 tokens)

@@ -191,3 +191,11 @@ def test_kda_prefill_kernels_equal_the_torch_form(padded, monkeypatch):
         want = attn.forward(x[None], conv_state, state.clone(), valid)
     for a, b in zip(got, want):
         assert ((a - b).norm() / b.norm()).item() < (1e-5 if dev == "cpu" else 1e-3)
+
+
+def test_prefill_graphs_follow_cuda_graphs_by_default():
+    """On by default where steps are graphs (CUDA), off where they are not (a CPU: nothing to replay)."""
+    model = build(num_hidden_layers=2)
+    assert not ModelRunner(model, capacity=64).prefill_graphs
+    assert ModelRunner(model, capacity=64, use_graphs=True).prefill_graphs  # what a GPU runner gets
+    assert not ModelRunner(model, capacity=64, use_graphs=True, prefill_graphs=False).prefill_graphs
