@@ -1,5 +1,6 @@
-"""What the benchmarks share: the shard's context, CUDA-graph capture, the random state a step is timed on, the
-step's byte floor, per-kernel profiles, and writing a result file that says where it was measured.
+"""What the benchmarks share: the shard's context, CUDA-graph capture, the random state a step is timed on,
+per-kernel profiles, and writing a result file that says where it was measured. (The floors they divide by are
+`lingls.bench.floor`'s, one computation for every benchmark.)
 
 Every result JSON gets a `run` record (`run_info`): the GPU, torch, Triton and Python versions and the commit of
 the tree that ran, so a figure in docs/performance.md can name its machine and commit from the file alone.
@@ -62,40 +63,6 @@ def kernel_rows(prof, reps: int, top: int) -> list[dict]:
     total = sum(r["us_per_step"] for r in rows)
     launches = sum(r["launches_per_step"] for r in rows)
     return [dict(kernel="(all kernels)", us_per_step=total, launches_per_step=launches)] + rows[:top]
-
-
-def routed_experts(model, ids, state, pos) -> int:
-    """Distinct experts a step of `ids` routes to, averaged over the MoE layers (for the step's floor)."""
-    from lingls.model.ling import Router
-
-    counts: list[int] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: counts.append(o[1].unique().numel()))
-             for m in model.modules() if isinstance(m, Router)]
-    model.step(ids, state.clone(), pos)
-    for h in hooks:
-        h.remove()
-    return round(sum(counts) / max(len(counts), 1))
-
-
-def floor_bytes(model, t: int, distinct: int) -> int:
-    """Bytes `FusedStep.step` reads at T tokens: the decoder layers' weights (every expert counted only if
-    routed), the embedding rows, KDA state r/w, MLA latent KV. Not the final norm and lm_head: the step returns
-    the pre-norm hidden states (the lm_head shard, 201 MB at TP=4, is the sampler's, not timed here)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name.startswith("lm_head.") or name == "model.norm.weight":
-            continue
-        if "word_embeddings" in name:
-            total += t * p.shape[1] * p.element_size()
-        elif ".mlp.experts." in name:
-            total += p[0].numel() * p.element_size() * distinct
-        else:
-            total += p.numel() * p.element_size()
-    n_kda = len(model.kda_slot)
-    heads, d = model.config.num_attention_heads // model.par.size, model.config.head_dim
-    total += 2 * n_kda * heads * d * d * 4
-    total += len(model.mla_slot) * CONTEXT * model.config.latent_dim * 2
-    return total
 
 
 def commit() -> str | None:

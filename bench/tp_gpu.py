@@ -243,7 +243,8 @@ def weight_bytes(layers: int, tp: int, rank: int) -> int:
 def phase_model(rank: int, world: int, put, args: dict) -> None:
     """NCCL first, for T = 1 and 9; then the peer all-reduce (set up only now, and only if phase coll found it
     correct), so a peer path that breaks the CUDA context cannot take the NCCL numbers with it."""
-    from bench.common import floor_bytes, graphed, routed_experts
+    from bench.common import graphed
+    from lingls.bench.floor import routed_experts, step_floor_ms
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
     from lingls.runtime.fused_step import FusedStep
     from lingls.runtime.peer_allreduce import PeerAllReduce
@@ -287,11 +288,11 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
             pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
             inputs[t] = ids, pos
             par.all_reduce = counted
-            distinct = routed_experts(model, ids, state, pos)
+            distinct = routed_experts(model, lambda: model.step(ids, state.clone(), pos))
             count[0] = 0
             fused.step(ids, state.clone(), pos)
-            rows[t] = {"T": t, "all_reduces_per_step": count[0], "distinct_experts": distinct,
-                       "floor_ms": floor_bytes(model, t, distinct) / bw * 1e3}
+            rows[t] = {"T": t, "all_reduces_per_step": count[0], "distinct_experts": sum(distinct) / len(distinct),
+                       "floor_ms": step_floor_ms(model, t, CONTEXT - t, distinct, bw, head=False)}
             put(f"T{t}", dict(rows[t]))
 
         def measure(name: str, op, add_norm=None) -> None:

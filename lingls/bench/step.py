@@ -8,11 +8,11 @@ Modes:
   plus the all-reduces alone: runs `python -m bench.tp_gpu` in a checkout of the repository (one process per GPU;
   see that module).
 For T = 1 (decode) and T = 2..16 (verify) it reports the median CUDA-graph step time and the step's byte
-floor: the bytes it must read (every weight but the routed experts, the distinct routed experts of that step
-as routed, the embedding rows, the KDA state read and written, the MLA latent KV of the context) over the
-device-to-device copy bandwidth measured in the same run. With --peer-layers L it also runs, side by side,
-transformers' BailingHybridForCausalLM (greedy generate with its cache) and lingls with and without CUDA
-graphs, all at L layers of full width. Writes JSON (+ a PNG with --plot) and prints a table.
+floor (`lingls.bench.floor.step_bytes`: every weight but the routed experts, the distinct routed experts of
+that step as the fused step routes them, the embedding rows, the KDA state read and written, the MLA latent KV
+of the context) over the device-to-device copy bandwidth measured in the same run. With --peer-layers L it also
+runs, side by side, transformers' BailingHybridForCausalLM (greedy generate with its cache) and lingls with and
+without CUDA graphs, all at L layers of full width. Writes JSON (+ a PNG with --plot) and prints a table.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from lingls.bench.floor import copy_bandwidth, routed_experts, step_bytes
 from lingls.model.config import flash_config
-from lingls.model.ling import LingForCausalLM, Parallel, Router
+from lingls.model.ling import LingForCausalLM, Parallel
 from lingls.model.random_checkpoint import random_model
 from lingls.runtime.runner import ModelRunner, Sampling
 
@@ -50,14 +51,6 @@ def build_flash(layers: int, tp: int = 1, rank: int = 0, device: str = "cuda", s
     return random_model(cfg, Parallel(rank, tp), device, torch.bfloat16, seed)
 
 
-def copy_bandwidth(device="cuda", gib: float = 2.0) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
-    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), reps=20)
-    return 2 * x.numel() * 2 / (ms / 1e3)
-
-
 def median_ms(fn, reps: int = 50, warm: int = 5) -> float:
     for _ in range(warm):
         fn()
@@ -74,35 +67,13 @@ def median_ms(fn, reps: int = 50, warm: int = 5) -> float:
 
 
 def distinct_experts(model: LingForCausalLM, runner: ModelRunner, t: int) -> list[int]:
-    """Distinct routed experts per MoE layer in one T-token step on random token ids (an eager step)."""
-    seen: list[int] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[1].unique().numel()))
-             for m in model.modules() if isinstance(m, Router)]
-    with torch.inference_mode():
+    """Distinct routed experts per MoE layer in one eager T-token step on random token ids, as the step routes
+    them (the fused step's routing included: `floor.routed_experts`)."""
+    def run():
         runner.ids[:t].copy_(torch.randint(0, model.config.vocab_size, (t,), device=runner.device))
         runner._body(t, runner.bucket(int(runner.pos[0]) + t), True)
-    for h in hooks:
-        h.remove()
-    return seen
 
-
-def step_bytes(model: LingForCausalLM, runner: ModelRunner, t: int, context: int, experts: list[int]) -> dict:
-    """What a T-token step at `context` tokens of context must read, in bytes, by part."""
-    size = lambda p: p.numel() * p.element_size()  # noqa: E731
-    params = dict(model.named_parameters())
-    dense = sum(size(p) for n, p in params.items() if ".mlp.experts." not in n and "word_embeddings" not in n)
-    routed = 0
-    moe_layers = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
-    for layer, n in zip(moe_layers, experts):
-        routed += n * (size(layer.gate_up_proj[0]) + size(layer.down_proj[0]))
-    st = runner.state
-    return {
-        "weights_always": dense,
-        "weights_routed": routed,
-        "embedding_rows": t * size(model.model.word_embeddings.weight[0]),
-        "kda_state_rw": 2 * (size(st.kda) + size(st.conv)),
-        "mla_kv": st.latent.shape[0] * (context + t) * st.latent.shape[-1] * st.latent.element_size(),
-    }
+    return routed_experts(model, run, fused=runner.fused)
 
 
 def bench_steps(model, tokens: list[int], context: int, bw: float, reps: int) -> list[dict]:
@@ -116,7 +87,7 @@ def bench_steps(model, tokens: list[int], context: int, bw: float, reps: int) ->
         runner.run_step(t, kv, True)  # capture
         runner.pos.fill_(context - 64)
         ms = median_ms(lambda: runner.run_step(t, kv, True), reps=reps)
-        parts = step_bytes(model, runner, t, context, experts)
+        parts = step_bytes(model, t, context, experts)
         total = sum(parts.values())
         floor = total / bw * 1e3
         rows.append({"T": t, "graph_ms": ms, "floor_ms": floor, "ratio": ms / floor, "bytes": total, "parts": parts,

@@ -7,7 +7,15 @@ from a table and leaves at once where the block lies past the last expert's run)
 - `_gate_up_kernel`: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a
   column in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
 - `_down_kernel`: y = act Wd^T, written to the pair's own row (token-major, [N*k, H]), so the weighted sum over
-  a token's k experts is a plain reduction afterwards, in a fixed order.
+  a token's k experts is a plain reduction afterwards, in a fixed order;
+- `_combine_kernel`: that reduction, sum_j w_j * y_j in fp32 rounded once, in one pass over y (torch's upcast,
+  multiply and sum wrote and read fp32 copies of y: ~2 GB a layer at 8,192 tokens).
+Before them, two steps that were a few dozen small torch ops per layer (each a launch and a pass over memory):
+- `route`: the router's grouped top-k (`reference.route_grouped_topk`) as one program per token;
+- `sort_pairs_triton`: the pairs laid out by expert in three launches (counts by atomics, the padded offsets and
+  each block's expert, the scatter), where `sort_pairs` (the torch form) sorts them. A pair's place inside its
+  expert's run differs between the two, which changes nothing a pair computes: each output row of a block's
+  product is its own row's dot products, in the same order.
 Products round to bf16 where torch's grouped GEMM rounds them (gate and up before the activation, y before the
 routing weight), so the kernels compute what `moe_prefill_reference` computes.
 
@@ -58,7 +66,124 @@ def sort_pairs(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     return rows, block_expert
 
 
+def route(logits, bias, top_k: int, n_group: int, topk_group: int, normalize: bool, scale: float):
+    """`reference.route_grouped_topk` of [N, E] fp32 logits: one Triton program per token on CUDA (or under the
+    interpreter) where E and the group size are powers of two, the torch form otherwise. The choice is the
+    reference's (ties aside: exact ties of sigmoid scores do not occur in practice); the weights agree to fp32
+    rounding."""
+    n, e = logits.shape
+    epg = e // n_group
+    if triton is None or (not logits.is_cuda and not _interpreting()) or e & (e - 1) or epg & (epg - 1):
+        return ref.route_grouped_topk(logits, bias, top_k, n_group, topk_group, normalize, scale)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(n,)](logits.contiguous(), bias.float().contiguous(), weights, idx, float(scale), E=e, G=n_group,
+                        TOPK_GROUP=topk_group, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k),
+                        NORMALIZE=normalize, num_warps=4)
+    return weights, idx
+
+
+def sort_pairs_triton(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """`sort_pairs` in three launches (Triton): the same block layout and block experts, each expert's pairs in
+    its run in the order their atomic increments landed (see the module note: that order changes no result)."""
+    flat = idx.flatten()
+    pairs = flat.numel()
+    blocks = -(-(pairs + n_experts * (block_m - 1)) // block_m)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=idx.device)
+    slot = torch.empty(pairs, dtype=torch.int32, device=idx.device)
+    _count_kernel[(triton.cdiv(pairs, 1024),)](flat, counts, slot, pairs, BLOCK=1024, num_warps=4)
+    start = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
+    padded_end = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
+    e_pad = triton.next_power_of_2(n_experts)
+    _offsets_kernel[(1,)](counts, start, padded_end, E=n_experts, E_PAD=e_pad, BLOCK_M=block_m, num_warps=4)
+    rows = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=idx.device)
+    _scatter_kernel[(triton.cdiv(pairs, 1024),)](flat, slot, start, rows, pairs, BLOCK=1024, num_warps=4)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=idx.device)
+    _block_expert_kernel[(triton.cdiv(blocks, 32),)](padded_end, block_expert, blocks, E=n_experts, E_PAD=e_pad,
+                                                     BLOCK_M=block_m, BLOCK_B=32, num_warps=4)
+    return rows, block_expert
+
+
+def _interpreting() -> bool:
+    from lingls.kernels.gemv import INTERPRET
+
+    return INTERPRET
+
+
 if triton is not None:
+    @jit
+    def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, scale, E: tl.constexpr, G: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+                      NORMALIZE: tl.constexpr):
+        """One token: sigmoid scores, + bias to choose; each group scored by its two best; the TOPK_GROUP best
+        groups kept (ties to the lower group); the TOP_K best experts among them, best first (ties to the lower
+        index); weights = the unbiased scores, normalised, scaled."""
+        t = tl.program_id(0)
+        EPG: tl.constexpr = E // G
+        offs = tl.arange(0, E)
+        s = tl.sigmoid(tl.load(logits_ptr + t.to(tl.int64) * E + offs))
+        c = tl.reshape(s + tl.load(bias_ptr + offs), (G, EPG))
+        col = tl.arange(0, EPG)[None, :]
+        first = tl.argmax(c, axis=1)
+        second = tl.max(tl.where(col == first[:, None], float("-inf"), c), axis=1)
+        group_score = tl.max(c, axis=1) + second
+        gi = tl.arange(0, G)
+        above = (group_score[None, :] > group_score[:, None]) | \
+            ((group_score[None, :] == group_score[:, None]) & (gi[None, :] < gi[:, None]))
+        keep = tl.sum(above.to(tl.int32), axis=1) < TOPK_GROUP
+        c = tl.reshape(tl.where(keep[:, None], c, float("-inf")), (E,))
+        k = tl.arange(0, TOPK_PAD)
+        chosen = tl.zeros((TOPK_PAD,), tl.float32)
+        total = 0.0
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(c, axis=0)
+            w = tl.sum(tl.where(offs == best, s, 0.0), axis=0)
+            total += w
+            chosen = tl.where(k == j, w, chosen)
+            tl.store(idx_ptr + t * TOP_K + j, best.to(tl.int64))
+            c = tl.where(offs == best, float("-inf"), c)
+        if NORMALIZE:
+            chosen = chosen / (total + 1e-20)
+        tl.store(w_ptr + t * TOP_K + k, chosen * scale, mask=k < TOP_K)
+
+    @jit
+    def _count_kernel(expert_ptr, counts_ptr, slot_ptr, P, BLOCK: tl.constexpr):
+        """Each pair's place in its expert's run: the expert's count before this pair's increment."""
+        p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = p < P
+        e = tl.load(expert_ptr + p, mask=m, other=0)
+        slot = tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=m)
+        tl.store(slot_ptr + p, slot, mask=m)
+
+    @jit
+    def _offsets_kernel(counts_ptr, start_ptr, padded_end_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+        """Each expert's run padded to whole blocks: where it starts and where it ends."""
+        e = tl.arange(0, E_PAD)
+        m = e < E
+        padded = (tl.load(counts_ptr + e, mask=m, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.cumsum(padded, axis=0)
+        tl.store(start_ptr + e, end - padded, mask=m)
+        tl.store(padded_end_ptr + e, end, mask=m)
+
+    @jit
+    def _scatter_kernel(expert_ptr, slot_ptr, start_ptr, rows_ptr, P, BLOCK: tl.constexpr):
+        p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = p < P
+        e = tl.load(expert_ptr + p, mask=m, other=0)
+        dest = tl.load(start_ptr + e, mask=m, other=0) + tl.load(slot_ptr + p, mask=m, other=0)
+        tl.store(rows_ptr + dest, p.to(tl.int32), mask=m)
+
+    @jit
+    def _block_expert_kernel(padded_end_ptr, block_expert_ptr, B, E: tl.constexpr, E_PAD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+        """A block's expert: how many runs end at or before its first row (E past the last run)."""
+        b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        e = tl.arange(0, E_PAD)
+        end = tl.load(padded_end_ptr + e, mask=e < E, other=2**30)
+        expert = tl.sum((end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, expert, mask=b < B)
+
     @jit
     def _dot(acc, a, b, F32_DOT: tl.constexpr):
         """acc + a @ b; under the interpreter in fp32 (its bf16 dot is wrong in Triton 3.6): the same exact products."""
@@ -129,9 +254,24 @@ if triton is not None:
                      acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
+    @jit
+    def _combine_kernel(y_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = sum over j < TOP_K of w[t, j] * y[t * TOP_K + j], in fp32 in the order of j, rounded once."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for j in range(TOP_K):
+            w = tl.load(w_ptr + t * TOP_K + j)
+            y = tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * H + cols, mask=mask, other=0.0)
+            acc += w * y.to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the two kernels
 GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
+COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
 
 
 def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M):
@@ -140,7 +280,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
 
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
-    rows, block_expert = sort_pairs(idx, n_exp, block_m)
+    rows, block_expert = sort_pairs_triton(idx, n_exp, block_m)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = GATE_UP_CONFIG
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
@@ -151,7 +291,10 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
         act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
-    return (y.view(n, k, hidden).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights.float().contiguous(), out, H=hidden, TOP_K=k,
+                                                            BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out
 
 
 def moe_prefill(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingls.kernels import prefill_moe
+from lingls.kernels import norm, prefill_kda, prefill_moe
 from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
@@ -97,6 +97,12 @@ class InferenceState:
         self.latent[:, :n].copy_(other.latent[:, :n])
 
 
+def prefill_kernels(x: torch.Tensor) -> bool:
+    """Whether a prefill's many tokens run the prefill kernels (`kernels.prefill_moe`, `kernels.prefill_kda`):
+    on CUDA with Triton, unless LINGLS_KERNELS=0 (the torch ops everywhere, as for the fused step)."""
+    return x.is_cuda and prefill_moe.triton is not None and os.environ.get("LINGLS_KERNELS", "1") != "0"
+
+
 # ---------------------------------------------------------------------------------------------------------
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: LingConfig, par: Parallel):
@@ -124,6 +130,9 @@ class KimiDeltaAttention(nn.Module):
 
         Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
         b, t, _ = x.shape
+        if (b == 1 and t > MLA_ABSORBED_MAX_TOKENS and state is not None and conv_state is not None
+                and self.safe_gate and prefill_kernels(x)):
+            return self._prefill(x[0], conv_state[0], state, valid)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         qkv, new_conv = [], []
         end = None if valid is None else valid.sum()
@@ -146,6 +155,22 @@ class KimiDeltaAttention(nn.Module):
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
         o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)
         return self.dense(o.to(x.dtype).reshape(b, t, -1)), torch.stack(new_conv, 1), state
+
+
+    def _prefill(self, x, conv_state, state, valid):
+        """`forward` of one sequence's many tokens x [T, hidden] through the prefill kernels: the projections, one
+        launch for the convolutions, norms, gate and beta (`prefill_kda.prologue`), one for the new conv state,
+        the chunked recurrence, one for the gated output norm; the same outputs as the torch form."""
+        t = x.shape[0]
+        q, k, v, f = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
+        conv_w = torch.stack([c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        q_, k_, v_, g, beta = prefill_kda.prologue(q, k, v, f, self.b_proj(x), conv_state, conv_w, self.A_log,
+                                                   self.dt_bias, valid, self.lower_bound)
+        end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
+        new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
+        o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
+        o = prefill_kda.gated_norm(o[0], self.g_proj(x), self.o_norm.weight, self.eps, x.dtype)
+        return self.dense(o)[None], new_conv[None], state
 
 
 def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
@@ -313,8 +338,10 @@ class Router(nn.Module):
             logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), self.weight.float())
-        return ref.route_grouped_topk(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group,
-                                      self.normalize, self.scale)
+        # a prefill's many tokens: one routing kernel launch on a GPU instead of a dozen torch ops
+        many = x.shape[0] > GATHER_EXPERTS_MAX_TOKENS and prefill_kernels(x)
+        route = prefill_moe.route if many else ref.route_grouped_topk
+        return route(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.normalize, self.scale)
 
 
 class Experts(nn.Module):
@@ -335,7 +362,7 @@ class Experts(nn.Module):
         n_exp = self.gate_up_proj.shape[0]
         if n_exp <= DENSE_EXPERTS_MAX:
             return self._dense(x, weights, idx)
-        if x.is_cuda and prefill_moe.triton is not None:  # the grouped Triton kernels (kernels/prefill_moe.py)
+        if prefill_kernels(x):  # the grouped Triton kernels (kernels/prefill_moe.py)
             return prefill_moe.moe_prefill_triton(x, weights, idx, self.gate_up_proj, self.down_proj, self.inter,
                                                   self.limit)
         return self._grouped(x, weights, idx)
@@ -516,24 +543,46 @@ class LingForCausalLM(nn.Module):
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
-        for i, layer in enumerate(self.decoder_layers):
-            h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
+        if prefill:
+            h = self._prefill_layers(h, state, positions, kv_len, valid)
+        else:
+            for i, layer in enumerate(self.decoder_layers):
+                h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
         return (h, self.model.norm(h)) if normed else h
+
+    def _prefill_layers(self, h, state: InferenceState, positions, kv_len: int, valid=None):
+        """The decoder layers of a prefill step: `_layer_step`'s arithmetic with each residual add and the norm
+        after it as one launch on a GPU (`norm.add_rms_norm`: the same bits as `h + a` then the RMSNorm), where
+        torch spends about eight elementwise launches over [T, hidden] per norm. h is updated in place."""
+        layers, eps = self.decoder_layers, self.config.rms_norm_eps
+        x, h = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a = self._attend(i, layer, x, state, positions, kv_len, True, valid)
+            x, h = norm.add_rms_norm(self.par.all_reduce(a), h, layer.post_attention_layernorm.weight, eps)
+            m = self.par.all_reduce(layer.mlp(x))
+            if i + 1 < len(layers):
+                x, h = norm.add_rms_norm(m, h, layers[i + 1].input_layernorm.weight, eps)
+            else:
+                h = h + m
+        return h
 
     def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False,
                     valid=None):
-        x = layer.input_layernorm(h)
+        a = self._attend(i, layer, layer.input_layernorm(h), state, positions, kv_len, prefill, valid)
+        return layer._mlp(h + self.par.all_reduce(a))
+
+    def _attend(self, i, layer: DecoderLayer, x, state: InferenceState, positions, kv_len, prefill=False,
+                valid=None):
+        """Layer i's attention of its normed input x over the state (updated): this rank's partial output."""
         if layer.kind == KDA:
             s = self.kda_slot[i]
             a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid)
             state.conv[s].copy_(conv[0])
             state.kda[s].copy_(rec[0])
-            a = a[0]
-        else:
-            cache = state.latent[self.mla_slot[i]]
-            cache.index_copy_(0, positions, layer.attention.latent(x, positions))
-            a = layer.attention.attend_latent(x, positions, cache, kv_len, end_aligned=prefill)
-        return layer._mlp(h + self.par.all_reduce(a))
+            return a[0]
+        cache = state.latent[self.mla_slot[i]]
+        cache.index_copy_(0, positions, layer.attention.latent(x, positions))
+        return layer.attention.attend_latent(x, positions, cache, kv_len, end_aligned=prefill)
 
     def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
                  kv_len: int | None = None, depth: int = 0, normed: bool = False):

@@ -2,8 +2,10 @@
 
 - Prefill runs the prompt (after prefix reuse, `cache.py`) in chunks with host-known lengths, pausing at
   the cache's snapshot points, then samples the first token on the device. Pieces of up to 16 tokens (those
-  between a prompt's tail snapshots) run the fused step's kernels, longer ones the model's torch step; with
-  `prefill_graphs`, a cold prompt's first piece replays a CUDA graph padded to a token bucket.
+  between a prompt's tail snapshots) run the fused step's kernels, longer ones the model's prefill step. On
+  CUDA with graphs both are replays: a cold prompt's first piece of a graph padded to a token bucket
+  (`prefill_graphs`), a short piece of a graph per (tokens, KV bucket), so a cold prefill issues a few replays
+  rather than thousands of launches.
 - Decode steps (T = 1) and verify steps (T = K + 1) have fixed shapes: on CUDA each (T, KV bucket, greedy?)
   is captured once as a CUDA graph and replayed. The MLA keys read are bounded by a power-of-two bucket of
   the position (known on the host without asking the device); rows past the position are masked.
@@ -89,18 +91,19 @@ class ModelRunner:
 
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
-                 max_snapshots: int = 24, prefill_graphs: bool = False):
+                 max_snapshots: int = 24, prefill_graphs: bool | None = None):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
-        8192 on a GPU, where a step's host-side cost (thousands of eager launches) dominates: cold prefills of a
-        Ling-3.0-flash TP=4 rank on an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and
-        181 / 256 ms in one piece (bench/results/prefix.json); the price is coarser snapshots, so an edit far
-        above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates and finer
-        snapshots re-prefill less.
+        8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
+        an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
+        (docs/kernel-log.md, sixteenth session), and one piece is one graph; the price is coarser snapshots, so an
+        edit far above a long prompt's end re-prefills from further back. 512 on a CPU, where the work dominates
+        and finer snapshots re-prefill less.
 
         prefill_graphs: a cold prompt's first piece runs as a fixed-shape step padded to a token bucket
-        (`PREFILL_BUCKETS`), one CUDA graph per bucket, so the host issues one replay instead of thousands of
-        torch ops (the eager prefill is bound by those: bench/results/prefix.json). Off by default until it is
-        measured on a GPU (on a CPU, or without graphs, the same padded step runs eagerly)."""
+        (`PREFILL_BUCKETS`), one CUDA graph per bucket, and with CUDA graphs the short pieces (<= 16 tokens)
+        replay a graph per (tokens, KV bucket), so the host issues a few replays instead of thousands of
+        launches (the eager prefill is bound by those: bench/results/prefix.json). Default: on with CUDA graphs
+        (on a CPU, or without graphs, the padded first piece runs eagerly: tests set it to check that path)."""
         self.model = model
         self.device = model.lm_head.weight.device
         self.capacity = capacity
@@ -123,11 +126,16 @@ class ModelRunner:
         self.fence = _Fence(dev, 2, self.max_t)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self.prefill_graphs = prefill_graphs
+        self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_ids_buf: dict[int, torch.Tensor] = {}  # bucket -> its graph's input ids
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # bucket -> its graph's output hidden states
         self._prefill_pool = None
+        self._piece_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, KV bucket) -> short piece
+        self._piece_hidden: dict[tuple[int, int], torch.Tensor] = {}  # its graph's output hidden states
+        self.piece_ids = torch.zeros(FUSED_MAX_TOKENS, dtype=torch.long, device=dev)  # a short piece's graph inputs
+        self.piece_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.arange_piece = torch.arange(FUSED_MAX_TOKENS, device=dev)
         self.real_tokens = torch.zeros((), dtype=torch.long, device=dev)  # how many of a padded piece are real
         self.arange_prefill = torch.arange(max(PREFILL_BUCKETS), device=dev)
         # speculative decoding (speculative.Speculator) swaps in a prefill step that also feeds its drafter the
@@ -198,11 +206,51 @@ class ModelRunner:
 
     def _prefill_step(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One piece of a prompt: a short one (the few tokens between a prompt's tail snapshots) through the
-        fused decode kernels, as a verify step runs, a long one through the model's torch step (large GEMMs,
-        chunked KDA, flash MLA), told that its positions end at kv_len."""
+        fused decode kernels, as a verify step runs (a graph replay on CUDA with graphs: eagerly its ~400
+        launches cost the host more than a cold prompt's whole first piece takes the GPU), a long one through
+        the model's prefill step (large GEMMs, chunked KDA, flash MLA), told that its positions end at kv_len."""
         if self.fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:
+            if self.use_graphs and self.prefill_graphs and state is self.state:
+                return self._short_piece(ids, positions, kv_len)
             return self.fused.step(ids, state, positions, kv_len)
         return self.model.step(ids, state, positions, kv_len=kv_len, prefill=True)
+
+    def _short_piece(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """A piece of t <= 16 tokens through its (t, KV bucket) graph (captured on first use): the fused step
+        over `piece_ids` at `piece_pos`.., reading the bucket's MLA rows (those past a position are masked, as in
+        a decode step). Returns the t hidden states (the graph's output buffer: read before the next piece)."""
+        t = ids.shape[0]
+        key = (t, self.bucket(kv_len))
+        self.piece_ids[:t].copy_(ids)
+        self.piece_pos.copy_(positions[:1])
+        if key not in self._piece_graphs:
+            self._capture_piece(*key)
+        self._piece_graphs[key].replay()
+        return self._piece_hidden[key]
+
+    def _piece_body(self, t: int, kv_bucket: int) -> torch.Tensor:
+        return self.fused.step(self.piece_ids[:t], self.state, self.piece_pos + self.arange_piece[:t], kv_bucket)
+
+    def _capture_piece(self, t: int, kv_bucket: int) -> None:
+        """Capture a short piece's graph (after one eager run on a side stream; the KDA and conv states are
+        saved and restored around both; the MLA rows the eager run writes are the ones the replay writes)."""
+        saved = [x.clone() for x in (self.state.kda, self.state.conv)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._piece_body(t, kv_bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        for dst, src in zip((self.state.kda, self.state.conv), saved):
+            dst.copy_(src)
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._prefill_pool):
+            hidden = self._piece_body(t, kv_bucket)
+        for dst, src in zip((self.state.kda, self.state.conv), saved):
+            dst.copy_(src)
+        self._piece_hidden[(t, kv_bucket)] = hidden
+        self._piece_graphs[(t, kv_bucket)] = graph
 
     def bucket(self, end: int) -> int:
         """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
@@ -277,9 +325,14 @@ class ModelRunner:
             for greedy in (True,) if greedy_only else (True, False):
                 if (1, b, greedy) not in self._graphs:
                     self._capture(1, b, greedy)
+            if self.fused is not None:  # the short pieces every cold prompt ends with (its tail snapshots: 7, 1)
+                for t in (7, 1):
+                    if (t, b) not in self._piece_graphs:
+                        self._capture_piece(t, b)
             if b >= self.capacity:
                 break
             b = self.bucket(b + 1)
+        self.cache.reset()
         torch.cuda.synchronize()
 
     def set_sampling(self, s: Sampling) -> None:

@@ -122,3 +122,80 @@ def test_runner_with_prefill_graphs_prefills_the_same():
     assert plain_tok == padded_tok
     for a, b in ((padded.kda, plain.kda), (padded.conv, plain.conv), (padded.latent[:, :200], plain.latent[:, :200])):
         assert (a - b).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(prefill_moe.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("normalize", [False, True])
+def test_route_kernel_chooses_as_the_reference(normalize):
+    from lingls.kernels import reference as ref
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    for n, e, groups, keep, k in ((37, 64, 8, 4, 6), (5, 512, 8, 4, 8)):
+        logits = torch.randn(n, e, generator=g).to(dev)
+        bias = (torch.randn(e, generator=g) * 0.1).to(dev)
+        w, idx = prefill_moe.route(logits, bias, k, groups, keep, normalize, 2.5)
+        want_w, want_idx = ref.route_grouped_topk(logits, bias, k, groups, keep, normalize, 2.5)
+        assert torch.equal(idx, want_idx)
+        assert (w - want_w).abs().max().item() < 1e-6
+
+
+@pytest.mark.skipif(prefill_moe.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+def test_sort_pairs_kernels_lay_out_the_pairs_as_the_torch_form():
+    """The same blocks and block experts; inside each expert's run the same pairs (their order is free)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    for n, e, k, block in ((37, 8, 3, 16), (300, 64, 4, 16), (4, 5, 2, 2)):
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(dev)
+        rows, block_expert = prefill_moe.sort_pairs_triton(idx, e, block)
+        want_rows, want_block_expert = prefill_moe.sort_pairs(idx, e, block)
+        assert torch.equal(block_expert, want_block_expert)
+        assert rows.shape == want_rows.shape
+        for x in range(e):
+            mine = sorted(p for p in rows.tolist() if p >= 0 and idx.flatten()[p].item() == x)
+            assert mine == sorted(p for p in want_rows.tolist() if p >= 0 and idx.flatten()[p].item() == x)
+        placed = [p for p in rows.tolist() if p >= 0]
+        assert sorted(placed) == list(range(n * k))
+        for b, ex in enumerate(block_expert.tolist()):  # every pair sits in a block of its own expert
+            for p in rows.view(-1, block)[b].tolist():
+                if p >= 0:
+                    assert idx.flatten()[p].item() == ex
+
+
+@pytest.mark.skipif(prefill_moe.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("padded", [False, True])
+def test_kda_prefill_kernels_equal_the_torch_form(padded, monkeypatch):
+    """The KDA layer of a prefill through `prefill_kda` (convolutions, norms, gate, beta, new conv state, gated
+    output norm) == the torch form, from a non-zero state, with and without padded tokens at the end."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(num_hidden_layers=2).to(dev)
+    attn = model.model.layers[0].attention
+    g = torch.Generator().manual_seed(8)
+    t, c = 40, attn.heads * attn.d
+    x = torch.randn(t, 32, generator=g).to(dev)
+    conv_state = torch.randn(1, 3, c, 3, generator=g).to(dev)
+    state = (torch.randn(1, attn.heads, attn.d, attn.d, generator=g) * 0.1).to(dev)
+    valid = (torch.arange(t) < 33).to(dev) if padded else None
+    from lingls.model import ling
+
+    monkeypatch.setattr(ling, "_FLA", [None])  # the recurrence in torch on both sides: the kernels are the subject
+    with torch.no_grad():
+        got = attn._prefill(x, conv_state[0], state.clone(), valid)
+        monkeypatch.setenv("LINGLS_KERNELS", "0")  # the torch form on a GPU too
+        want = attn.forward(x[None], conv_state, state.clone(), valid)
+    for a, b in zip(got, want):
+        assert ((a - b).norm() / b.norm()).item() < (1e-5 if dev == "cpu" else 1e-3)
+
+
+def test_prefill_graphs_follow_cuda_graphs_by_default():
+    """On by default where steps are graphs (CUDA), off where they are not (a CPU: nothing to replay)."""
+    model = build(num_hidden_layers=2)
+    assert not ModelRunner(model, capacity=64).prefill_graphs
+    assert ModelRunner(model, capacity=64, use_graphs=True).prefill_graphs  # what a GPU runner gets
+    assert not ModelRunner(model, capacity=64, use_graphs=True, prefill_graphs=False).prefill_graphs

@@ -1,0 +1,128 @@
+"""The elementwise work around a KDA layer's chunked recurrence in a prefill, as three launches instead of ~40.
+
+Per KDA layer a prefill step projects q, k, v, f, g and b (GEMMs), then, in torch, ran about forty elementwise
+launches over [T, heads * 128] rows: three causal convolutions with SiLU (concatenating the conv state in
+front of each input), the L2 norms of q and k, the decay gate, beta, the padding mask, the conv states taken at
+the prompt's end, and after the recurrence the gated RMSNorm of its output. Here:
+- `prologue`: one program per (token, head): the three convolutions (taps before the first token read the
+  conv state), SiLU, q and k normalised (q scaled by d^-0.5), the gate g (per channel) and beta (per head),
+  both zero at padded tokens (`valid`), as the recurrence takes them (fp32);
+- `conv_states`: the K-1 inputs before position `end` of each of q, k and v (the new conv state);
+- `gated_norm`: RMSNorm of each head's output times sigmoid(gate), rounded once to the activation dtype.
+Each rounds where the torch form rounds (the convolution's and SiLU's outputs to the activation dtype), so the
+results agree to the last bit of those roundings. `KimiDeltaAttention.forward` is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lingls.kernels import jit, tl, triton
+
+if triton is not None:
+    @jit
+    def _conv_silu(x_ptr, sx, state_ptr, w_ptr, t, cols, K: tl.constexpr, D: tl.constexpr):
+        """silu(depthwise causal conv) of token t at channels `cols`, rounded as torch rounds (the conv output
+        and the SiLU output to x's dtype); returned in fp32. state [C, K-1]: the inputs before token 0."""
+        acc = tl.zeros((D,), tl.float32)
+        for k in tl.static_range(K):
+            src = t - (K - 1) + k  # ext[t + k] of the torch form: state columns first, then the inputs
+            if src >= 0:
+                v = tl.load(x_ptr + src.to(tl.int64) * sx + cols)
+            else:
+                v = tl.load(state_ptr + cols * (K - 1) + (src + K - 1))
+            acc += tl.load(w_ptr + cols * K + k).to(tl.float32) * v.to(tl.float32)
+        y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    @jit
+    def _prologue_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sx, sb, state_ptr, w_ptr, a_log_ptr, dt_bias_ptr,
+                         valid_ptr, q_out, k_out, v_out, g_out, beta_out, scale, lower_bound,
+                         H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, HAS_VALID: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        C: tl.constexpr = H * D
+        cols = h * D + tl.arange(0, D)
+        out = t.to(tl.int64) * C + cols
+        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, cols, K, D)
+        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, cols, K, D)
+        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, cols, K, D)
+        tl.store(q_out + out, q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+        tl.store(k_out + out, k / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
+        tl.store(v_out + out, v)
+        x = tl.load(f_ptr + t.to(tl.int64) * sx + cols).to(tl.float32) + tl.load(dt_bias_ptr + cols)
+        g = lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + h)) * x)  # the safe (bounded) gate
+        beta = tl.sigmoid(tl.load(b_ptr + t.to(tl.int64) * sb + h).to(tl.float32))
+        if HAS_VALID:
+            keep = tl.load(valid_ptr + t).to(tl.float32)
+            g = g * keep
+            beta = beta * keep
+        tl.store(g_out + out, g)
+        tl.store(beta_out + t * H + h, beta)
+
+    @jit
+    def _state_rows(x_ptr, sx, state_ptr, new_ptr, end, cols, m, K: tl.constexpr):
+        """new[c, j] = ext[c, end + j] of one convolution: its input at end + j - (K-1), or the old state's column
+        end + j where that lies before the first input."""
+        for j in tl.static_range(K - 1):
+            src = end + j - (K - 1)
+            from_x = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64) * sx + cols, mask=m & (src >= 0), other=0.0)
+            from_state = tl.load(state_ptr + cols * (K - 1) + tl.minimum(end + j, K - 2), mask=m & (src < 0),
+                                 other=0.0)
+            tl.store(new_ptr + cols * (K - 1) + j, tl.where(src >= 0, from_x, from_state), mask=m)
+
+    @jit
+    def _conv_state_kernel(q_ptr, k_ptr, v_ptr, sx, state_ptr, end_ptr, new_ptr, C: tl.constexpr,
+                           K: tl.constexpr, BLOCK: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < C
+        end = tl.load(end_ptr)
+        _state_rows(q_ptr, sx, state_ptr, new_ptr, end, cols, m, K)
+        _state_rows(k_ptr, sx, state_ptr + C * (K - 1), new_ptr + C * (K - 1), end, cols, m, K)
+        _state_rows(v_ptr, sx, state_ptr + 2 * C * (K - 1), new_ptr + 2 * C * (K - 1), end, cols, m, K)
+
+    @jit
+    def _gated_norm_kernel(o_ptr, gate_ptr, sg, w_ptr, out_ptr, eps, H: tl.constexpr, D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        o = tl.load(o_ptr + t.to(tl.int64) * H * D + h * D + d).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(w_ptr + d).to(tl.float32)
+        gate = tl.sigmoid(tl.load(gate_ptr + t.to(tl.int64) * sg + h * D + d).to(tl.float32))
+        tl.store(out_ptr + t.to(tl.int64) * H * D + h * D + d, (o * gate).to(out_ptr.dtype.element_ty))
+
+
+def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bound: float):
+    """q, k, v, f: [T, H*D] projections (rows of one stride); b: [T, H]; conv_state: [3, C, K-1] (q, k, v);
+    conv_w: [3, C, K]; a_log: [H]; dt_bias: [H*D]; valid: [T] bool or None; the safe gate's lower bound (the
+    other gate form has no kernel). Returns the recurrence's inputs (q, k, v, g: [T, H, D] fp32; beta: [T, H])."""
+    t, c = q.shape
+    h = a_log.shape[0]
+    d = c // h
+    if not (q.stride() == k.stride() == v.stride() == f.stride()) or q.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("q, k, v and f must share one row stride with contiguous columns")
+    outs = [torch.empty(t, h, d, dtype=torch.float32, device=q.device) for _ in range(4)]
+    beta = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    _prologue_kernel[(t, h)](q, k, v, f, b, q.stride(0), b.stride(0), conv_state.contiguous(), conv_w.contiguous(),
+                             a_log.float().contiguous(), dt_bias.float().contiguous(),
+                             valid if valid is not None else q, *outs, beta, float(d ** -0.5), float(lower_bound),
+                             H=h, D=d, K=conv_w.shape[-1], HAS_VALID=valid is not None, num_warps=1)
+    return (*outs, beta)
+
+
+def conv_states(q, k, v, conv_state, end: torch.Tensor):
+    """The new conv state [3, C, K-1] after the first `end` (device scalar) of the T inputs q, k, v [T, C]."""
+    c, km1 = conv_state.shape[-2:]
+    new = torch.empty(3, c, km1, dtype=conv_state.dtype, device=q.device)
+    block = 1024
+    _conv_state_kernel[(triton.cdiv(c, block),)](q, k, v, q.stride(0), conv_state.contiguous(), end, new, C=c,
+                                                  K=km1 + 1, BLOCK=block, num_warps=4)
+    return new
+
+
+def gated_norm(o, gate, weight, eps: float, dtype):
+    """RMSNorm over each head's D channels of o [T, H, D], times sigmoid(gate [T, H*D]), as [T, H*D] in dtype."""
+    t, h, d = o.shape
+    out = torch.empty(t, h * d, dtype=dtype, device=o.device)
+    _gated_norm_kernel[(t, h)](o.contiguous(), gate, gate.stride(0), weight, out, float(eps), H=h, D=d, num_warps=1)
+    return out
