@@ -24,7 +24,7 @@ mkdir -p "$OUT" /tmp/nano/results "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, rapidfuzz, fla; print('torch', torch.__version__, 'rapidfuzz', rapidfuzz.__version__, 'fla', fla.__version__)"
 choice=/tmp/nano/results/train_throughput.json
-timeout 240 python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
+timeout 180 python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
 extra=()
 if [ -n "${RESUME_TAR:-}" ]; then
     mkdir -p /tmp/prev && cat "$RESUME_TAR"* | tar -C /tmp/prev -xf - && extra=(--resume /tmp/prev)
