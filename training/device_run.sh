@@ -6,12 +6,13 @@
 #   after checking it against the torch form; its kernels compile once, autotuning bounded) WHILE
 #   training.reproduce builds the data; reproduce waits for the benchmark's choice (batch size, kernel), trains
 #   until RUN_SECONDS minus the time the evaluation needs, evaluates and writes the card;
-# - distils the block drafter for the new model (training.draft.distill) beside the evaluation, once the model
-#   is saved;
+# - distils the block drafter for the new model (training.draft.distill) in the time left after the evaluation
+#   (DRAFT_SECONDS, default 60, are kept for it) and re-renders the card with it;
 # - packs /tmp/nano into $OUT as <= 15 MiB parts (the tool brings back at most 8 files of 16 MiB), whatever
 #   failed or ran out of time before, and Triton's cache (compiled kernels, autotune results) as
 #   $OUT/triton-cache.tgz: carry it back as TRITON_CACHE_TGZ=... and fla's kernels need no compiling next time.
-#   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run there and passes --resume to it.
+#   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run and trains on from it (--resume); with
+#   --eval-only among the arguments, unpacks it as this run's own directory and only evaluates (and distils).
 set -uo pipefail
 t0=$(date +%s)
 run_seconds=${RUN_SECONDS:-430}
@@ -26,25 +27,25 @@ python3 -c "import torch, rapidfuzz, fla; print('torch', torch.__version__, 'rap
 choice=/tmp/nano/results/train_throughput.json
 timeout 180 python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
 extra=()
+into=/tmp/prev
+case " $* " in *" --eval-only "*) into=/tmp/nano ;; esac  # evaluate the carried run's model, no training
 if [ -n "${RESUME_TAR:-}" ]; then
-    mkdir -p /tmp/prev && cat "$RESUME_TAR"* | tar -C /tmp/prev -xf - && extra=(--resume /tmp/prev)
+    mkdir -p "$into" && cat "$RESUME_TAR"* | tar -C "$into" -xf - && [ "$into" = /tmp/prev ] && extra=(--resume /tmp/prev)
 fi
-# the drafter: once the model is saved (generation_config.json is written last), in the time that is left
-(
-    while [ ! -f /tmp/nano/ling-nano/generation_config.json ]; do
-        [ $(( $(date +%s) - t0 )) -gt "$run_seconds" ] && exit 1
-        sleep 2
-    done
-    left=$(( run_seconds - 10 - ($(date +%s) - t0) ))
-    timeout "$left" python3 -m training.draft.distill --target /tmp/nano/ling-nano --out /tmp/nano/ling-nano/draft \
-        --fla --seconds $(( left - 45 )) --max-train-bytes 30000000
-) >"$OUT/distill.txt" 2>&1 &
-draft_pid=$!
+draft_seconds=${DRAFT_SECONDS:-60}
 timeout $(( run_seconds - 5 - ($(date +%s) - t0) )) python3 -m training.reproduce --out /tmp/nano \
-    --kernel-choice "$choice" --finish-by $(( t0 + run_seconds - 5 )) "${extra[@]}" "$@" 2>&1 | tee "$OUT/log.txt"
+    --kernel-choice "$choice" --finish-by $(( t0 + run_seconds - 5 )) --after-train $(( 130 + draft_seconds + 40 )) \
+    "${extra[@]}" "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
-wait "$draft_pid"
-echo "reproduce exit $status, drafter exit $?, $(( $(date +%s) - t0 ))s"
+# the drafter for the model just saved, in the time that is left (after the evaluation: beside it, both crawled)
+left=$(( run_seconds - 10 - ($(date +%s) - t0) ))
+if [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
+    timeout "$left" python3 -m training.draft.distill --target /tmp/nano/ling-nano --out /tmp/nano/ling-nano/draft \
+        --fla --seconds $(( left - 40 )) --max-train-bytes 30000000 >"$OUT/distill.txt" 2>&1
+    echo "drafter exit $?"
+    [ -f /tmp/nano/results/nano_eval.json ] && python3 -m training.card /tmp/nano  # the card with the drafter
+fi
+echo "reproduce exit $status, $(( $(date +%s) - t0 ))s"
 tar -C /tmp/nano -cf - . | split -b 15m - "$OUT/nano.tar.part-"
 tar -C "$TRITON_CACHE_DIR" -czf "$OUT/triton-cache.tgz" . && [ "$(stat -c %s "$OUT/triton-cache.tgz")" -lt 16000000 ] \
     || rm -f "$OUT/triton-cache.tgz"

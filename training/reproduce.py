@@ -181,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
                    Tokenizer.from_file(str(args.compare / "tokenizer.json")),
                    json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm"))
-    if args.eval_only:
-        previous = json.loads((res_dir / "nano_eval.json").read_text())
-        summary, timings["train"] = previous["training"], previous["timings_seconds"]["train"]
+    if args.eval_only:  # the training summary the run wrote (train_summary.json), else its finished evaluation's
+        done = res_dir / "train_summary.json"
+        summary = (json.loads(done.read_text()) if done.is_file()
+                   else json.loads((res_dir / "nano_eval.json").read_text())["training"])
+        timings["train"] = summary["segment_seconds"]
     else:
         init, resume = None, None
         if args.resume:
@@ -196,10 +198,14 @@ def main(argv: list[str] | None = None) -> int:
                                init=init, resume=resume)
         summary["kda_kernel"] = "fla-core chunk_kda" if fla else "torch chunked (parallel-scan carry)"
         (res_dir / "train_state.json").write_text(json.dumps(summary["state"], indent=1) + "\n")
+        (res_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         t = mark("train", t)
         save_checkpoint(model, model_dir, dtype=torch.bfloat16)
         (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
         del model
+    # evaluation in the torch form: its batches shrink step by step, and fla's kernels re-tune for each new batch
+    # size (with them, and the drafter distilling beside it, an evaluation did not finish in 160 s on an H200)
+    fla_kernels.enable(False)
     shipped = load_model(model_dir, device=args.device, dtype=torch.float32)
     held_windows = windows_of(heldout_stream, settings.seq_len)[: args.heldout_windows]
     held_loss, held_mtp = mean_loss(shipped, held_windows, 16, args.device, bf16=False, with_mtp=True)
