@@ -101,40 +101,8 @@ def plain_loss(model, tok, files, windows: int, seq_len: int = 2048) -> dict:
             "bytes_per_token": round(bytes_per_token, 3), "windows": len(w)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, required=True, help="a reproduce --out DIR")
-    ap.add_argument("--compare", type=Path, default=EMBEDDED)
-    ap.add_argument("--next-line", type=int, default=50, help="cases of each next-line kind")
-    ap.add_argument("--fim", type=int, default=30, help="cases of each suffix-aware kind")
-    ap.add_argument("--modes", default="spm,prefix", help="the run's model's prompt modes (psm, spm, prefix)")
-    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 2048 tokens for the loss")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=40)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    manifest = json.loads((args.run / "results" / "data_manifest.json").read_text())
-    files = heldout_files(manifest)
-    cases = make_cases(files, args.next_line, args.seed, fim_per_kind=args.fim)
-    print(f"{len(files)} held-out files here, {len(cases)} cases", flush=True)
-    models = {"ling-nano": args.run / "ling-nano", "shipped before": args.compare}
-    raw, seconds, losses = {}, {}, {}
-    for label, path in models.items():
-        model = load_model(path, device="cpu", dtype=torch.float32).eval()
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        modes = args.modes.split(",") if label == "ling-nano" else [
-            json.loads((path / "tokenizer_config.json").read_text()).get("completion_prompt", "psm")]
-        for mode in modes:
-            t = time.time()
-            name = f"{label} ({MODE_NAMES[mode]})"
-            raw[name] = StatefulCompleter(model, tok, "cpu", mode,
-                                          max_new_tokens=args.max_new_tokens).complete_all(cases)
-            seconds[name] = round(time.time() - t, 1)
-            print(f"{name}: {seconds[name]}s", flush=True)
-        losses[label] = plain_loss(model, tok, files, args.windows)
-        print(label, losses[label], flush=True)
-    raw["repeat previous line"] = [repeat_previous_line(c.prefix) for c in cases]
+def write_report(args, files, cases, raw: dict, losses: dict, seconds: dict) -> tuple[dict, dict]:
+    raw = {**raw, "repeat previous line": [repeat_previous_line(c.prefix) for c in cases]}
     preds, degenerate = {}, {}
     for name, lines in raw.items():
         preds[name], before, after = postprocess(cases, lines)
@@ -146,6 +114,48 @@ def main(argv: list[str] | None = None) -> int:
               "degenerate": degenerate, "heldout_loss": losses, "seconds": seconds,
               "samples": [case_record(c, {n: p[i] for n, p in preds.items()}) for i, c in enumerate(cases)]}
     (args.run / "results" / "heldout_cpu.json").write_text(json.dumps(report, indent=1) + "\n")
+    return results, degenerate
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, required=True, help="a reproduce --out DIR")
+    ap.add_argument("--compare", type=Path, default=EMBEDDED)
+    ap.add_argument("--next-line", type=int, default=50, help="cases of each next-line kind")
+    ap.add_argument("--fim", type=int, default=30, help="cases of each suffix-aware kind")
+    ap.add_argument("--modes", default="prefix,spm", help="the run's model's prompt modes (psm, spm, prefix)")
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 2048 tokens for the loss")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=40)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    manifest = json.loads((args.run / "results" / "data_manifest.json").read_text())
+    files = heldout_files(manifest)
+    cases = make_cases(files, args.next_line, args.seed, fim_per_kind=args.fim)
+    print(f"{len(files)} held-out files here, {len(cases)} cases", flush=True)
+    cmp_mode = json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm")
+    modes = args.modes.split(",")
+    # the model's first mode, then the shipped model, then the model's other modes: the main comparison first,
+    # and the JSON rewritten after each run, so an interrupted run still leaves what it finished
+    runs = [("ling-nano", args.run / "ling-nano", modes[0]), ("shipped before", args.compare, cmp_mode)]
+    runs += [("ling-nano", args.run / "ling-nano", m) for m in modes[1:]]
+    raw, seconds, losses, loaded = {}, {}, {}, {}
+    for label, path, mode in runs:
+        if label not in loaded:
+            loaded.clear()  # one model in memory at a time
+            loaded[label] = (load_model(path, device="cpu", dtype=torch.float32).eval(),
+                             Tokenizer.from_file(str(path / "tokenizer.json")))
+        model, tok = loaded[label]
+        if label not in losses:
+            losses[label] = plain_loss(model, tok, files, args.windows)
+            print(label, losses[label], flush=True)
+        t = time.time()
+        name = f"{label} ({MODE_NAMES[mode]})"
+        raw[name] = StatefulCompleter(model, tok, "cpu", mode, max_new_tokens=args.max_new_tokens).complete_all(cases)
+        seconds[name] = round(time.time() - t, 1)
+        print(f"{name}: {seconds[name]}s", flush=True)
+        results, degenerate = write_report(args, files, cases, raw, losses, seconds)
     print(summary_table(results))
     print("degenerate (raw -> shown):", json.dumps(degenerate))
     return 0
