@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 from training.evaluate import MODE_NAMES, summary_table
+from training.fim import FimMix
 from training.tokenizer import SPECIAL_TOKENS
 
 
@@ -65,6 +70,7 @@ def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, 
                            for o, r in ev["ngram_by_order"].items())
     used = f"ling-nano ({MODE_NAMES[ev['lingls_mode']]})"
     verdict = _verdict(ev["results"], used)
+    mix = FimMix()
     specials = ", ".join(f"`{t}` = {i}" for i, t in enumerate(SPECIAL_TOKENS))
     return f"""# ling-nano
 
@@ -101,7 +107,7 @@ then `<|endoftext|>`.
 - SPM (also trained): `<|fim_suffix|>{{suffix}}<|fim_prefix|>{{prefix}}<|fim_middle|>`.
 - Context from other files may precede either: `<|file_sep|>{{path}}\\n{{text}}\\n` per file, then
   `<|file_sep|>{{current path}}\\n` (the layout lingls.lsp.prompt builds).
-- Plain left-to-right text also works (a quarter of the training examples were plain).
+- Plain left-to-right text also works ({1 - mix.fim_rate:.0%} of the training examples were plain).
 
 ## Data
 Python source found on the training machine: the standard library and the installed site-packages
@@ -114,9 +120,10 @@ look like vendored copies of a held-out package ({data['dropped_as_vendored_held
 deduplicated by content ({data['dropped_as_duplicate']} dropped); no package fills more than 12% of the training
 bytes. Training set: {data['train_files']:,} files, {_mb(data['train_bytes'])},
 {data['training_stream_tokens']:,} tokens as FIM/plain examples. Held-out set: {data['heldout_files']} files,
-{data['heldout_tokens']:,} tokens. Three quarters of the examples are FIM (70% SPM, 30% PSM; half of the middles
-run from a cursor to the end of a line or a few lines, a quarter end inside the cursor's line, before its closing
-punctuation or at a later column, the rest are random spans), a quarter are plain text.
+{data['heldout_tokens']:,} tokens. {mix.fim_rate:.0%} of the examples are FIM ({mix.spm_rate:.0%} SPM, \
+{1 - mix.spm_rate:.0%} PSM; {mix.line_rate:.0%} of the middles run from a cursor to the end of a line or a few lines,
+{mix.inline_rate:.0%} end inside the cursor's
+line, before its closing punctuation or at a later column, the rest are random spans), the rest plain text.
 
 ## Training
 On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['steps']} steps of \
@@ -124,7 +131,8 @@ On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['step
 tokens, {tr['train_tokens'] / 1e6:.0f}M tokens ({tr['epochs_over_data']} passes over the examples) in
 {tr['train_seconds']:.0f} s ({tr['tokens_per_second']:,} tokens/s, \
 {tr['model_flops_per_token'] / 1e6:.0f} MFLOP of model work per
-token: {_mfu(tr)} model FLOPs utilisation); stopped by {tr['stopped_by']}. AdamW (betas 0.9/0.95,
+token: {_mfu(tr)} model FLOPs utilisation; KDA by {tr.get('kda_kernel', 'the torch chunked form')});
+stopped by {tr['stopped_by']}. AdamW (betas 0.9/0.95,
 weight decay {s['weight_decay']}), peak learning rate {s['lr']}, linear warm-up over {s['warmup']:.0%} of the run then
 cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), \
 gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
@@ -194,3 +202,18 @@ the largest contributors to the training bytes:
 `python -m training.reproduce --out DIR` on a machine with a CUDA GPU (training/README.md); it writes this
 directory's files under DIR/ling-nano and the evaluation under DIR/results.
 """
+
+
+def render(out: Path) -> str:
+    """The card for a reproduce run's directory (DIR/results, DIR/ling-nano), from what it wrote: for a drafter
+    distilled after the run wrote its card."""
+    res, model = out / "results", out / "ling-nano"
+    draft_log = model / "draft" / "distill_log.json"
+    return model_card(json.loads((res / "nano_eval.json").read_text()),
+                      json.loads((res / "data_manifest.json").read_text())["train_package_bytes"],
+                      json.loads((res / "data_licenses.json").read_text()),
+                      json.loads(draft_log.read_text()) if draft_log.is_file() else None)
+
+
+if __name__ == "__main__":  # python -m training.card DIR: rewrite DIR/ling-nano/MODEL_CARD.md
+    (Path(sys.argv[1]) / "ling-nano" / "MODEL_CARD.md").write_text(render(Path(sys.argv[1])))

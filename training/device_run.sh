@@ -1,29 +1,53 @@
 #!/usr/bin/env bash
-# The reproduce command as run on the lent GPU machine (no internet there): install the carried rapidfuzz
-# wheel, measure training throughput by batch size (python -m bench.train_throughput) and train at the fastest, run
-# `python -m training.reproduce`, and pack DIR into $OUT as <= 15 MiB parts (the tool brings back at most 8
-# files of 16 MiB). Extra arguments go to training.reproduce (--train-seconds, --resume DIR, ...).
-# fla-core is deliberately not installed: its chunk_kda kernels autotune on first use, which took the whole
-# smoke run (> 3 minutes without finishing one step); the model's torch chunked KDA trains without compiling.
-#   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run there and passes --resume to it.
+# The reproduce command as run on the lent GPU machine (no internet there), inside one command's time:
+#   RUN_SECONDS=430 bash training/device_run.sh [reproduce arguments...]
+# - installs the carried wheels (.whl/: rapidfuzz, fla-core);
+# - measures training throughput (python -m bench.train_throughput: the torch scan KDA, then fla-core's chunk_kda
+#   after checking it against the torch form; its kernels compile once, autotuning bounded) WHILE
+#   training.reproduce builds the data; reproduce waits for the benchmark's choice (batch size, kernel), trains
+#   until RUN_SECONDS minus the time the evaluation needs, evaluates and writes the card;
+# - distils the block drafter for the new model (training.draft.distill) in the time left after the evaluation
+#   (DRAFT_SECONDS, default 60, are kept for it) and re-renders the card with it;
+# - packs /tmp/nano into $OUT as <= 15 MiB parts (the tool brings back at most 8 files of 16 MiB), whatever
+#   failed or ran out of time before, and Triton's cache (compiled kernels, autotune results) as
+#   $OUT/triton-cache.tgz: carry it back as TRITON_CACHE_TGZ=... and fla's kernels need no compiling next time.
+#   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run and trains on from it (--resume); with
+#   --eval-only among the arguments, unpacks it as this run's own directory and only evaluates (and distils).
 set -uo pipefail
+t0=$(date +%s)
+run_seconds=${RUN_SECONDS:-430}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/rapidfuzz-*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    .whl/rapidfuzz-*.whl .whl/fla_core-*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/nano/results "$TRITON_CACHE_DIR"
+[ -n "${TRITON_CACHE_TGZ:-}" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$TRITON_CACHE_TGZ"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, rapidfuzz; print('torch', torch.__version__, 'rapidfuzz', rapidfuzz.__version__)"
-batch=$(timeout 90 python3 -m bench.train_throughput "$OUT/train_throughput.json" ${BATCHES:-32 64} | tee "$OUT/bench.txt" | tail -1)
-case "$batch" in ''|*[!0-9]*) batch=32 ;; esac
-echo "training batch: $batch"
+python3 -c "import torch, rapidfuzz, fla; print('torch', torch.__version__, 'rapidfuzz', rapidfuzz.__version__, 'fla', fla.__version__)"
+choice=/tmp/nano/results/train_throughput.json
+timeout 180 python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
 extra=()
+into=/tmp/prev
+case " $* " in *" --eval-only "*) into=/tmp/nano ;; esac  # evaluate the carried run's model, no training
 if [ -n "${RESUME_TAR:-}" ]; then
-    mkdir -p /tmp/prev && cat "$RESUME_TAR"* | tar -C /tmp/prev -xf - && extra=(--resume /tmp/prev)
+    mkdir -p "$into" && cat "$RESUME_TAR"* | tar -C "$into" -xf - && [ "$into" = /tmp/prev ] && extra=(--resume /tmp/prev)
 fi
-timeout "${REPRODUCE_TIMEOUT:-480}" python3 -m training.reproduce --out /tmp/nano --batch-size "$batch" "${extra[@]}" "$@" \
-    2>&1 | tee "$OUT/log.txt"
+draft_seconds=${DRAFT_SECONDS:-60}
+timeout $(( run_seconds - 5 - ($(date +%s) - t0) )) python3 -m training.reproduce --out /tmp/nano \
+    --kernel-choice "$choice" --finish-by $(( t0 + run_seconds - 5 )) --after-train $(( 130 + draft_seconds + 40 )) \
+    "${extra[@]}" "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
+# the drafter for the model just saved, in the time that is left (after the evaluation: beside it, both crawled)
+left=$(( run_seconds - 10 - ($(date +%s) - t0) ))
+if [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
+    timeout "$left" python3 -m training.draft.distill --target /tmp/nano/ling-nano --out /tmp/nano/ling-nano/draft \
+        --fla --seconds $(( left - 40 )) --max-train-bytes 30000000 >"$OUT/distill.txt" 2>&1
+    echo "drafter exit $?"
+    [ -f /tmp/nano/results/nano_eval.json ] && python3 -m training.card /tmp/nano  # the card with the drafter
+fi
+echo "reproduce exit $status, $(( $(date +%s) - t0 ))s"
 tar -C /tmp/nano -cf - . | split -b 15m - "$OUT/nano.tar.part-"
+tar -C "$TRITON_CACHE_DIR" -czf "$OUT/triton-cache.tgz" . && [ "$(stat -c %s "$OUT/triton-cache.tgz")" -lt 16000000 ] \
+    || rm -f "$OUT/triton-cache.tgz"
 ls -la "$OUT"
 exit "$status"

@@ -31,7 +31,7 @@ class FimMix:
     middle, which a small model with two softmax-attention layers finds far easier than PSM's jump back over the
     suffix (the first ling-nano: PSM exact match 0.003, SPM 0.069 on the same cases)."""
 
-    fim_rate: float = 0.75  # share of examples that are FIM; the rest are plain
+    fim_rate: float = 0.6  # share of examples that are FIM; the rest are plain
     spm_rate: float = 0.7  # share of FIM examples in SPM order
     line_rate: float = 0.5  # share of FIM middles that run from a cursor to a line end (what completion asks for)
     inline_rate: float = 0.25  # share that end inside the cursor's line (an argument list, a line whose end is typed)

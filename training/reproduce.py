@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lingls.model import LingConfig, load_model, save_checkpoint
-from training import card, plots
+from training import card, fla_kernels, plots
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.data import collect, package_bytes, write_manifest
 from training.evaluate import (
@@ -68,14 +68,36 @@ def stream_of(tok, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int16)
 
 
+def wait_for_choice(path: Path, seconds: float) -> dict:
+    """The `choice` record of the throughput benchmark's JSON, once it is there (the torch form at the given
+    batch size if it does not come within `seconds`)."""
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            return json.loads(path.read_text())["choice"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(1.0)
+    print(f"no kernel choice in {path} after {seconds:.0f}s: the torch form", flush=True)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--config", type=Path, default=CONFIG, help="the model's architecture (LingConfig JSON)")
-    ap.add_argument("--max-train-bytes", type=int, default=200_000_000)
+    ap.add_argument("--max-train-bytes", type=int, default=320_000_000)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
     ap.add_argument("--train-seconds", type=float, default=TrainSettings.max_seconds)
+    ap.add_argument("--finish-by", type=float, default=None,
+                    help="a wall-clock time (Unix seconds): train no longer than leaves --after-train seconds "
+                         "before it for the evaluation and report")
+    ap.add_argument("--after-train", type=float, default=150.0)
+    ap.add_argument("--kernel-choice", type=Path, default=None,
+                    help="JSON written by `python -m bench.train_throughput` (run alongside the data steps): "
+                         "waited for before training, its `choice` gives the batch size and the KDA kernel "
+                         "(fla or the torch scan)")
+    ap.add_argument("--kernel-wait", type=float, default=240.0, help="seconds to wait for --kernel-choice")
     ap.add_argument("--cases-per-kind", type=int, default=300, help="next-line cases of each kind")
     ap.add_argument("--fim-cases-per-kind", type=int, default=200, help="suffix-aware cases of each kind")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="per evaluated completion")
@@ -143,15 +165,27 @@ def main(argv: list[str] | None = None) -> int:
     ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
     t = mark("ngram", t)
 
-    settings = TrainSettings(batch_size=args.batch_size, max_seconds=args.train_seconds, seed=args.seed, lr=args.lr)
+    batch_size, kda = args.batch_size, "scan"
+    if args.kernel_choice is not None:
+        choice = wait_for_choice(args.kernel_choice, args.kernel_wait)
+        batch_size, kda = choice.get("batch", batch_size), choice.get("kda", kda)
+        t = mark("kernel_choice_wait", t)
+    fla = fla_kernels.enable(kda == "fla" and args.device.startswith("cuda"))
+    print(f"training batch {batch_size}, KDA kernel: {'fla-core chunk_kda' if fla else 'torch scan'}", flush=True)
+    train_seconds = args.train_seconds
+    if args.finish_by is not None:
+        train_seconds = max(10.0, min(train_seconds, args.finish_by - args.after_train - time.time()))
+    settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr)
     compare = None
     if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
                    Tokenizer.from_file(str(args.compare / "tokenizer.json")),
                    json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm"))
-    if args.eval_only:
-        previous = json.loads((res_dir / "nano_eval.json").read_text())
-        summary, timings["train"] = previous["training"], previous["timings_seconds"]["train"]
+    if args.eval_only:  # the training summary the run wrote (train_summary.json), else its finished evaluation's
+        done = res_dir / "train_summary.json"
+        summary = (json.loads(done.read_text()) if done.is_file()
+                   else json.loads((res_dir / "nano_eval.json").read_text())["training"])
+        timings["train"] = summary["segment_seconds"]
     else:
         init, resume = None, None
         if args.resume:
@@ -162,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
                 (res_dir / "train_log.jsonl").write_bytes(log.read_bytes())
         model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device,
                                init=init, resume=resume)
+        summary["kda_kernel"] = "fla-core chunk_kda" if fla else "torch chunked (parallel-scan carry)"
         (res_dir / "train_state.json").write_text(json.dumps(summary["state"], indent=1) + "\n")
+        (res_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         t = mark("train", t)
         save_checkpoint(model, model_dir, dtype=torch.bfloat16)
         (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
         del model
+    # evaluation in the torch form: its batches shrink step by step, and fla's kernels re-tune for each new batch
+    # size (with them, and the drafter distilling beside it, an evaluation did not finish in 160 s on an H200)
+    fla_kernels.enable(False)
     shipped = load_model(model_dir, device=args.device, dtype=torch.float32)
     held_windows = windows_of(heldout_stream, settings.seq_len)[: args.heldout_windows]
     held_loss, held_mtp = mean_loss(shipped, held_windows, 16, args.device, bf16=False, with_mtp=True)

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from lingls.runtime.local import EMBEDDED
+    from training import fla_kernels
     from training.data import collect
     from training.fim import FimMix, build_examples, encode_examples
 
@@ -187,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--init", type=Path, default=None, help="start from this DSpark-layout drafter's weights")
+    ap.add_argument("--fla", action="store_true",
+                    help="run the target's KDA with fla-core's chunk_kda (autotuning bounded as in training)")
     args = ap.parse_args(argv)
+    fla_kernels.enable(args.fla and args.device.startswith("cuda"))
 
     target = load_model(args.target, device=args.device, dtype=torch.float32)
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))

@@ -1,0 +1,60 @@
+"""The training tools around the model: fla's bounded autotuning and its check, and the CPU evaluation's
+stateful completer (checked against the batched evaluation it stands in for)."""
+
+import pytest
+import torch
+
+from lingls.kernels import reference as ref
+from lingls.model import LingConfig, LingForCausalLM, ling
+from training import fla_kernels
+from training.evaluate import Case, ModelCompleter
+from training.heldout_cpu import StatefulCompleter
+
+
+def test_pick_configs_keeps_one_per_block_size_nearest_4_warps_2_stages():
+    triton = pytest.importorskip("triton")
+    configs = [triton.Config({"BK": bk}, num_warps=w, num_stages=s) for bk in (32, 64) for w in (1, 2, 4, 8)
+               for s in (2, 3, 4)]
+    picked = fla_kernels.pick_configs(configs, 3)
+    assert len(picked) == 3
+    assert [(c.kwargs["BK"], c.num_warps, c.num_stages) for c in picked[:2]] == [(32, 4, 2), (64, 4, 2)]
+    assert picked[2].num_warps == 4 and picked[2].num_stages == 3
+    assert fla_kernels.pick_configs(configs[:1], 3) == configs[:1]
+
+
+def test_fla_check_passes_an_exact_stand_in_and_fails_a_wrong_one(monkeypatch):
+    def exact(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        return ref.kda_recurrent(q, k, v, g, beta, initial_state)
+
+    def no_decay(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        return ref.kda_recurrent(q, k, v, g * 0, beta, initial_state)
+
+    monkeypatch.setattr(ling, "_FLA", [exact])
+    good = fla_kernels.check_against_torch(device="cpu", batch=1, tokens=32, heads=2, dim=16)
+    assert good["ok"] and max(good["relative_errors"].values()) < 1e-4
+    monkeypatch.setattr(ling, "_FLA", [no_decay])
+    assert not fla_kernels.check_against_torch(device="cpu", batch=1, tokens=32, heads=2, dim=16)["ok"]
+
+
+def test_enable_false_leaves_the_torch_forms(monkeypatch):
+    monkeypatch.setattr(ling, "_FLA", [])
+    assert fla_kernels.enable(False) is False
+    assert ling._fla_chunk_kda() is None
+
+
+@pytest.mark.parametrize("mode", ["spm", "prefix"])
+def test_stateful_completer_matches_the_batched_one(tokenizer, mode):
+    cfg = LingConfig.from_dict(dict(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        head_dim=16, layer_group_size=3, first_k_dense_replace=1, intermediate_size=48, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0))
+    model = LingForCausalLM(cfg)
+    model.init_weights(0.5, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    text = "import os\n\n\ndef main(argv):\n    for name in argv:\n        print(os.path.join(name, 'x'))\n" * 6
+    cases = [Case("a.py", "line_start", 1, 1, text[:n], text[n:], "") for n in (30, 300)]
+    batched = ModelCompleter(model, tokenizer, "cpu", mode, max_new_tokens=6).complete_all(cases)
+    stateful = StatefulCompleter(model, tokenizer, "cpu", mode, max_new_tokens=6).complete_all(cases)
+    assert stateful == batched
+    assert any(batched)
