@@ -263,3 +263,8 @@ def test_staged_tail_leaves_what_the_two_tail_pieces_left(prompt):
         assert new.chosen() == fresh.chosen()
         assert _close(new.state.kda, fresh.state.kda) and _close(new.state.conv, fresh.state.conv)
         new.prefill(ids, Sampling())  # back to the prompt (reusing its end-8 snapshot)
+    appended = ids + [5, 7]  # two tokens typed after it: a staged tail of 2 from the end snapshot
+    assert new.prefill(appended, Sampling()) == n and new.cache.snapshots[-2:] == [n + 1, n + 2]
+    fresh = runner()
+    fresh.prefill(appended, Sampling())
+    assert new.chosen() == fresh.chosen() and _close(new.state.kda, fresh.state.kda)
