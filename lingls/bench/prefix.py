@@ -305,6 +305,16 @@ def _torch_ops(step):
     return run
 
 
+def _two_tail_pieces(runner: ModelRunner):
+    """The runner's own prefill step, swapped in as another: a swapped-in step sees every piece, so a prompt's
+    tail runs as the path before the staged tail did (a piece up to the end-1 snapshot, then one token)."""
+    step = runner._prefill_step
+
+    def run(ids, state, positions, kv_len):
+        return step(ids, state, positions, kv_len)
+    return run
+
+
 def _timed_cold(runner: ModelRunner, prompt: list[int], reps: int) -> tuple[float, float]:
     """Median TTFT of `reps` cold prefills of `prompt` (the prefix cache forgotten before each), and the median
     time the host took to issue a cold prefill's work (`prefill` returning, before the GPU is waited for): near
@@ -343,32 +353,39 @@ def _first_piece_graph_ms(runner: ModelRunner, prompt: list[int], reps: int = 3)
 
 def _prefill_result(runner: ModelRunner, prompt: list[int]) -> dict:
     """What a cold prefill of `prompt` leaves: the last token's hidden state and logits (this rank's shard), the
-    KDA and conv states, the prompt's MLA latent rows, and the first greedy token."""
-    kept = []
-    step = runner.prefill_step
+    KDA and conv states, the prompt's MLA latent rows, the tail snapshots' KDA and conv states (end-8, end-1),
+    and the first greedy token. The hidden state is the head's input, caught at the model's head (a hook on
+    the prefill step would take the runner's staged tail away: a swapped-in step sees every piece)."""
+    model, kept = runner.model, []
+    head = model.head
 
-    def keep(ids, state, positions, kv_len):
-        h = step(ids, state, positions, kv_len)
-        kept.append(h[-1:].clone())
-        return h
+    def keep(h):
+        kept.append(h.clone())
+        return head(h)
 
-    runner.prefill_step = keep
+    model.head = keep
     runner.cache.reset()
     try:
         runner.prefill(prompt, Sampling())
     finally:
-        runner.prefill_step = step
-    s, h = runner.state, kept[-1]
+        del model.head
+    s, h, n = runner.state, kept[-1], len(prompt)
     with torch.inference_mode():
         logits = runner.model.head(h).float()
+    snaps = {}
+    for name, p in (("end8", n - 8), ("end1", n - 1)):
+        slot = runner.cache._slots[p]
+        snaps[f"{name}_kda"], snaps[f"{name}_conv"] = runner.cache._kda[slot].clone(), runner.cache._conv[slot].float()
     return {"hidden": h.float(), "logits": logits, "kda": s.kda.clone(), "conv": s.conv.float(),
-            "latent": s.latent[:, : len(prompt)].float().clone(), "token": runner.chosen()}
+            "latent": s.latent[:, :n].float().clone(), **snaps, "token": runner.chosen()}
 
 
 def _compare(new: dict, old: dict) -> dict:
-    """Relative L2 differences of two `_prefill_result`s, and whether their first greedy tokens agree."""
-    out = {f"{k}_rel_err": float((new[k] - old[k]).norm() / old[k].norm())
-           for k in ("hidden", "logits", "kda", "conv", "latent")}
+    """Relative L2 differences of two `_prefill_result`s, which of their tensors hold the same bits, and
+    whether their first greedy tokens agree."""
+    keys = ("hidden", "logits", "kda", "conv", "latent", "end8_kda", "end8_conv", "end1_kda", "end1_conv")
+    out = {f"{k}_rel_err": float((new[k] - old[k]).norm() / old[k].norm()) for k in keys}
+    out["bitwise_equal"] = [k for k in keys if torch.equal(new[k], old[k])]
     out["logits_max_abs_diff"] = float((new["logits"] - old["logits"]).abs().max())
     out["first_token_equal"] = new["token"] == old["token"]
     return out
@@ -444,6 +461,8 @@ def flash_prefill(a) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     paths = {"runtime": (runner.prefill_step, a.chunk, runner.prefill_graphs)}
+    if runner.fused is not None:  # the runner's step swapped in: its tail as two pieces, each a weight stream
+        paths["two_tail_pieces"] = (_two_tail_pieces(runner), a.chunk, runner.prefill_graphs)
     if runner.prefill_graphs:
         paths["eager"] = (runner.prefill_step, a.chunk, False)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes

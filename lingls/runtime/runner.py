@@ -1,11 +1,12 @@
 """ModelRunner: the batch-1 step loop over one resident sequence state.
 
 - Prefill runs the prompt (after prefix reuse, `cache.py`) in chunks with host-known lengths, pausing at
-  the cache's snapshot points, then samples the first token on the device. Pieces of up to 16 tokens (those
-  between a prompt's tail snapshots) run the fused step's kernels, longer ones the model's prefill step. On
-  CUDA with graphs both are replays: a cold prompt's first piece of a graph padded to a token bucket
-  (`prefill_graphs`), a short piece of a graph per (tokens, KV bucket), so a cold prefill issues a few replays
-  rather than thousands of launches.
+  the cache's snapshot points, then samples the first token on the device. Pieces of up to 16 tokens run the
+  fused step's kernels, longer ones the model's prefill step; a prompt's last piece and its last token (around
+  the end-1 snapshot) run as one staged fused step, the snapshot settled from its staged KDA inputs (one weight
+  stream, not two). On CUDA with graphs they are replays: a cold prompt's first piece of a graph padded to a
+  token bucket (`prefill_graphs`), a short piece of a graph per (tokens, KV bucket, staged), so a cold prefill
+  issues a few replays rather than thousands of launches.
 - Decode steps (T = 1) and verify steps (T = K + 1) have fixed shapes: on CUDA each (T, KV bucket, greedy?)
   is captured once as a CUDA graph and replayed. The MLA keys read are bounded by a power-of-two bucket of
   the position (known on the host without asking the device); rows past the position are masked.
@@ -20,6 +21,7 @@ On CPU the same code runs eagerly (no graphs, no events).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from lingls.kernels import accept
+from lingls.kernels import accept, kda
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
@@ -131,8 +133,10 @@ class ModelRunner:
         self._prefill_ids_buf: dict[int, torch.Tensor] = {}  # bucket -> its graph's input ids
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # bucket -> its graph's output hidden states
         self._prefill_pool = None
-        self._piece_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, KV bucket) -> short piece
-        self._piece_hidden: dict[tuple[int, int], torch.Tensor] = {}  # its graph's output hidden states
+        # (tokens, KV bucket, staged?) -> a short piece's graph, and its output hidden states
+        self._piece_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._piece_hidden: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._tail_stage_buf: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_tail_stage`
         self.piece_ids = torch.zeros(FUSED_MAX_TOKENS, dtype=torch.long, device=dev)  # a short piece's graph inputs
         self.piece_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.arange_piece = torch.arange(FUSED_MAX_TOKENS, device=dev)
@@ -205,22 +209,25 @@ class ModelRunner:
         self._prefill_graphs[bucket] = graph
 
     def _prefill_step(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One piece of a prompt: a short one (the few tokens between a prompt's tail snapshots) through the
-        fused decode kernels, as a verify step runs (a graph replay on CUDA with graphs: eagerly its ~400
-        launches cost the host more than a cold prompt's whole first piece takes the GPU), a long one through
-        the model's prefill step (large GEMMs, chunked KDA, flash MLA), told that its positions end at kv_len."""
+        """One piece of a prompt: a short one (a warm prompt's few new tokens; with a swapped-in prefill step,
+        the tail's pieces around the end-1 snapshot) through the fused decode kernels, as a verify step runs (a
+        graph replay on CUDA with graphs: eagerly its ~400 launches cost the host more than a cold prompt's
+        whole first piece takes the GPU), a long one through the model's prefill step (large GEMMs, chunked
+        KDA, flash MLA), told that its positions end at kv_len."""
         if self.fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:
             if self.use_graphs and self.prefill_graphs and state is self.state:
                 return self._short_piece(ids, positions, kv_len)
             return self.fused.step(ids, state, positions, kv_len)
         return self.model.step(ids, state, positions, kv_len=kv_len, prefill=True)
 
-    def _short_piece(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """A piece of t <= 16 tokens through its (t, KV bucket) graph (captured on first use): the fused step
-        over `piece_ids` at `piece_pos`.., reading the bucket's MLA rows (those past a position are masked, as in
-        a decode step). Returns the t hidden states (the graph's output buffer: read before the next piece)."""
+    def _short_piece(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                     staged: bool = False) -> torch.Tensor:
+        """A piece of t <= 16 tokens through its (t, KV bucket, staged) graph (captured on first use): the fused
+        step over `piece_ids` at `piece_pos`.., reading the bucket's MLA rows (those past a position are masked,
+        as in a decode step); `staged`: the KDA states are left alone and every position's inputs go to
+        `_tail_stage(t)`. Returns the t hidden states (the graph's output buffer: read before the next piece)."""
         t = ids.shape[0]
-        key = (t, self.bucket(kv_len))
+        key = (t, self.bucket(kv_len), staged)
         self.piece_ids[:t].copy_(ids)
         self.piece_pos.copy_(positions[:1])
         if key not in self._piece_graphs:
@@ -228,17 +235,18 @@ class ModelRunner:
         self._piece_graphs[key].replay()
         return self._piece_hidden[key]
 
-    def _piece_body(self, t: int, kv_bucket: int) -> torch.Tensor:
-        return self.fused.step(self.piece_ids[:t], self.state, self.piece_pos + self.arange_piece[:t], kv_bucket)
+    def _piece_body(self, t: int, kv_bucket: int, staged: bool) -> torch.Tensor:
+        return self.fused.step(self.piece_ids[:t], self.state, self.piece_pos + self.arange_piece[:t], kv_bucket,
+                               stage=self._tail_stage(t) if staged else None)
 
-    def _capture_piece(self, t: int, kv_bucket: int) -> None:
+    def _capture_piece(self, t: int, kv_bucket: int, staged: bool) -> None:
         """Capture a short piece's graph (after one eager run on a side stream; the KDA and conv states are
         saved and restored around both; the MLA rows the eager run writes are the ones the replay writes)."""
         saved = [x.clone() for x in (self.state.kda, self.state.conv)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._piece_body(t, kv_bucket)
+            self._piece_body(t, kv_bucket, staged)
         torch.cuda.current_stream().wait_stream(side)
         for dst, src in zip((self.state.kda, self.state.conv), saved):
             dst.copy_(src)
@@ -246,11 +254,49 @@ class ModelRunner:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._prefill_pool):
-            hidden = self._piece_body(t, kv_bucket)
+            hidden = self._piece_body(t, kv_bucket, staged)
         for dst, src in zip((self.state.kda, self.state.conv), saved):
             dst.copy_(src)
-        self._piece_hidden[(t, kv_bucket)] = hidden
-        self._piece_graphs[(t, kv_bucket)] = graph
+        self._piece_hidden[(t, kv_bucket, staged)] = hidden
+        self._piece_graphs[(t, kv_bucket, staged)] = graph
+
+    def _tail_stage(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage buffers for a staged piece of t tokens: ([n_kda, t, H, STAGE_ROWS, D] fp32, [n_kda, t, 3, C]), as
+        `kda.commit` takes them (contiguous), viewed from the front of one pair of flat buffers sized for
+        FUSED_MAX_TOKENS (allocated once, so the graphs of every t write where the commits read)."""
+        kda_state, conv = self.state.kda, self.state.conv
+        n, heads, d = kda_state.shape[0], kda_state.shape[1], kda_state.shape[-1]
+        kda_shape, conv_shape = (n, t, heads, kda.STAGE_ROWS, d), (n, t, *conv.shape[1:3])
+        if self._tail_stage_buf is None:
+            per_token = (heads * kda.STAGE_ROWS * d, conv.shape[1] * conv.shape[2])
+            self._tail_stage_buf = (
+                torch.zeros(n * FUSED_MAX_TOKENS * per_token[0], dtype=torch.float32, device=self.device),
+                torch.zeros(n * FUSED_MAX_TOKENS * per_token[1], dtype=conv.dtype, device=self.device))
+        flat_kda, flat_conv = self._tail_stage_buf
+        return (flat_kda[: math.prod(kda_shape)].view(kda_shape), flat_conv[: math.prod(conv_shape)].view(conv_shape))
+
+    def _staged_tail(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """A prompt's last t (2..16) tokens as one fused step with its KDA inputs staged (a graph replay on
+        CUDA with graphs), then the KDA and conv states settled at the last token but one, as a speculative
+        round settles an accept of t - 1 (`kda.commit`: the staged recurrence replayed over those positions,
+        the conv windows rebuilt from the staged inputs). One weight stream instead of the two that a piece up
+        to the end-1 snapshot and a one-token piece after it read. Returns the t hidden states; the caller
+        snapshots, then `_commit_last_token` brings the states to the prompt's end."""
+        t = ids.shape[0]
+        if self.use_graphs and self.prefill_graphs:
+            h = self._short_piece(ids, positions, kv_len, staged=True)
+        else:
+            h = self.fused.step(ids, self.state, positions, kv_len, stage=self._tail_stage(t))
+        stage_kda, stage_conv = self._tail_stage(t)
+        kda.commit(self.arange_piece[t - 2: t - 1], self.state.kda, stage_kda, self.state.conv, stage_conv)
+        return h
+
+    def _commit_last_token(self, t: int) -> None:
+        """After `_staged_tail` of t tokens (and the snapshot before the last): the states advanced through its
+        last staged position (the same recurrence and windows a commit of all t positions would give)."""
+        stage_kda, stage_conv = self._tail_stage(t)
+        kda.commit(self.arange_piece[:1], self.state.kda, stage_kda[:, t - 1:].contiguous(), self.state.conv,
+                   stage_conv[:, t - 1:].contiguous())
 
     def bucket(self, end: int) -> int:
         """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
@@ -325,10 +371,9 @@ class ModelRunner:
             for greedy in (True,) if greedy_only else (True, False):
                 if (1, b, greedy) not in self._graphs:
                     self._capture(1, b, greedy)
-            if self.fused is not None:  # the short pieces every cold prompt ends with (its tail snapshots: 7, 1)
-                for t in (7, 1):
-                    if (t, b) not in self._piece_graphs:
-                        self._capture_piece(t, b)
+            if self.fused is not None:  # the staged tail every cold prompt ends with (`_staged_tail`)
+                if (8, b, True) not in self._piece_graphs:
+                    self._capture_piece(8, b, True)
             if b >= self.capacity:
                 break
             b = self.bucket(b + 1)
@@ -369,8 +414,15 @@ class ModelRunner:
             # piece would make the host wait for every piece before launching the next
             ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.arange(start, len(prompt), device=self.device)
+            end = len(prompt)
+            # the last piece before the end-1 snapshot and the one token after it as one staged step of the
+            # fused kernels; a prefill step swapped in (speculation's feeds its drafter; a benchmark's) sees
+            # every piece, so there the tail stays two pieces
+            tail = bounds[-3] if len(bounds) >= 3 else start
+            staged_tail = (self.fused is not None and self.prefill_step == self._prefill_step
+                           and bounds[-2:] == [end - 1, end] and end - tail <= FUSED_MAX_TOKENS)
             a = start
-            for b in bounds:
+            for b in bounds[:-2] if staged_tail else bounds:
                 bucket = self.prefill_bucket(b) if self.prefill_graphs and a == 0 and self.spec is None else None
                 if bucket is not None:
                     h = self._padded_piece(ids[:b], b, bucket)
@@ -380,6 +432,13 @@ class ModelRunner:
                 cache.tokens.extend(prompt[a:b])
                 cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
                 a = b
+            if staged_tail:
+                h = self._staged_tail(ids[a - start:], positions[a - start:], kv_len=end)
+                cache.tokens.extend(prompt[a:end - 1])
+                cache.snapshot(end - 1)
+                self._commit_last_token(end - a)
+                cache.tokens.append(prompt[-1])
+                cache.snapshot(end)
             self.set_sampling(sampling)
             logits = self.model.par.all_gather_last(self.model.head(h[-1:]))
             if allowed is not None:

@@ -199,3 +199,72 @@ def test_prefill_graphs_follow_cuda_graphs_by_default():
     assert not ModelRunner(model, capacity=64).prefill_graphs
     assert ModelRunner(model, capacity=64, use_graphs=True).prefill_graphs  # what a GPU runner gets
     assert not ModelRunner(model, capacity=64, use_graphs=True, prefill_graphs=False).prefill_graphs
+
+
+
+def _snapshot(runner: ModelRunner, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slot = runner.cache._slots[position]
+    return runner.cache._kda[slot], runner.cache._conv[slot]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("prompt", [40, 75])
+def test_staged_tail_leaves_what_the_two_tail_pieces_left(prompt):
+    """A prompt's last 8 tokens as one staged fused step, settled at end-1 for its snapshot (`_staged_tail`, the
+    fused step's torch references on a CPU): the end state, hidden state and first token are the 8-token step's
+    bit for bit (the commits replay its recurrence); against the path before (a fused step of 7 tokens, then
+    one of 1, which a swapped-in prefill step still takes) the end-8 snapshot is the same bits and the end-1
+    and end states agree to rounding (a step of 8 rows rounds its matmuls as it rounds them, not as 7 and 1
+    rows do), with the same first token; an edit of the last token and one a few tokens before it reuse the
+    end-1 and end-8 snapshots and choose what a fresh prefill of the edited prompt chooses."""
+    from lingls.runtime.fused_step import FusedStep
+
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    fused = FusedStep(model, kernels=False)
+    ids = torch.randint(0, 96, (prompt,), generator=torch.Generator().manual_seed(6)).tolist()
+    n = len(ids)
+
+    def runner(two_pieces: bool = False) -> ModelRunner:
+        r = ModelRunner(model, capacity=128, prefill_chunk=512)
+        r.fused = fused
+        if two_pieces:
+            r.prefill_step = lambda *args, **kw: r._prefill_step(*args, **kw)
+        return r
+
+    new, old = runner(), runner(two_pieces=True)
+    for r in (new, old):
+        assert r.prefill(ids, Sampling()) == 0
+        assert r.cache.snapshots == [n - 8, n - 1, n]
+    with torch.no_grad():  # the tail as one plain (unstaged) 8-token step from the end-8 snapshot
+        state = model.new_state(128)
+        state.kda.copy_(_snapshot(new, n - 8)[0])
+        state.conv.copy_(_snapshot(new, n - 8)[1])
+        state.latent.copy_(new.state.latent)
+        h = fused.step(torch.tensor(ids[n - 8:]), state, torch.arange(n - 8, n), n)
+    assert torch.equal(new.state.kda, state.kda) and torch.equal(new.state.conv, state.conv)
+    assert torch.equal(_snapshot(new, n)[0], state.kda) and torch.equal(_snapshot(new, n)[1], state.conv)
+    assert new.chosen() == int(fused.head(h[-1:]).argmax(-1))
+
+    assert all(torch.equal(x, y) for x, y in zip(_snapshot(new, n - 8), _snapshot(old, n - 8)))
+    for p in (n - 1, n):
+        assert all(_close(x, y) for x, y in zip(_snapshot(new, p), _snapshot(old, p))), p
+    assert _close(new.state.latent[:, :n], old.state.latent[:, :n])
+    assert new.chosen() == old.chosen()
+
+    for at, reused in ((n - 1, n - 1), (n - 3, n - 8)):
+        edited = list(ids)
+        edited[at] = (edited[at] + 1) % 96
+        assert new.prefill(edited, Sampling()) == reused
+        fresh = runner()
+        fresh.prefill(edited, Sampling())
+        assert new.chosen() == fresh.chosen()
+        assert _close(new.state.kda, fresh.state.kda) and _close(new.state.conv, fresh.state.conv)
+        new.prefill(ids, Sampling())  # back to the prompt (reusing its end-8 snapshot)
+    appended = ids + [5, 7]  # two tokens typed after it: a staged tail of 2 from the end snapshot
+    assert new.prefill(appended, Sampling()) == n and new.cache.snapshots[-2:] == [n + 1, n + 2]
+    fresh = runner()
+    fresh.prefill(appended, Sampling())
+    assert new.chosen() == fresh.chosen() and _close(new.state.kda, fresh.state.kda)
