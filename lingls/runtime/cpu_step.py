@@ -67,6 +67,14 @@ class CpuStep:
         self.eps = self.cfg.rms_norm_eps
         self.hidden = self.cfg.hidden_size
         self.layers = [self._prepare(i, layer) for i, layer in enumerate(model.decoder_layers)]
+        # the lm_head as [hidden, vocab]: a product with a [vocab, hidden] weight (F.linear's layout) ran at under
+        # half the speed on a 2-core AVX2 VM (MKL, ling-nano's 8192 x 256: 1.0-1.1 ms a token against 0.43-0.50).
+        # The model's lm_head is re-pointed at its transpose (F.linear over it reads the same rows), unless tied.
+        head = model.lm_head.weight
+        self.head_t = head.detach().t().contiguous()
+        if head is not model.model.word_embeddings.weight:
+            head.data = self.head_t.t()
+        self._views_of, self._views = None, []
         self.rope_freq = ref.rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, torch.device("cpu"))
 
     # ---- weights in the layouts the step reads ---------------------------------------------------------------
@@ -83,6 +91,7 @@ class CpuStep:
             # [3C, K]: q, k, v channels' taps, oldest first (the order conv1d applies them to the state + input)
             e["conv"] = torch.cat([cv.weight.detach().squeeze(1) for cv in (attn.q_conv1d, attn.k_conv1d,
                                                                             attn.v_conv1d)]).contiguous()
+            e["conv_rows"] = e["conv"][:, None, :]  # [3C, 1, K]: against the unfolded windows [3C, T, K]
             e["rate"] = attn.A_log.detach().float().exp().view(h, 1)
             e["dt_bias"] = attn.dt_bias.detach().float().view(h, d)
             e["dt_rate"] = e["dt_bias"] * e["rate"]  # rate * (f + dt_bias) = f * rate + this
@@ -141,23 +150,34 @@ class CpuStep:
         angles = positions.float()[:, None] * self.rope_freq[None, :]
         rotation = torch.complex(angles.cos(), angles.sin())[:, None]  # [T, 1, rope/2]: one per pair, all heads
         hidden = torch.arange(kv_len)[None, :] > positions[:, None]  # [T, kv_len]: keys after each query
-        for e in self.layers:
+        for e, held in zip(self.layers, self._state_views(state)):
             x = F.rms_norm(h, (self.hidden,), e["in_norm"], self.eps)
             if e["kind"] == KDA:
-                h = self._kda(e, x, h, state)
+                h = self._kda(e, x, h, *held)
             else:
-                h = self._mla(e, x, h, state.latent[e["slot"]], positions, kv_len, rotation, hidden)
+                h = self._mla(e, x, h, held, positions, kv_len, rotation, hidden)
             x = F.rms_norm(h, (self.hidden,), e["post_norm"], self.eps)
             h = self._moe(e, x, h) if "moe_in" in e else self._dense_mlp(e, x, h)
         if normed:
             return h, F.rms_norm(h, (self.hidden,), self.model.model.norm.weight, self.eps)
         return h
 
+    def _state_views(self, state: InferenceState) -> list:
+        """Each layer's piece of `state` (KDA: its conv window [3C, K-1] and recurrent state [H, Dk, Dv]; MLA: its
+        latent rows), made once per state tensors rather than once per step (a view is a torch op)."""
+        tensors = (state.kda, state.conv, state.latent)
+        if self._views_of is None or any(a is not b for a, b in zip(self._views_of, tensors)):
+            taps = self.cfg.short_conv_kernel_size
+            self._views = [(state.conv[e["slot"]].view(-1, taps - 1), state.kda[e["slot"]]) if e["kind"] == KDA
+                           else state.latent[e["slot"]] for e in self.layers]
+            self._views_of = tensors
+        return self._views
+
     @torch.inference_mode()
     def head(self, h: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
         if normed is None:
             normed = F.rms_norm(h, (self.hidden,), self.model.model.norm.weight, self.eps)
-        return F.linear(normed, self.model.lm_head.weight)
+        return normed @ self.head_t
 
     def prefill_step(self, ids: torch.Tensor, state: InferenceState, positions: torch.Tensor, kv_len: int):
         """A runner's prefill step: this step for a few tokens (an edit's changed suffix), the model's beyond."""
@@ -166,35 +186,48 @@ class CpuStep:
         return self.model.step(ids, state, positions, kv_len=kv_len)
 
     # ---- layers: each returns the residual stream h with its output added -----------------------------------
-    def _kda(self, e: dict, x: torch.Tensor, h: torch.Tensor, state: InferenceState) -> torch.Tensor:
+    def _kda(self, e: dict, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,
+             s: torch.Tensor) -> torch.Tensor:
+        """conv_state [3C, K-1] and s [H, Dk, Dv]: the layer's conv window and recurrent state, updated in place.
+        One token (a decode step) takes views where more take a slice per token: fewer torch ops."""
         attn: KimiDeltaAttention = e["attn"]
         t, hh, d = x.shape[0], attn.heads, attn.d
         qkv, f, gb = F.linear(x, e["proj"]).split(e["split"], dim=1)
         # causal depthwise conv over [state | inputs] ([3C, K-1+T]), then SiLU; the state keeps the last K-1
         taps = e["conv"]
-        conv_state = state.conv[e["slot"]].view(-1, taps.shape[1] - 1)
         ext = torch.cat([conv_state, qkv.t()], dim=1)
-        y = F.silu(torch.linalg.vecdot(ext.unfold(1, taps.shape[1], 1), taps[:, None, :]))  # [3C, T]
+        if t == 1:  # the window is [state | input] itself
+            qkv = F.silu(torch.linalg.vecdot(ext, taps)).view(1, 3, hh, d)
+        else:
+            y = F.silu(torch.linalg.vecdot(ext.unfold(1, taps.shape[1], 1), e["conv_rows"]))  # [3C, T]
+            qkv = y.t().reshape(t, 3, hh, d)
         conv_state.copy_(ext[:, t:])
-        qkv = y.t().reshape(t, 3, hh, d)
         qk = qkv[:, :2]  # ref.l2_normalize, then q's scale
-        qk = qk / torch.linalg.vecdot(qk, qk)[..., None].add_(1e-6).sqrt_() * e["qk_scale"]
-        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        qk = qk / torch.linalg.vecdot(qk, qk).add_(1e-6).sqrt_().unsqueeze(-1) * e["qk_scale"]
         if attn.safe_gate:  # ref.kda_gate, the gate's log decay, then its exp
             z = torch.addcmul(e["dt_rate"], f.view(t, hh, d), e["rate"])  # rate * (f + dt_bias)
             decay = torch.exp(torch.sigmoid(z).mul_(attn.lower_bound))
         else:
             decay = torch.exp(F.softplus(f.view(t, hh, d) + e["dt_bias"]).mul_(-e["rate"]))
         gb = torch.sigmoid(gb)
-        gate, beta = gb[:, : hh * d].view(t, hh, d), gb[:, hh * d:, None]  # [T, H, D], [T, H, 1]
-        s = state.kda[e["slot"]]  # [H, Dk, Dv], updated in place
-        outs = []
-        for i in range(t):  # the delta rule: decay, correct towards v along k, read with q
-            s.mul_(decay[i, :, :, None])
-            err = torch.baddbmm(v[i, :, None, :], k[i, :, None, :], s, alpha=-1).mul_(beta[i, :, :, None])
-            s.baddbmm_(k[i, :, :, None], err)
-            outs.append(torch.bmm(q[i, :, None, :], s))
-        o = torch.cat(outs, dim=1).transpose(0, 1) if t > 1 else outs[0].view(1, hh, d)
+        gate, beta = gb[:, : hh * d].view(t, hh, d), gb[:, hh * d:]  # [T, H, D], [T, H]
+        # the delta rule at each token: decay, correct towards v along k, read with q
+        if t == 1:
+            q, k = qk.view(2, hh, 1, d).unbind(0)
+            s.mul_(decay.view(hh, d, 1))
+            err = torch.baddbmm(qkv[0, 2].view(hh, 1, d), k, s, alpha=-1).mul_(beta.view(hh, 1, 1))
+            s.baddbmm_(k.view(hh, d, 1), err)
+            o = torch.bmm(q, s).view(1, hh, d)
+        else:
+            q, k, v = qk[:, 0].unsqueeze(2), qk[:, 1].unsqueeze(2), qkv[:, 2].unsqueeze(2)  # [T, H, 1, D]
+            k_col, decay, beta = k.transpose(2, 3), decay.unsqueeze(-1), beta.view(t, hh, 1, 1)
+            outs = []
+            for i in range(t):
+                s.mul_(decay[i])
+                err = torch.baddbmm(v[i], k[i], s, alpha=-1).mul_(beta[i])
+                s.baddbmm_(k_col[i], err)
+                outs.append(torch.bmm(q[i], s))
+            o = torch.cat(outs, dim=1).transpose(0, 1)
         o = F.rms_norm(o, (d,), e["o_norm"], self.eps) * gate
         return torch.addmm(h, o.reshape(t, hh * d), e["dense_t"])
 

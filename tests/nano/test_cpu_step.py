@@ -81,7 +81,14 @@ def test_joined_weights_are_the_models_own():
     lean = CpuStep(model)
     attn = model.model.layers[0].attention
     assert attn.q_proj.weight.data_ptr() == lean.layers[0]["proj"].data_ptr()
+    assert model.lm_head.weight.data_ptr() == lean.head_t.data_ptr()  # the head's transpose, viewed back
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_cpu_runner_reads_exactly_the_sequences_rows():
+    """No CUDA graphs on a CPU, so no power-of-two bucket of latent rows: a step reads the rows it needs."""
+    runner = ModelRunner(build(), capacity=256)
+    assert [runner.bucket(n) for n in (1, 100, 257)] == [1, 100, 256]
 
 
 def test_what_it_does_not_serve_is_refused():
