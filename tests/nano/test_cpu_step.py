@@ -131,3 +131,18 @@ def test_cpu_threads_come_from_the_environment(monkeypatch):
         monkeypatch.setenv("LINGLS_THREADS", bad)
         with pytest.raises(EngineError, match="LINGLS_THREADS"):
             cpu_threads()
+
+
+def test_a_cpu_prefill_groups_few_experts_by_expert():
+    """A prefill piece on a CPU runs a few experts (ling-nano's 16) grouped by expert, not all of them on every
+    token: the same function as the dense form, at a quarter of its expert arithmetic."""
+    from lingls.model import ling
+
+    experts = build(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2).decoder_layers[1].mlp.experts
+    gen = torch.Generator().manual_seed(5)
+    n = ling.GATHER_EXPERTS_MAX_TOKENS + 50
+    x = torch.randn(n, experts.gate_up_proj.shape[-1], generator=gen)
+    idx = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(n)])
+    weights = torch.rand(n, 4, generator=gen)
+    with torch.inference_mode():
+        close(experts(x, weights, idx), experts._dense(x, weights, idx))
