@@ -80,7 +80,7 @@ def test_joined_weights_are_the_models_own():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     lean = CpuStep(model)
     attn = model.model.layers[0].attention
-    assert attn.q_proj.weight.data_ptr() == lean.layers[0]["proj"].data_ptr()
+    assert attn.q_proj.weight.data_ptr() == lean.layers[0]["proj_t"].data_ptr()
     assert model.lm_head.weight.data_ptr() == lean.head_t.data_ptr()  # the head's transpose, viewed back
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
@@ -146,3 +146,22 @@ def test_a_cpu_prefill_groups_few_experts_by_expert():
     weights = torch.rand(n, 4, generator=gen)
     with torch.inference_mode():
         close(experts(x, weights, idx), experts._dense(x, weights, idx))
+
+
+@pytest.mark.parametrize("groups", [(4, 2), (4, 4), (1, 1), (8, 3)])
+def test_the_lean_route_chooses_as_the_reference(groups):
+    """The lean router: the reference's experts, in its order, and its weights, with and without group limits."""
+    from types import SimpleNamespace
+
+    from lingls.kernels import reference as ref
+
+    n_group, topk_group = groups
+    gen = torch.Generator().manual_seed(n_group * 10 + topk_group)
+    for normalize in (True, False):
+        router = SimpleNamespace(expert_bias=torch.randn(32, generator=gen) * 0.1, top_k=4, n_group=n_group,
+                                 topk_group=topk_group, normalize=normalize, scale=2.5)
+        logits = torch.randn(7, 32, generator=gen)
+        w, idx = cpu_step.route(logits, router)
+        want_w, want_idx = ref.route_grouped_topk(logits, router.expert_bias, 4, n_group, topk_group, normalize, 2.5)
+        assert torch.equal(idx, want_idx)
+        assert torch.equal(w, want_w)
