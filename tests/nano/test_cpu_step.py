@@ -165,3 +165,23 @@ def test_the_lean_route_chooses_as_the_reference(groups):
         want_w, want_idx = ref.route_grouped_topk(logits, router.expert_bias, 4, n_group, topk_group, normalize, 2.5)
         assert torch.equal(idx, want_idx)
         assert torch.equal(w, want_w)
+
+
+def test_ling_nano_decodes_the_same_lines_with_the_lean_step(assets):
+    """On the shipped ling-nano (whatever its size): greedy lines of real code through the lean step and through
+    the model's own step, cold and after a one-line edit (prefix reused), are the same tokens."""
+    import os
+    from pathlib import Path
+
+    from lingls.model import load_model
+    from lingls.runtime.tokenizer import Tokenizer
+
+    model = load_model(assets, device="cpu", dtype=torch.float32)
+    text = Path(os.__file__).with_name("argparse.py").read_text()
+    ids = Tokenizer(assets).encode(text)
+    plain, lean = ModelRunner(model, capacity=512), ModelRunner(model, capacity=512)
+    cpu_step.install(lean)  # re-points the model's weights at its layouts: the plain runner reads the same numbers
+    for start in (3000, 9000):
+        prompt = ids[start:start + 300]
+        for p in (prompt, prompt + ids[start + 300:start + 302]):
+            assert list(lean.generate(p, 10, Sampling())) == list(plain.generate(p, 10, Sampling()))
