@@ -33,6 +33,12 @@ class _Stderr:
     def show(self, level: str, message: str) -> None:
         pass  # already printed by log()
 
+    def loading(self, what: str) -> None:
+        pass
+
+    def loaded(self, outcome: str) -> None:
+        pass
+
 
 def parse_location(location: str) -> tuple[str, int, int]:
     path, line, col = location.rsplit(":", 2)

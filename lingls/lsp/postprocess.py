@@ -4,9 +4,10 @@ Rules, in order: cut at the first special token (and hold back a half-streamed o
 cursor is mid-line or in a comment, a block when the line is blank or ends in a block opener (stop at a
 line that dedents below the cursor's scope, at a stop line such as a new top-level `def`, at two blank
 lines, at a line that repeats the document's next line, at `max_lines`); then the degeneration guard (stop
-before a line that repeats the line above it, and at a short unit looping within the text: `_run_run_run`,
-`))))))`); then drop trailing blanks, the tail that repeats the text after the cursor, and a closing bracket
-the text after the cursor already has. Python rules come first; other languages get brace-aware defaults.
+before a line that repeats the line above it or a block of lines written before, and at a short unit
+looping within the text: `_run_run_run`, `))))))`); then drop trailing blanks, the tail that repeats the
+text after the cursor, and a closing bracket the text after the cursor already has. Python rules come
+first; other languages get brace-aware defaults.
 """
 
 from __future__ import annotations
@@ -141,8 +142,13 @@ def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = Fa
 #   underlines, comment rulers, indentation).
 # A repeated line is one equal (ignoring indentation) to the previous non-blank line of the completion, or to
 # the line above the cursor when the completion starts on a blank line; lines without a letter or digit
-# (`)`, `}`, `#`, `"""`) may repeat: nested brackets close that way.
+# (`)`, `}`, `#`, `"""`) may repeat: nested brackets close that way. A repeated block is a run of 2 to
+# MAX_LOOP_LINES non-blank lines (indentation included) that the completion already wrote, back to back or not:
+# ling-nano looped `if key in value:` / `value = value` under `else:`; a single line may recur (`return None`).
+# What the completion kept must not end in the middle of what the loop cut: a last line left open by the cut
+# (ending in an open bracket or a comma: `return _parse_args(` before `_parse_args(self._parse_args(...`) goes too.
 MAX_LOOP_UNIT = 32
+MAX_LOOP_LINES = 6
 _RULERS = set("-=#*~_^.+/")
 
 
@@ -194,21 +200,42 @@ def _primitive(unit: str) -> bool:
 
 
 def repeated_line(text: str, site: Site, final: bool = True) -> int | None:
-    """Offset in `text` of the start of the first line that repeats the line before it, or None. While
-    streaming (`final` False) the last, unfinished line is not judged."""
+    """Offset in `text` of the start of the first line that repeats the line before it, or of the first block
+    of lines that repeats one written before it, or None. While streaming (`final` False) the last, unfinished
+    line is not judged."""
     lines = text.split("\n")
     if not final:
         lines = lines[:-1]
     first_is_new = not site.line_prefix.strip()  # the completion starts on a blank line
     prev = site.prev_line.strip() if first_is_new else (site.line_prefix + lines[0]).strip() if lines else ""
+    written: list[tuple[int, str]] = []  # (offset, the line as written) of the non-blank lines so far
     offset = 0
     for i, line in enumerate(lines):
-        body = (site.line_prefix + line if i == 0 else line).strip()
+        whole = (site.line_prefix + line if i == 0 else line).rstrip()
+        body = whole.strip()
         if (i > 0 or first_is_new) and body:
             if body == prev and any(ch.isalnum() for ch in body):
                 return offset
             prev = body
+        if body:
+            written.append((offset, whole))
+            block = _repeated_block(written)
+            if block is not None:
+                return block
         offset += len(line) + 1
+    return None
+
+
+def _repeated_block(written: list[tuple[int, str]]) -> int | None:
+    """Where the block of 2..MAX_LOOP_LINES lines that ends with the last of `written` starts, if those lines
+    (one of them with a letter or digit) appeared before it, back to back; else None."""
+    lines = [w for _, w in written]
+    for n in range(2, min(MAX_LOOP_LINES, len(lines) // 2) + 1):
+        block = lines[-n:]
+        if not any(ch.isalnum() for line in block for ch in line):
+            continue
+        if any(lines[i:i + n] == block for i in range(len(lines) - 2 * n + 1)):
+            return written[-n][0]
     return None
 
 
@@ -227,7 +254,10 @@ def cut_degenerate(text: str, site: Site, final: bool = True) -> tuple[str, bool
         cut = end if cut is None else min(cut, end)
     if cut is None:
         return text, False
-    return text[:cut].rstrip("\n").rstrip() if cut else "", True
+    kept = text[:cut].rstrip("\n").rstrip() if cut else ""
+    if kept.endswith((*_OPEN, ",")):  # its line went on into the loop: without it, it is unfinished
+        kept = kept[: max(kept.rfind("\n"), 0)].rstrip()
+    return kept, True
 
 
 def is_degenerate(text: str, site: Site) -> bool:

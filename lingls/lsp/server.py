@@ -203,6 +203,8 @@ class _Server(LanguageServer):
 class _Notifier:
     def __init__(self, server: LanguageServer):
         self._server = server
+        self._loads = 0  # progress tokens made so far (one per engine load)
+        self._begun: asyncio.Future | None = None  # the current load's progress begin: its token, or None
 
     def log(self, level: str, message: str) -> None:
         getattr(log, "debug" if level == "log" else level)(message)
@@ -210,6 +212,37 @@ class _Notifier:
 
     def show(self, level: str, message: str) -> None:
         self._server.window_show_message(lsp.ShowMessageParams(_LEVELS[level], message))
+
+    # The engine's loading as LSP work-done progress, for a client that shows it (window.workDoneProgress): a
+    # token the server creates (window/workDoneProgress/create), `$/progress` begin, then end. An editor's
+    # "ready" then means the model is loaded, not only that the server process runs.
+    def loading(self, what: str) -> None:
+        window = self._server.client_capabilities.window
+        if not (window and window.work_done_progress):
+            return
+        self._loads += 1
+        token = f"lingls/loading/{self._loads}"
+        self._begun = asyncio.ensure_future(self._begin(token, what))
+
+    async def _begin(self, token: str, what: str) -> str | None:
+        progress = self._server.work_done_progress
+        try:
+            await progress.create_async(token)
+        except Exception as exc:  # a client that refuses the token shows no progress; loading goes on
+            log.info("the client refused a progress token: %s", exc)
+            return None
+        progress.begin(token, lsp.WorkDoneProgressBegin(title="lingls", message=what))
+        return token
+
+    def loaded(self, outcome: str) -> None:
+        begun, self._begun = self._begun, None
+        if begun is not None:
+            begun.add_done_callback(partial(self._end, outcome))
+
+    def _end(self, outcome: str, begun: asyncio.Future) -> None:
+        token = None if begun.cancelled() or begun.exception() else begun.result()
+        if token is not None:
+            self._server.work_done_progress.end(token, lsp.WorkDoneProgressEnd(message=outcome))
 
 
 class _Json(list):

@@ -47,6 +47,9 @@ class NotInitialized(RuntimeError):
 class Notifier(Protocol):
     def log(self, level: str, message: str) -> None: ...  # level: error, warning, info, log
     def show(self, level: str, message: str) -> None: ...
+    # the engine's loading, from its start (what is loading) to its end (how it ended), for a client to show
+    def loading(self, what: str) -> None: ...
+    def loaded(self, outcome: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -132,16 +135,22 @@ class Core:
             return
         what = self.settings.endpoint or self.settings.model or "the embedded model"
         self.notifier.log("info", f"lingls: starting the engine ({what})")
-        self.engines.start(self.settings).add_done_callback(self._loaded)
+        task = self.engines.start(self.settings)
+        if not task.done():
+            self.notifier.loading(f"loading {what}" if not self.settings.endpoint else f"connecting to {what}")
+        task.add_done_callback(self._loaded)
 
     def _loaded(self, task: asyncio.Future) -> None:
         if task.cancelled():
+            self.notifier.loaded("stopped (the settings changed)")
             return
         if (exc := task.exception()) is not None:
+            self.notifier.loaded("failed: see the log")
             self._once("engine-load", "error", describe_failure(exc, self.settings), show=True)
             return
         engine = task.result()
         fim = "fill-in-the-middle" if engine.fim else "left-to-right"
+        self.notifier.loaded(f"{engine.name} ready")
         self.notifier.log("info", f"lingls: engine {engine.name} ready ({fim} prompts)")
 
     async def shutdown(self) -> None:

@@ -299,7 +299,11 @@ class ModelRunner:
                    stage_conv[:, t - 1:].contiguous())
 
     def bucket(self, end: int) -> int:
-        """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket."""
+        """KV rows a step ending at position `end` (exclusive) reads: the next power of two >= min_bucket, so that
+        a CUDA graph or a compiled kernel serves many positions; on a CPU, where neither exists, exactly `end`
+        (a power-of-two bucket read up to 33% more latent rows there: 2,048 for a 1,537-token sequence)."""
+        if self.device.type == "cpu":
+            return min(end, self.capacity)
         b = self.min_bucket
         while b < end:
             b *= 2

@@ -3,10 +3,11 @@
 The script (JSON in LINGLS_SCRIPT) says what to stream: `rules` is a list of [end of prefix, completion]
 pairs (the first whose key ends the prompt's prefix part wins), else `default`; `chunk` characters per
 chunk, `delay` seconds before each; `seeds` maps a request's seed to another answer (sampled candidates);
-`fail_first` N: the first N generations raise; `fail_load`: loading raises; `fim`: false for a model without
-FIM tokens; `tokenizer`: a model directory whose real tokenizer counts tokens (else a cheap estimate). An
-empty prompt raises, as the in-process engine's does. Its stats say how often it was called, how many streams
-were closed early and how many are still running, so tests can count model calls over the wire.
+`fail_first` N: the first N generations raise; `fail_load`: loading raises; `load_delay`: seconds loading
+takes; `fim`: false for a model without FIM tokens; `tokenizer`: a model directory whose real tokenizer
+counts tokens (else a cheap estimate). An empty prompt raises, as the in-process engine's does. Its stats
+say how often it was called, how many streams were closed early and how many are still running, so tests
+can count model calls over the wire.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 from lingls.runtime.engine import EngineError, EngineStats, FimTemplate, GenerateRequest
 
@@ -74,6 +76,7 @@ class ScriptedEngine:
 
 def make_engine(settings) -> ScriptedEngine:
     script = json.loads(os.environ.get("LINGLS_SCRIPT", "{}"))
+    time.sleep(script.get("load_delay", 0))  # on the server's loading thread, as a model's weights take time
     if script.get("fail_load"):
         raise EngineError(script["fail_load"])
     return ScriptedEngine(script)

@@ -126,9 +126,11 @@ def test_looping_word_piece_is_empty_not_noise():
     assert done("def _run_run_run_run_run_run_run_run", site) == ""
     assert done("import os\ndef _run_run_run_run", site) == "import os"
     assert done("_run_run_run_run", py("    x = foo(", ")")) == ""
-    # a long unit (17 characters) looping inside a call, as ling-nano wrote after `def main():`
+    # a long unit (17 characters) looping inside a call, as ling-nano wrote after `def main():`: the line the
+    # loop continued (`return _parse_args(`, left open) goes with it
     raw = '"""\n    Run.\n    """\n    return _parse_args(\n        _parse_args(' + "self._parse_args(" * 8
-    assert done(raw, py("    ")) == '"""\n    Run.\n    """\n    return _parse_args('
+    assert done(raw, py("    ")) == '"""\n    Run.\n    """'
+    assert done("x = [\n    a,\n    b_run_run_run_run", py("    ")) == "x = ["  # the one line the loop went on from
 
 
 def test_looping_punctuation_keeps_the_text_before_the_loop():
@@ -150,3 +152,20 @@ def test_legitimate_repetition_survives():
     assert done("\n    bar(\n        1,\n    )\n)", nested) == "\n    bar(\n        1,\n    )\n)"
     brace = Site("int f() {", "", "", C)
     assert done("\n  if (x) {\n    y();\n  }\n}", brace) == "\n  if (x) {\n    y();\n  }\n}"
+
+
+def test_a_repeated_block_of_lines_stops_the_completion():
+    """ling-nano's loop in `for line in f:` (2-line blocks, the first repeat after an `else:` branch): the
+    completion stops where a block it already wrote starts again, back to back or not; single lines recur."""
+    site = py("            ", prev_line='            key, _, value = line.partition("=")')
+    body = "                value = value\n            "
+    raw = ("if key in value:\n" + body + "else:\n" + body + "if key in value:\n" + body) * 3
+    assert done(raw, site) == "if key in value:\n                value = value\n            else:\n" \
+        "                value = value"
+    streaming = clean("if a:\n    x = 1\nif a:\n    x = 1", py(""), SPECIALS)  # the last line may still grow
+    assert streaming.text.endswith("x = 1") and not streaming.complete
+    assert done("if a:\n    x = 1\nif a:\n    x = 1\n", py("")) == "if a:\n    x = 1"
+    legit = "if a:\n    return None\nif b:\n    return None\nelse:\n    pass"
+    assert done(legit, py("")) == legit
+    calls = "\n    bar(\n        1,\n    ),\n    bar(\n        2,\n    ),\n)"  # lines recur, blocks do not
+    assert done(calls, py("x = foo(")) == calls

@@ -6,13 +6,19 @@
 import * as vscode from 'vscode';
 import {
   CancellationToken,
+  HandleWorkDoneProgressSignature,
   LanguageClient,
   LanguageClientOptions,
+  ProgressToken,
   ServerOptions,
   State as ClientState,
   TransportKind,
+  WorkDoneProgressBegin,
+  WorkDoneProgressEnd,
+  WorkDoneProgressReport,
 } from 'vscode-languageclient/node';
 import { findExecutable } from './executable';
+import { loadingStep } from './loading';
 import { ExtensionSettings, isEnabledFor, readSettings, serverSettings, toggleAll } from './settings';
 import { StatusItem } from './status';
 
@@ -62,7 +68,7 @@ async function start(): Promise<void> {
     documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
     initializationOptions: serverSettings(settings),
     outputChannel: output,
-    middleware: { provideInlineCompletionItems },
+    middleware: { provideInlineCompletionItems, handleWorkDoneProgress },
   };
   const c = new LanguageClient('lingls', 'lingls', serverOptions, clientOptions);
   c.onDidChangeState((e) => {
@@ -133,6 +139,24 @@ async function onConfigurationChanged(e: vscode.ConfigurationChangeEvent): Promi
     status.set(idleState());
     await client.sendNotification('workspace/didChangeConfiguration', { settings: serverSettings(settings) });
   }
+}
+
+/** Middleware around the server's work-done progress: while it loads the model (its `lingls/loading/N` tokens)
+ * the status bar says loading, not ready; every message still goes on to the client's own progress display. */
+function handleWorkDoneProgress(
+  token: ProgressToken,
+  params: WorkDoneProgressBegin | WorkDoneProgressReport | WorkDoneProgressEnd,
+  next: HandleWorkDoneProgressSignature,
+): void {
+  const step = loadingStep(token, params);
+  if (step?.state === 'loading') {
+    status.set('loading');
+  } else if (step?.state === 'loaded') {
+    status.set(idleState());
+  } else if (step?.state === 'failed') {
+    status.set('error', step.why);
+  }
+  next(token, params);
 }
 
 /** Middleware around every inline completion request: skip disabled languages, show "generating" while the
