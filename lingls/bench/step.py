@@ -30,7 +30,7 @@ import torch
 
 from lingls.model.config import flash_config
 from lingls.model.ling import LingForCausalLM, Parallel, Router
-from lingls.model.random_checkpoint import random_model
+from lingls.model.loader import random_model
 from lingls.runtime.runner import ModelRunner, Sampling
 
 

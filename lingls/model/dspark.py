@@ -20,7 +20,7 @@ The checkpoint may also hold copies of the target's `embed_tokens` and `lm_head`
 parameters count them): they are checked for shape and not loaded; the target's own are used.
 
 This module is the math as training (`training.draft.distill`) and the tests' reference read it; the runtime
-(`speculative.DSparkRuntime`) runs the same round through the fused kernels on CUDA (`lingls.kernels.dspark`).
+(`runtime.spec.round.DSparkRuntime`) runs the same round through the fused kernels on CUDA (`lingls.kernels.dspark`).
 
 Tensor parallelism (`Parallel`): attention heads and the MLP's intermediate are split across ranks (row-parallel
 outputs all-reduced, as the target's layers), the Markov head's output over the vocabulary (as the lm_head); fc,

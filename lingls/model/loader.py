@@ -160,6 +160,23 @@ def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tup
     return d, par.rank * local[d], (par.rank + 1) * local[d]
 
 
+def random_model(cfg: LingConfig, par: Parallel | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LingForCausalLM:
+    """Rank `par.rank`'s shard of random weights, built directly on `device` (fp32 where the checkpoint is).
+    Every rank seeds the same generator and draws its equally shaped shard in the same order, so the tensors
+    all ranks hold whole (norms, router, embeddings) agree."""
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg, par or Parallel()).to(dtype)
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_TENSORS:
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                par: Parallel | None = None, progress: Callable[[int, int], None] | None = None) -> LingForCausalLM:
     """Load a Ling-3.0 checkpoint directory (config.json + safetensors) as rank `par.rank`'s model; a weightless
@@ -172,8 +189,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     cfg = LingConfig.from_json(path / "config.json")
     par = par or Parallel()
     if (path / WEIGHTLESS).is_file():
-        from lingls.model.random_checkpoint import random_model
-
         try:
             seed = int(json.loads((path / WEIGHTLESS).read_text())["seed"])
         except (ValueError, KeyError, TypeError) as e:

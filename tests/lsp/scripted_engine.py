@@ -15,7 +15,7 @@ import asyncio
 import json
 import os
 
-from lingls.runtime.engine import EngineError, EngineStats, FimTemplate, GenerateRequest
+from lingls.engine.protocol import EngineError, EngineStats, FimTemplate, GenerateRequest
 
 
 class ScriptedEngine:
@@ -32,7 +32,7 @@ class ScriptedEngine:
         self.stats = EngineStats(extra={"active": 0, "prompts": []})
         self.tokenizer = None
         if script.get("tokenizer"):
-            from lingls.runtime.tokenizer import Tokenizer
+            from lingls.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(script["tokenizer"])
 

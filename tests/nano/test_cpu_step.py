@@ -113,8 +113,8 @@ def test_runner_decodes_the_same_tokens():
 
 
 def test_cpu_threads_come_from_the_environment(monkeypatch):
-    from lingls.runtime.engine import EngineError
-    from lingls.runtime.local import CPU_THREADS, cpu_threads
+    from lingls.engine.local import CPU_THREADS, cpu_threads
+    from lingls.engine.protocol import EngineError
 
     monkeypatch.delenv("LINGLS_THREADS", raising=False)
     assert cpu_threads() == CPU_THREADS == 1
