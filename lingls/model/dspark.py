@@ -42,7 +42,7 @@ from torch import nn
 from lingls.kernels import reference as ref
 from lingls.model.config import LingConfig
 from lingls.model.ling import Parallel, RMSNorm, SwiGLU
-from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, _shard, write_shards
+from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, shard_range, write_shards
 
 ARCHITECTURE = "DSparkDraftModel"
 IGNORED_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored in the checkpoint, not used
@@ -421,7 +421,7 @@ def fill_shards(cfg: DSparkConfig, par: Parallel, device, dtype: torch.dtype, te
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            d, lo, hi = _shard(full_params[name].shape, p.shape, par, name)
+            d, lo, hi = shard_range(full_params[name].shape, p.shape, par, name)
             p.copy_(tensors.read(name, d, lo, hi))
     return drafter.eval()
 

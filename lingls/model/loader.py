@@ -150,7 +150,7 @@ class CheckpointReader:
         return sl[tuple(index)]
 
 
-def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tuple[int | None, int, int | None]:
+def shard_range(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tuple[int | None, int, int | None]:
     """Which dim of `name` is split across ranks and this rank's range of it (None: replicated)."""
     diff = [d for d in range(len(full)) if full[d] != local[d]]
     if not diff:
@@ -237,7 +237,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if m:
                 _load_experts(reader, m.group(1), m.group(2), p, par)
                 continue
-            d, lo, hi = _shard(full_params[name].shape, p.shape, par, name)
+            d, lo, hi = shard_range(full_params[name].shape, p.shape, par, name)
             p.copy_(reader.read(name, d, lo, hi))
     if progress is not None:
         progress(total, total)
