@@ -60,9 +60,9 @@ from bench.common import kernel_rows, write_result
 from lingls.bench.step import median_ms
 from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
-from lingls.runtime.draft_vocab import DraftVocab
 from lingls.runtime.runner import ModelRunner
-from lingls.runtime.speculative import DSparkRuntime, MTPDrafter, SpecStats, Speculator
+from lingls.runtime.spec.draft_vocab import DraftVocab
+from lingls.runtime.spec.round import DSparkRuntime, MTPDrafter, SpecStats, Speculator
 
 LABEL = "SIMULATED acceptance (forced accept count; random weights)"
 TARGET = {"tpot_ms": 1.0, "a": 6, "k": 8, "what": "full model, TP=2 (two H200), real NCCL all-reduce"}
@@ -72,7 +72,7 @@ DRAFT_ROUND_TARGET_MS = 0.20  # issue 36: the DSpark draft round (8-row block + 
 def build(args, par: Parallel, device: str) -> LingForCausalLM:
     """Random weights built on the device (as lingls.bench.step.build_flash, but keeping the MTP layer)."""
     if args.tiny:
-        from lingls.runtime.local import tiny_config_dict
+        from lingls.engine.local import tiny_config_dict
 
         cfg = LingConfig.from_dict({**tiny_config_dict(8192), "num_nextn_predict_layers": 1})
         dtype = torch.float32
@@ -532,7 +532,7 @@ def plot(res: dict, path: Path) -> None:
 def _rank_main(rank: int, size: int, port: int, args) -> None:
     import torch.distributed as dist
 
-    from lingls.runtime.distributed import make_parallel, set_safe_env
+    from lingls.serve.tensor_parallel import make_parallel, set_safe_env
 
     set_safe_env()
     cuda = not args.tiny

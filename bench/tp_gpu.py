@@ -1,7 +1,7 @@
 """Peer all-reduce against NCCL on N GPUs (default 2), then the whole Ling-3.0-flash at TP=N with each of them.
 
 Why: NCCL's all-reduce of one token's hidden state takes ~22 us on two NVLinked H200s, and a decode step does
-84 of them (../shared/docs/h200-measured.md). `lingls.runtime.peer_allreduce` is the one-shot replacement; this
+84 of them (../shared/docs/h200-measured.md). `lingls.kernels.peer_allreduce` is the one-shot replacement; this
 script measures whether it is correct and how much it saves, in one device call that must never hang.
 
 Phases, each in fresh processes (one per GPU, NCCL for setup) under its own time limit, so a phase that
@@ -163,8 +163,8 @@ def latency(name: str, op, put) -> None:
 
 def phase_coll(rank: int, world: int, put, args: dict) -> None:
     from bench.common import graphed
-    from lingls.runtime.distributed import make_parallel
-    from lingls.runtime.peer_allreduce import PeerAllReduce
+    from lingls.kernels.peer_allreduce import PeerAllReduce
+    from lingls.serve.tensor_parallel import make_parallel
 
     put("gpu", torch.cuda.get_device_name())
     put("peer_access", torch.cuda.can_device_access_peer(rank, 1 - rank))
@@ -246,8 +246,8 @@ def phase_model(rank: int, world: int, put, args: dict) -> None:
     from bench.common import graphed
     from lingls.bench.floor import routed_experts, step_floor_ms
     from lingls.bench.step import build_flash, copy_bandwidth, median_ms
+    from lingls.kernels.peer_allreduce import PeerAllReduce
     from lingls.runtime.fused_step import FusedStep
-    from lingls.runtime.peer_allreduce import PeerAllReduce
 
     bw = copy_bandwidth()
     put("copy_TBps", bw / 1e12)

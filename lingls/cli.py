@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # torch warns on import where NumPy is absent (torch's CPU wheels do not bring it); lingls does not use it
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if args.command == "serve":
-        from lingls.runtime.server import main as serve_main
+        from lingls.serve.http_server import main as serve_main
 
         return serve_main(args) or 0
     if args.command == "complete":
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return complete_main(args) or 0
     if args.command == "draft-vocab":
-        from lingls.runtime.draft_vocab import main as draft_vocab_main
+        from lingls.engine.count_vocab import main as draft_vocab_main
 
         return draft_vocab_main(args)
     if args.command == "bench":

@@ -19,8 +19,8 @@ CHECK = textwrap.dedent("""
         importlib.import_module(module.name)
     assert "triton" not in sys.modules
 
-    from lingls.runtime.engine import GenerateRequest
-    from lingls.runtime.local import EMBEDDED, LocalEngine
+    from lingls.engine.protocol import GenerateRequest
+    from lingls.engine.local import EMBEDDED, LocalEngine
 
     PROMPT = "x = [1, 2, 3]\\ny = [1, 2, 3]\\nz = [1, 2, 3]\\nw = [1, 2"
 

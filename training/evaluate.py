@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 from rapidfuzz import fuzz
 
+from lingls.engine.healing import Candidates, heal, strip_tail
 from lingls.lsp.postprocess import PYTHON, Site, clean, is_degenerate
-from lingls.runtime.healing import Candidates, heal, strip_tail
 from training.baselines import first_line
 from training.fim import SPECIAL_ID
 from training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
@@ -186,7 +186,7 @@ MODE_NAMES = {"psm": "PSM", "spm": "SPM", "prefix": "prefix only"}  # FIM orders
 class ModelCompleter:
     """Greedy one-line completion with a LingForCausalLM, many cases at a time, with token healing.
 
-    With token healing (lingls.runtime.healing, as lingls completes): the prompt drops the prefix's last token,
+    With token healing (lingls.engine.healing, as lingls completes): the prompt drops the prefix's last token,
     the first generated token must agree with its text, and the completion is what comes after that text.
     Prompts are right-padded in one buffer; each step runs the full causal forward over the live rows (a causal
     model's logits at a row's last real token ignore the padding after it) and drops rows that finished.

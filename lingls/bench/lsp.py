@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from lingls import __version__
+from lingls.engine.protocol import EngineStats, FimTemplate
 from lingls.lsp.engines import TEST_ENGINE_ENV
 from lingls.lsp.positions import length_in
-from lingls.runtime.engine import EngineStats, FimTemplate
 
 FLOOR_SAMPLES = 50
 STATS_BATCH = 256  # the server keeps its last 512 request timings; fetch them well before they roll over

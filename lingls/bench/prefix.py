@@ -81,8 +81,8 @@ def engine_ms(model_dir: Path, device: str, prompts: list[str], max_new: int = 4
     healing and the stop at the newline included."""
     import asyncio
 
-    from lingls.runtime.engine import GenerateRequest
-    from lingls.runtime.local import LocalEngine
+    from lingls.engine.local import LocalEngine
+    from lingls.engine.protocol import GenerateRequest
 
     async def run() -> tuple[list[float], list[float]]:
         engine = LocalEngine(str(model_dir), device=device)
@@ -114,10 +114,10 @@ def model_latency(a) -> int:
     import os
     import platform
 
+    from lingls.engine.local import cpu_threads, default_model_dir
+    from lingls.engine.tokenizer import Tokenizer
     from lingls.model import load_model
     from lingls.runtime import cpu_step
-    from lingls.runtime.local import cpu_threads, default_model_dir
-    from lingls.runtime.tokenizer import Tokenizer
 
     model_dir = default_model_dir() if a.model == "nano" else Path(a.model)
     device = a.device

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lingls import __version__
 from lingls.bench.lsp import summary
-from lingls.runtime.engine import GenerateRequest
+from lingls.engine.protocol import GenerateRequest
 
 
 def prompts(path: str, n: int, fim, window: int = 1500) -> list[str]:
@@ -67,8 +67,8 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
 async def run(a: argparse.Namespace, endpoint: str) -> dict:
     import torch
 
-    from lingls.runtime.local import LocalEngine
-    from lingls.runtime.remote import RemoteEngine
+    from lingls.engine.local import LocalEngine
+    from lingls.engine.remote import RemoteEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like the server: the same arithmetic, and no fight over two cores

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lingls.runtime.local import EMBEDDED
+from lingls.engine.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
 
 HELDOUT = Path("bench") / "results" / "nano_data_manifest.json"  # relative to the current directory
@@ -58,7 +58,7 @@ class Subject:
     """One drafter's runner, timed over the cases; the runners share the model."""
 
     def __init__(self, model, spec: str, capacity: int, k: int):
-        from lingls.runtime.speculative import SpecStats, attach
+        from lingls.runtime.spec.round import SpecStats, attach
 
         self.runner = ModelRunner(model, capacity=capacity)
         self.speculator = attach(self.runner, spec, k) if spec != "none" else None
@@ -102,8 +102,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
 
+    from lingls.engine.tokenizer import Tokenizer
     from lingls.model import load_model
-    from lingls.runtime.tokenizer import Tokenizer
 
     files = heldout_files(args.heldout, args.cases)  # before the model loads: a missing manifest fails at once
     if args.threads:

@@ -31,7 +31,7 @@ import torch
 from lingls.bench.floor import copy_bandwidth, routed_experts, step_bytes
 from lingls.model.config import flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
-from lingls.model.random_checkpoint import random_model
+from lingls.model.loader import random_model
 from lingls.runtime.runner import ModelRunner, Sampling
 
 

@@ -1,7 +1,7 @@
 """Which Engine serves completions, created once, lazily and off the event loop.
 
-`endpoint` set: `runtime.remote.RemoteEngine` (`model` then names the server's model; its other options come
-from LINGLS_* variables, see `RemoteEngine.from_env`); otherwise `runtime.local.LocalEngine` (the embedded ling-nano
+`endpoint` set: `engine.remote.RemoteEngine` (`model` then names the server's model; its other options come
+from LINGLS_* variables, see `RemoteEngine.from_env`); otherwise `engine.local.LocalEngine` (the embedded ling-nano
 unless `model` names a directory). Loading a model takes seconds, so it runs on a worker thread while the
 server keeps answering; a failure is reported once and not retried on every keystroke, only after the
 settings change.
@@ -17,8 +17,8 @@ import asyncio
 import importlib
 import os
 
+from lingls.engine.protocol import Engine, EngineError
 from lingls.lsp.settings import Settings
-from lingls.runtime.engine import Engine, EngineError
 
 TEST_ENGINE_ENV = "LINGLS_TEST_ENGINE"
 
@@ -29,10 +29,10 @@ def make_engine(settings: Settings) -> Engine:
         module, _, attr = spec.partition(":")
         return getattr(importlib.import_module(module), attr or "make_engine")(settings)
     if settings.endpoint:
-        from lingls.runtime.remote import RemoteEngine
+        from lingls.engine.remote import RemoteEngine
 
         return RemoteEngine.from_env(settings.endpoint, settings.api_key, settings.model, os.environ)
-    from lingls.runtime.local import LocalEngine
+    from lingls.engine.local import LocalEngine
 
     engine = LocalEngine(model_dir=settings.model, device=settings.device)
     engine.load()  # weights now, on this worker thread, rather than in the first completion

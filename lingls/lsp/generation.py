@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import time
 
+from lingls.engine.protocol import Engine, GenerateRequest
 from lingls.lsp.postprocess import Site, clean
-from lingls.runtime.engine import Engine, GenerateRequest
 
 WINDOW = 256  # characters each side of the anchor that must be unchanged for a generation to still apply
 _ids = itertools.count(1)

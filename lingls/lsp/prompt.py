@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from lingls.engine.protocol import FimParts, FimTemplate
 from lingls.lsp.context import Chunk
-from lingls.runtime.engine import FimParts, FimTemplate
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_SUFFIX_LINES = 64

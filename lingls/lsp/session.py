@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lingls.engine.protocol import Engine, GenerateRequest
 from lingls.lsp.context import ContextRing
 from lingls.lsp.documents import Document, PositionError
 from lingls.lsp.engines import EngineHolder, describe_failure
@@ -30,7 +31,6 @@ from lingls.lsp.positions import UTF16
 from lingls.lsp.postprocess import Site, clean, lang_for
 from lingls.lsp.prompt import TokenCounter, build_prompt
 from lingls.lsp.settings import Settings
-from lingls.runtime.engine import Engine, GenerateRequest
 
 KEEP_GENERATIONS = 4  # per document, for type-through and reuse
 RING_MOVE = 8  # lines the cursor moves before its document offers a fresh chunk to the context ring

@@ -20,7 +20,7 @@ The checkpoint may also hold copies of the target's `embed_tokens` and `lm_head`
 parameters count them): they are checked for shape and not loaded; the target's own are used.
 
 This module is the math as training (`training.draft.distill`) and the tests' reference read it; the runtime
-(`speculative.DSparkRuntime`) runs the same round through the fused kernels on CUDA (`lingls.kernels.dspark`).
+(`runtime.spec.round.DSparkRuntime`) runs the same round through the fused kernels on CUDA (`lingls.kernels.dspark`).
 
 Tensor parallelism (`Parallel`): attention heads and the MLP's intermediate are split across ranks (row-parallel
 outputs all-reduced, as the target's layers), the Markov head's output over the vocabulary (as the lm_head); fc,
@@ -42,7 +42,7 @@ from torch import nn
 from lingls.kernels import reference as ref
 from lingls.model.config import LingConfig
 from lingls.model.ling import Parallel, RMSNorm, SwiGLU
-from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, _shard, write_shards
+from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, shard_range, write_shards
 
 ARCHITECTURE = "DSparkDraftModel"
 IGNORED_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored in the checkpoint, not used
@@ -421,7 +421,7 @@ def fill_shards(cfg: DSparkConfig, par: Parallel, device, dtype: torch.dtype, te
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            d, lo, hi = _shard(full_params[name].shape, p.shape, par, name)
+            d, lo, hi = shard_range(full_params[name].shape, p.shape, par, name)
             p.copy_(tensors.read(name, d, lo, hi))
     return drafter.eval()
 

@@ -150,7 +150,7 @@ class CheckpointReader:
         return sl[tuple(index)]
 
 
-def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tuple[int | None, int, int | None]:
+def shard_range(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tuple[int | None, int, int | None]:
     """Which dim of `name` is split across ranks and this rank's range of it (None: replicated)."""
     diff = [d for d in range(len(full)) if full[d] != local[d]]
     if not diff:
@@ -158,6 +158,23 @@ def _shard(full: torch.Size, local: torch.Size, par: Parallel, name: str) -> tup
     (d,) = diff
     assert full[d] == local[d] * par.size, name
     return d, par.rank * local[d], (par.rank + 1) * local[d]
+
+
+def random_model(cfg: LingConfig, par: Parallel | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LingForCausalLM:
+    """Rank `par.rank`'s shard of random weights, built directly on `device` (fp32 where the checkpoint is).
+    Every rank seeds the same generator and draws its equally shaped shard in the same order, so the tensors
+    all ranks hold whole (norms, router, embeddings) agree."""
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg, par or Parallel()).to(dtype)
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_TENSORS:
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -172,8 +189,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     cfg = LingConfig.from_json(path / "config.json")
     par = par or Parallel()
     if (path / WEIGHTLESS).is_file():
-        from lingls.model.random_checkpoint import random_model
-
         try:
             seed = int(json.loads((path / WEIGHTLESS).read_text())["seed"])
         except (ValueError, KeyError, TypeError) as e:
@@ -222,7 +237,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if m:
                 _load_experts(reader, m.group(1), m.group(2), p, par)
                 continue
-            d, lo, hi = _shard(full_params[name].shape, p.shape, par, name)
+            d, lo, hi = shard_range(full_params[name].shape, p.shape, par, name)
             p.copy_(reader.read(name, d, lo, hi))
     if progress is not None:
         progress(total, total)

@@ -7,7 +7,7 @@ safetensors shards with an index, as the real one is. Nothing is built in memory
 A *weightless* checkpoint (`--weightless`) is for serving benchmarks at sizes no disk here holds (all 42
 layers of Ling-3.0-flash are 250 GB): config.json, `random_weights.json` (the seed) and a synthetic tokenizer
 whose tokens are the words t0 .. t{vocab-1}. `load_model` builds each rank's shard of random weights straight
-on its device (`random_model`); `lingls serve --model DIR --tp N` then runs end to end. Its text is noise.
+on its device (`loader.random_model`); `lingls serve --model DIR --tp N` then runs end to end. Its text is noise.
 
 A DSpark drafter checkpoint for a target (`--dspark --target DIR`) in the published layout
 (`lingls.model.dspark`): config.json with `dflash_config`, the backbone, Markov and confidence heads, and the
@@ -31,7 +31,7 @@ import torch
 
 from lingls.model.config import LingConfig, flash_config, tiny_config
 from lingls.model.dspark import DSparkConfig, checkpoint_tensors
-from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.model.ling import LingForCausalLM
 from lingls.model.loader import FP32_TENSORS, WEIGHTLESS, official_tensors, write_shards
 
 
@@ -66,23 +66,6 @@ def write_random_checkpoint(cfg: LingConfig, out_dir: str | Path, dtype: torch.d
     cfg.save(out_dir / "config.json")
     write_shards(random_tensors(cfg, dtype, seed, std), out_dir, max_shard_bytes)
     return out_dir
-
-
-def random_model(cfg: LingConfig, par: Parallel | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LingForCausalLM:
-    """Rank `par.rank`'s shard of random weights, built directly on `device` (fp32 where the checkpoint is).
-    Every rank seeds the same generator and draws its equally shaped shard in the same order, so the tensors
-    all ranks hold whole (norms, router, embeddings) agree."""
-    with torch.device("meta"):
-        model = LingForCausalLM(cfg, par or Parallel()).to(dtype)
-    for name, p in model.named_parameters():
-        if name.rsplit(".", 1)[-1] in FP32_TENSORS:
-            p.data = p.data.float()
-    model = model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights()
-    return model.eval()
 
 
 def write_weightless_checkpoint(cfg: LingConfig, out_dir: str | Path, seed: int = 0) -> Path:

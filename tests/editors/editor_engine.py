@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import AsyncIterator
 
-from lingls.runtime.engine import EngineStats, GenerateRequest
+from lingls.engine.protocol import EngineStats, GenerateRequest
 
 # What the "model" writes; an Invoked request's extra samples (seeds 1 and 2) get the other texts.
 TEXT = "total = combine(alpha, beta)\n    return total\n"

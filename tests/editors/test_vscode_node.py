@@ -38,5 +38,5 @@ def test_node_client_against_scripted_server():
 
 @pytest.mark.slow
 def test_node_client_against_embedded_model():
-    pytest.importorskip("lingls.runtime.local", reason="the in-process engine is not there yet")
+    pytest.importorskip("lingls.engine.local", reason="the in-process engine is not there yet")
     check(run_node_test({"LINGLS_TEST_ENGINE": ""}, timeout=300))

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from lingls.kernels import dspark  # noqa: E402
-from lingls.runtime.speculative import DSparkRuntime  # noqa: E402
+from lingls.runtime.spec.round import DSparkRuntime  # noqa: E402
 from tests.kernels.conftest import rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

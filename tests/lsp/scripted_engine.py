@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from lingls.runtime.engine import EngineError, EngineStats, FimTemplate, GenerateRequest
+from lingls.engine.protocol import EngineError, EngineStats, FimTemplate, GenerateRequest
 
 
 class ScriptedEngine:
@@ -34,7 +34,7 @@ class ScriptedEngine:
         self.stats = EngineStats(extra={"active": 0, "prompts": []})
         self.tokenizer = None
         if script.get("tokenizer"):
-            from lingls.runtime.tokenizer import Tokenizer
+            from lingls.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(script["tokenizer"])
 

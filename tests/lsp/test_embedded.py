@@ -20,8 +20,8 @@ EMBEDDED = REPO / "lingls" / "assets" / "ling-nano"
 HAVE_WEIGHTS = (EMBEDDED / "config.json").is_file() and any(EMBEDDED.glob("*.safetensors"))
 SOURCE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        "
 
-pytestmark = pytest.mark.skipif(not (REPO / "lingls" / "runtime" / "local.py").is_file(),
-                                reason="lingls.runtime.local (the in-process engine) is not in this checkout")
+pytestmark = pytest.mark.skipif(not (REPO / "lingls" / "engine" / "local.py").is_file(),
+                                reason="lingls.engine.local (the in-process engine) is not in this checkout")
 
 
 async def test_embedded_model_completes_python():

@@ -1,7 +1,7 @@
+from lingls.engine.protocol import FimTemplate
 from lingls.lsp.context import ContextRing
 from lingls.lsp.prompt import WINDOW_STEP, TokenCounter, build_prompt, sanitize
 from lingls.lsp.settings import Settings
-from lingls.runtime.engine import FimTemplate
 
 FIM = FimTemplate()
 

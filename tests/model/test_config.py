@@ -90,7 +90,7 @@ def test_layer_types_from_group_size():
 
 
 def nano_config() -> LingConfig:
-    from lingls.runtime.local import EMBEDDED
+    from lingls.engine.local import EMBEDDED
 
     return LingConfig.from_json(EMBEDDED / "config.json")
 

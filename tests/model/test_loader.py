@@ -159,9 +159,10 @@ def test_progress_is_reported_up_to_the_total(tmp_path, model):
 def test_weightless_checkpoint_builds_the_same_random_shards_on_every_rank(tmp_path):
     """A benchmark checkpoint without tensors: each rank's shard is `random_model`'s, the tensors every rank holds
     whole agree across ranks, and its synthetic tokenizer covers the vocabulary word by word."""
-    from lingls.model.random_checkpoint import random_model, write_weightless_checkpoint
-    from lingls.runtime.local import check_model_dir
-    from lingls.runtime.tokenizer import Tokenizer
+    from lingls.engine.local import check_model_dir
+    from lingls.engine.tokenizer import Tokenizer
+    from lingls.model.loader import random_model
+    from lingls.model.random_checkpoint import write_weightless_checkpoint
 
     cfg = small_config(num_nextn_predict_layers=1)
     d = write_weightless_checkpoint(cfg, tmp_path / "wl", seed=3)

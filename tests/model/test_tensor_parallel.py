@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from lingls.model import load_model, save_checkpoint
 from lingls.model.ling import LingForCausalLM
-from lingls.runtime.distributed import make_parallel
+from lingls.serve.tensor_parallel import make_parallel
 
 from .conftest import randomize, small_config
 

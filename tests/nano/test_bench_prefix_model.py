@@ -6,7 +6,7 @@ import json
 import torch
 
 from lingls.cli import main
-from lingls.runtime.local import write_tiny_checkpoint
+from lingls.engine.local import write_tiny_checkpoint
 
 
 def test_model_mode_writes_runner_and_engine_latencies(tmp_path, capsys):

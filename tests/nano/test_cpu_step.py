@@ -120,8 +120,8 @@ def test_runner_decodes_the_same_tokens():
 
 
 def test_cpu_threads_come_from_the_environment(monkeypatch):
-    from lingls.runtime.engine import EngineError
-    from lingls.runtime.local import CPU_THREADS, cpu_threads
+    from lingls.engine.local import CPU_THREADS, cpu_threads
+    from lingls.engine.protocol import EngineError
 
     monkeypatch.delenv("LINGLS_THREADS", raising=False)
     assert cpu_threads() == CPU_THREADS == 1
@@ -174,7 +174,7 @@ def test_ling_nano_decodes_the_same_lines_with_the_lean_step(assets):
     from pathlib import Path
 
     from lingls.model import load_model
-    from lingls.runtime.tokenizer import Tokenizer
+    from lingls.engine.tokenizer import Tokenizer
 
     model = load_model(assets, device="cpu", dtype=torch.float32)
     text = Path(os.__file__).with_name("argparse.py").read_text()

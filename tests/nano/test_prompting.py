@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
+from lingls.engine.healing import cursor_index
+from lingls.engine.local import LocalEngine
+from lingls.engine.protocol import FimTemplate
 from lingls.lsp.prompt import TokenCounter, build_prompt
-from lingls.runtime.engine import FimTemplate
-from lingls.runtime.healing import cursor_index
-from lingls.runtime.local import LocalEngine
 
 
 def counter():

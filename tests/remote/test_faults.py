@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lingls.runtime.engine import EngineError, GenerateRequest
-from lingls.runtime.remote import RemoteEngine
+from lingls.engine.protocol import EngineError, GenerateRequest
+from lingls.engine.remote import RemoteEngine
 
 from .harness import FaultProxy, Serve, complete, language_server, open_doc, shown
 

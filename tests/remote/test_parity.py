@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from lingls.engine.local import LocalEngine
+from lingls.engine.protocol import GenerateRequest
+from lingls.engine.remote import RemoteEngine
 from lingls.lsp.oneshot import complete_file
-from lingls.runtime.engine import GenerateRequest
-from lingls.runtime.local import LocalEngine
-from lingls.runtime.remote import RemoteEngine
 
 from .harness import ENV, REPO
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lingls.runtime.engine import EngineError, FimParts, FimTemplate, GenerateRequest
-from lingls.runtime.remote import RemoteEngine, parse_fim
+from lingls.engine.protocol import EngineError, FimParts, FimTemplate, GenerateRequest
+from lingls.engine.remote import RemoteEngine, parse_fim
 
 from .harness import free_port
 

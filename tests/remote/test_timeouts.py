@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lingls.runtime.engine import EngineError, GenerateRequest
-from lingls.runtime.remote import RemoteEngine, RemoteSettings
+from lingls.engine.protocol import EngineError, GenerateRequest
+from lingls.engine.remote import RemoteEngine, RemoteSettings
 
 MODELS = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "stub"}]}).encode()
 

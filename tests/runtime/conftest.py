@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lingls.engine.local import write_tiny_checkpoint
 from lingls.model import load_model
-from lingls.runtime.local import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 
+from lingls.engine.local import EMBEDDED
+from lingls.engine.protocol import EngineError, GenerateRequest
+from lingls.engine.tokenizer import Tokenizer
 from lingls.model import load_model
-from lingls.runtime.distributed import SAFE_ENV, TensorParallelEngine
-from lingls.runtime.engine import EngineError, GenerateRequest
-from lingls.runtime.local import EMBEDDED
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.serve.tensor_parallel import SAFE_ENV, TensorParallelEngine
 
 from .conftest import reference_greedy
 

@@ -4,11 +4,11 @@ speculative rounds in their captured graphs give plain greedy decoding's tokens 
 import pytest
 import torch
 
+from lingls.engine.local import EMBEDDED
+from lingls.engine.tokenizer import Tokenizer
 from lingls.model import load_model
-from lingls.runtime.local import EMBEDDED
 from lingls.runtime.runner import ModelRunner, Sampling
-from lingls.runtime.speculative import Speculator, attach
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.runtime.spec.round import Speculator, attach
 
 from ..spec.conftest import ScriptedDrafter
 from ..spec.test_greedy import CODE

@@ -2,9 +2,9 @@
 
 import torch
 
-from lingls.runtime.healing import Candidates, TailStripper, cursor_index, heal, strip_tail
-from lingls.runtime.local import EMBEDDED
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.engine.healing import Candidates, TailStripper, cursor_index, heal, strip_tail
+from lingls.engine.local import EMBEDDED
+from lingls.engine.tokenizer import Tokenizer
 
 PRE, SUF, MID = 1, 2, 3
 SPECIAL = {0, PRE, SUF, MID}

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from lingls.runtime.engine import Engine, EngineError, GenerateRequest
-from lingls.runtime.healing import strip_tail
-from lingls.runtime.local import LocalEngine, StopMatcher
+from lingls.engine.healing import strip_tail
+from lingls.engine.local import LocalEngine, StopMatcher
+from lingls.engine.protocol import Engine, EngineError, GenerateRequest
 
 from .conftest import reference_greedy
 

@@ -17,7 +17,7 @@ import socket
 import pytest
 import torch
 
-from lingls.runtime import peer_allreduce as pa
+from lingls.kernels import peer_allreduce as pa
 
 needs_triton = pytest.mark.skipif(pa.triton is None or (not torch.cuda.is_available()
                                                          and os.environ.get("TRITON_INTERPRET") != "1"),
@@ -188,7 +188,7 @@ def _gloo_rank(rank: int, world: int, port: int, results) -> None:
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        from lingls.runtime.distributed import make_parallel
+        from lingls.serve.tensor_parallel import make_parallel
 
         par = make_parallel(rank, world)
         peer = pa.PeerAllReduce.create()  # no CUDA here: every rank must answer None, and none may hang
@@ -229,7 +229,7 @@ def test_kernels_compile_for_h200():
     from tests.kernels.test_kda import compile_for_sm90
 
     lines = compile_for_sm90("""
-        from lingls.runtime import peer_allreduce as pa
+        from lingls.kernels import peer_allreduce as pa
         tables = dict(data_ptr="*bf16", flag_ptr="*i64", delta_ptr="*i64", epochs_ptr="*i64", error_ptr="*i32")
         build(pa._one_shot_kernel, dict(tables, x_ptr="*bf16", out_ptr="*bf16"),
               dict(RANK=0, WORLD=2, BLOCK=pa.BLOCK, PUSH=True, REDUCE=True, MAX_SPIN=pa.MAX_SPIN), 4)

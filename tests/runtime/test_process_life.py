@@ -71,7 +71,7 @@ def test_stopping_the_server_ends_every_rank_without_a_traceback(tiny_dir, tmp_p
 
 LEADER = textwrap.dedent("""
     import multiprocessing, sys, time
-    from lingls.runtime.distributed import _follower
+    from lingls.serve.tensor_parallel import _follower
 
     if __name__ == "__main__":
         ctx = multiprocessing.get_context("spawn")

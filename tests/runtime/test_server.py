@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.engine.tokenizer import Tokenizer
 
 from .conftest import reference_greedy
 

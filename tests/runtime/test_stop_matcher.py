@@ -3,7 +3,7 @@ the stop strings, never by how long a stop string is beyond the text it could ma
 
 import random
 
-from lingls.runtime.local import StopMatcher
+from lingls.engine.local import StopMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from lingls.runtime.local import EMBEDDED
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.engine.local import EMBEDDED
+from lingls.engine.tokenizer import Tokenizer
 
 LONE = ['s = "\ud800"', "\udc00 at the start", "end \udfff", 'pair "\ud83d\ude00" and lone "\ude00"', "\ud800" * 3]
 

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from lingls.runtime.engine import EngineError
-from lingls.runtime.local import EMBEDDED
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.engine.local import EMBEDDED
+from lingls.engine.protocol import EngineError
+from lingls.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

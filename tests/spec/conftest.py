@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lingls.engine.local import EMBEDDED, tiny_config_dict
 from lingls.model import LingConfig, LingForCausalLM, load_model
 from lingls.model.dspark import DSparkConfig
 from lingls.model.random_checkpoint import SMALL_DSPARK, write_random_dspark
-from lingls.runtime.local import EMBEDDED, tiny_config_dict
 from lingls.runtime.runner import ModelRunner, Sampling
-from lingls.runtime.speculative import Drafter
+from lingls.runtime.spec.round import Drafter
 
 
 def random_model(vocab: int, seed: int = 0, std: float = 0.5) -> LingForCausalLM:

@@ -7,7 +7,7 @@ import torch
 
 from lingls.model.dspark import DSparkConfig, DSparkDrafter, load_dspark, save_dspark
 from lingls.runtime.runner import ModelRunner
-from lingls.runtime.speculative import attach
+from lingls.runtime.spec.round import attach
 from training.draft.distill import DistillSettings, losses, train
 
 from .conftest import plain, random_model

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from lingls.cli import main as cli_main
+from lingls.engine.local import EMBEDDED, EngineError, attach_drafter
+from lingls.engine.tokenizer import Tokenizer
 from lingls.model.ling import Parallel
-from lingls.runtime.draft_vocab import DraftVocab, DraftVocabError, read_ids
-from lingls.runtime.local import EMBEDDED, EngineError, attach_drafter
 from lingls.runtime.runner import ModelRunner
 from lingls.runtime.sampling import argmax_shards
-from lingls.runtime.speculative import MTPDrafter, attach
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.runtime.spec.draft_vocab import DraftVocab, DraftVocabError, read_ids
+from lingls.runtime.spec.round import MTPDrafter, attach
 
 from .conftest import plain
 from .test_greedy import CODE

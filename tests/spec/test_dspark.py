@@ -17,7 +17,7 @@ from lingls.model.config import flash_config
 from lingls.model.dspark import IGNORED_COPIES, DSparkConfig, DSparkConfigError, checkpoint_tensors, load_dspark
 from lingls.model.random_checkpoint import main as random_checkpoint_main
 from lingls.runtime.runner import ModelRunner, Sampling
-from lingls.runtime.speculative import DSparkRuntime, Speculator, attach, make_drafter
+from lingls.runtime.spec.round import DSparkRuntime, Speculator, attach, make_drafter
 from training.draft.distill import teacher
 
 from ..kernels.test_kda import compile_for_sm90
@@ -474,7 +474,7 @@ def _tp_rank(rank: int, size: int, rendezvous: str, target_dir: str, draft_dir: 
     import torch.distributed as dist
 
     from lingls.model import load_model
-    from lingls.runtime.distributed import make_parallel
+    from lingls.serve.tensor_parallel import make_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)

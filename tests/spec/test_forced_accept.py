@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lingls.runtime.runner import ModelRunner
-from lingls.runtime.speculative import Speculator
+from lingls.runtime.spec.round import Speculator
 
 from .conftest import ScriptedDrafter, plain
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lingls.runtime.local import EMBEDDED
+from lingls.engine.local import EMBEDDED
+from lingls.engine.tokenizer import Tokenizer
 from lingls.runtime.runner import ModelRunner, Sampling
-from lingls.runtime.speculative import Speculator, attach
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.runtime.spec.round import Speculator, attach
 
 from ..runtime.test_runner import no_host_reads
 from .conftest import ScriptedDrafter, plain

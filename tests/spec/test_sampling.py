@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lingls.runtime.runner import ModelRunner, Sampling
-from lingls.runtime.speculative import Drafter, Speculator, rejection_sample, target_probs
+from lingls.runtime.spec.round import Drafter, Speculator, rejection_sample, target_probs
 
 V, K = 8, 3
 

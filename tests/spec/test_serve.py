@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lingls.runtime.engine import EngineError, GenerateRequest
-from lingls.runtime.local import EMBEDDED, LocalEngine
-from lingls.runtime.server import Server
+from lingls.engine.local import EMBEDDED, LocalEngine
+from lingls.engine.protocol import EngineError, GenerateRequest
+from lingls.serve.http_server import Server
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
@@ -76,9 +76,9 @@ async def test_serve_with_a_dspark_checkpoint(tmp_path, nano):
 async def test_weightless_checkpoints_serve_with_simulated_acceptance(tmp_path):
     """Benchmarks: a weightless target and a weightless DSpark drafter (random weights built at load time)
     serve end to end with --simulate-accept."""
+    from lingls.engine.local import tiny_config_dict
     from lingls.model.config import LingConfig
     from lingls.model.random_checkpoint import main as random_checkpoint_main
-    from lingls.runtime.local import tiny_config_dict
 
     LingConfig.from_dict(tiny_config_dict(512)).save(tmp_path / "cfg.json")
     target = [str(tmp_path / "target"), "--config", str(tmp_path / "cfg.json"), "--weightless"]

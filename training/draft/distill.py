@@ -163,7 +163,7 @@ def windows_from(ids: list[list[int]], seq_len: int) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
-    from lingls.runtime.local import EMBEDDED
+    from lingls.engine.local import EMBEDDED
     from training import fla_kernels
     from training.data import collect
     from training.fim import FimMix, build_examples, encode_examples

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from lingls.runtime.engine import EngineError, FimTemplate
-from lingls.runtime.healing import Candidates, heal
+from lingls.engine.healing import Candidates, heal
+from lingls.engine.protocol import EngineError, FimTemplate
 
 _REPLACEMENT = "\ufffd"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a Python str every surrogate is a lone one
@@ -64,7 +64,7 @@ class Tokenizer:
         self._candidates: Candidates | None = None
 
     def heal(self, ids: list[int]) -> tuple[list[int], str]:
-        """Token healing (lingls.runtime.healing): (prompt without the cursor's token, its text)."""
+        """Token healing (lingls.engine.healing): (prompt without the cursor's token, its text)."""
         fim_prefix = self._tok.token_to_id(self.fim.prefix) if self.fim else None
         return heal(ids, self.candidates().texts, self.special_ids | self.eos_ids, fim_prefix)
 

@@ -38,7 +38,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from lingls.runtime.engine import EngineError, EngineStats, FimTemplate, GenerateRequest
+from lingls.engine.protocol import EngineError, EngineStats, FimTemplate, GenerateRequest
 
 PROFILES = ("auto", "lingls", "openai", "llama.cpp")
 SUFFIX = "suffix"  # fim mode: send the OpenAI `suffix` field and let the server apply its template
@@ -405,11 +405,11 @@ def _fim_from(info) -> FimTemplate | None:
 
 def _known_tokenizer(model_id: str | None):
     """The tokenizer of a model this package ships (the embedded ling-nano), by the id a server reports."""
-    from lingls.runtime.local import EMBEDDED
+    from lingls.engine.local import EMBEDDED
 
     if model_id != EMBEDDED.name or not (EMBEDDED / "tokenizer.json").is_file():
         return None
-    from lingls.runtime.tokenizer import Tokenizer
+    from lingls.engine.tokenizer import Tokenizer
 
     return Tokenizer(EMBEDDED)
 

@@ -1,7 +1,7 @@
 """`lingls serve`: an OpenAI-compatible HTTP API over one resident model, one request at a time.
 
 Endpoints: POST /v1/completions (prompt, suffix, max_tokens, temperature, top_p, stop, seed, stream, and the
-extension token_healing: true, see lingls.runtime.healing),
+extension token_healing: true, see lingls.engine.healing),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
 Batch-1 policy: the model serves one request at a time, and a new completion request preempts the one
@@ -34,7 +34,7 @@ import uuid
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from lingls.runtime.engine import EngineError, GenerateRequest
+from lingls.engine.protocol import EngineError, GenerateRequest
 
 log = logging.getLogger("lingls.serve")
 
@@ -477,11 +477,11 @@ def main(args: argparse.Namespace) -> int:
                        draft_vocab=getattr(args, "draft_vocab", None))
     try:
         if getattr(args, "tp", 1) > 1:
-            from lingls.runtime.distributed import TensorParallelEngine
+            from lingls.serve.tensor_parallel import TensorParallelEngine
 
             engine = TensorParallelEngine(args.model, args.tp, device=args.device, dtype=args.dtype, **speculation)
         else:
-            from lingls.runtime.local import LocalEngine
+            from lingls.engine.local import LocalEngine
 
             engine = LocalEngine(args.model, device=args.device, dtype=args.dtype, **speculation)
     except EngineError as e:

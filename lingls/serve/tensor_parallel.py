@@ -16,7 +16,7 @@ to answer, and stopping the engine stops them; a follower whose rank 0 is gone, 
 included), exits at once, wherever it waits (`_live_and_die_with_rank0`).
 
 The all-reduces of the decode and verify steps (two per layer, one to sixteen tokens of hidden state) go through
-`peer_allreduce.PeerAllReduce` on GPUs: one Triton kernel that writes into the peers' memory, 3.7 us per call in
+`kernels.peer_allreduce.PeerAllReduce` on GPUs: one Triton kernel that writes into the peers' memory, 3.7 us per call in
 a CUDA graph on 2 x H200 where NCCL takes ~20 us. `LINGLS_ALLREDUCE=nccl` turns it off; it also steps aside by
 itself (every rank agrees) when any rank lacks peer access, and for messages too large for its buffer (prefill
 chunks).
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lingls.engine.local import LocalEngine
+from lingls.engine.protocol import EngineError
 from lingls.model.ling import Parallel
-from lingls.runtime.engine import EngineError
-from lingls.runtime.local import LocalEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ def set_safe_env() -> None:
 
 def make_parallel(rank: int, size: int) -> Parallel:
     """The collectives a rank's shard needs, over the default process group. Collective: on NCCL it sets up the
-    peer all-reduce (`LINGLS_ALLREDUCE`, see peer_allreduce.make_all_reduce), so every rank calls it together."""
-    from lingls.runtime.peer_allreduce import make_all_reduce
+    peer all-reduce (`LINGLS_ALLREDUCE`, see kernels.peer_allreduce.make_all_reduce), so every rank calls it
+    together."""
+    from lingls.kernels.peer_allreduce import make_all_reduce
 
     all_reduce = make_all_reduce()
 
@@ -97,8 +98,8 @@ def _load_rank(rank: int, size: int, port: int, model_dir: str, device: str, dty
     draft = (--draft, --draft-k, --simulate-accept, --draft-vocab): every rank drafts the same tokens from the
     same (all-reduced) hidden states and accepts the same count, so rank 0's speculative rounds and the
     followers' stay in step."""
+    from lingls.engine.local import attach_drafter
     from lingls.model import load_model
-    from lingls.runtime.local import attach_drafter
     from lingls.runtime.runner import ModelRunner
 
     set_safe_env()

@@ -3,8 +3,8 @@
 The language server builds the prompt text (in the model's own FIM template, which it learns from
 `Engine.fim`), then iterates `Engine.generate(request)`, an async stream of text chunks. Closing the
 iterator early (`aclose()`, or cancelling the task that iterates it) must stop the engine's work for that
-request within one decode step. Implementations: `runtime.local.LocalEngine` (a model in this process, on a
-worker thread) and `runtime.remote.RemoteEngine` (HTTP `/v1/completions`).
+request within one decode step. Implementations: `engine.local.LocalEngine` (a model in this process, on a
+worker thread) and `engine.remote.RemoteEngine` (HTTP `/v1/completions`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     parts: FimParts | None = None
-    heal: bool = True  # token healing of the cursor's token (lingls.runtime.healing), where the engine can
+    heal: bool = True  # token healing of the cursor's token (lingls.engine.healing), where the engine can
 
 
 @dataclass

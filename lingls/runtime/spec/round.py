@@ -40,10 +40,10 @@ import torch
 from lingls.kernels import accept, kda
 from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
-from lingls.runtime.draft_vocab import DraftVocab
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.runner import ModelRunner, _Fence
 from lingls.runtime.sampling import argmax_shards, uniform_hash
+from lingls.runtime.spec.draft_vocab import DraftVocab
 
 DEFAULT_K = 4
 COIN = -1  # the "token id" keying a position's acceptance coin in the hash (every real id is >= 0)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator
 
-from lingls.runtime.engine import EngineError, EngineStats, GenerateRequest
-from lingls.runtime.healing import TailStripper
-from lingls.runtime.tokenizer import Tokenizer
+from lingls.engine.healing import TailStripper
+from lingls.engine.protocol import EngineError, EngineStats, GenerateRequest
+from lingls.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,9 @@ def attach_drafter(runner, draft: str | None, draft_k: int | None, simulate_acce
         return
     import torch
 
-    from lingls.runtime.speculative import attach
+    from lingls.runtime.spec.round import attach
 
-    try:  # draft_k None: a block drafter's block size, else speculative.default_k
+    try:  # draft_k None: a block drafter's block size, else round.default_k
         spec = attach(runner, draft, draft_k, draft_vocab)
     except ValueError as e:
         raise EngineError(str(e)) from None
@@ -199,7 +199,7 @@ class LocalEngine:
         self.stats = EngineStats()
         self.stats.extra.update(reused_requests=0, reused_tokens=0, preempted=0, truncated=0)
         self.device, self.dtype, self.capacity, self.use_graphs = device, dtype, capacity, use_graphs
-        # speculative decoding: a --draft string (speculative.py), and for benchmarks a forced accept count
+        # speculative decoding: a --draft string (`runtime.spec`), and for benchmarks a forced accept count
         self.draft, self.draft_k, self.simulate_accept = draft, draft_k, simulate_accept
         self.draft_vocab = draft_vocab
         self.runner = None

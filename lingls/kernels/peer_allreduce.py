@@ -35,7 +35,7 @@ How:
 - A bounded spin: a peer that never arrives (dead process, mismatched calls) sets `error` instead of hanging
   the GPU forever; `failed()` reads it.
 
-`make_all_reduce` (used by `distributed.make_parallel`) picks this or the process group's own all-reduce
+`make_all_reduce` (used by `serve.tensor_parallel.make_parallel`) picks this or the process group's own all-reduce
 (NCCL on GPUs, gloo on CPU). Messages bigger than the buffer, or of other dtypes, take the fallback; since
 every rank sees the same shapes, every rank takes the same path.
 

@@ -9,18 +9,16 @@ ids of a code corpus divides its bytes by V / N; the cost is the drafts a restri
 token outside the list ends the accepted run there).
 
 The list is a JSON file of token ids, most frequent first (`{"ids": [...]}` or a bare list); `lingls
-draft-vocab` counts them over source files with the model's own tokenizer. At load each rank copies the rows
-of its own vocab shard that the list names (the lm_head is split by vocab across ranks) and pads the ranks to
-one row count with repeats of a row it already has, so every rank's head is one GEMV of the same shape and the
-greedy choice crosses ranks as `sampling.argmax_shards` does, carrying each row's token id.
+draft-vocab` (`lingls.engine.count_vocab`) counts them over source files with the model's own tokenizer. At
+load each rank copies the rows of its own vocab shard that the list names (the lm_head is split by vocab across
+ranks) and pads the ranks to one row count with repeats of a row it already has, so every rank's head is one
+GEMV of the same shape and the greedy choice crosses ranks as `sampling.argmax_shards` does, carrying each
+row's token id.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -71,55 +69,3 @@ class DraftVocab:
         """From a draft-vocabulary file, for `model`'s lm_head shard and tensor-parallel rank."""
         ids = read_ids(path, model.config.vocab_size)
         return cls(ids, model.lm_head.weight, model.par.rank, model.par.size)
-
-
-def count_ids(tokenizer, paths: list[Path], size: int) -> list[int]:
-    """The `size` most frequent token ids over the files (ties: the lower id), the tokenizer's special tokens
-    always in (a drafter should be able to propose the end of a completion)."""
-    counts: Counter[int] = Counter()
-    for path in paths:
-        counts.update(tokenizer.encode(path.read_text(errors="replace")))
-    ranked = sorted(counts, key=lambda i: (-counts[i], i))
-    special = set(tokenizer.special_ids) | set(tokenizer.eos_ids)
-    ids = sorted(special) + [i for i in ranked if i not in special]
-    return ids[:max(size, len(special))]
-
-
-def _is_text(path: Path) -> bool:
-    with path.open("rb") as f:
-        return b"\0" not in f.read(8192)
-
-
-def _source_files(roots: list[str]) -> list[Path]:
-    """The text files under the roots: hidden and cache folders and binary files (a NUL byte early) left out."""
-    files = []
-    for root in map(Path, roots):
-        if root.is_file():
-            found = [root]
-        else:
-            found = sorted(p for p in root.rglob("*") if p.is_file() and not any(
-                part.startswith(".") or part == "__pycache__" for part in p.relative_to(root).parts))
-        files += [p for p in found if _is_text(p)]
-    return files
-
-
-def main(args: argparse.Namespace) -> int:
-    """`lingls draft-vocab SOURCES --out FILE [--size N] [--model DIR]`."""
-    from lingls.runtime.engine import EngineError
-    from lingls.runtime.local import default_model_dir
-    from lingls.runtime.tokenizer import Tokenizer
-
-    try:
-        tokenizer = Tokenizer(args.model or default_model_dir())
-    except EngineError as e:
-        print(f"lingls draft-vocab: {e}", file=sys.stderr)
-        return 2
-    files = _source_files(args.sources)
-    if not files or args.size < 1:
-        print("lingls draft-vocab: no files under the sources given" if not files else "--size must be >= 1",
-              file=sys.stderr)
-        return 2
-    ids = count_ids(tokenizer, files, args.size)
-    Path(args.out).write_text(json.dumps({"ids": ids, "files": len(files), "vocab_size": tokenizer.vocab_size}))
-    print(f"{args.out}: {len(ids)} of {tokenizer.vocab_size} ids from {len(files)} files")
-    return 0
