@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lingls.model import load_model
-from lingls.runtime.cpu_step import CpuStep
 from lingls.engine.healing import strip_tail
 from lingls.engine.local import EMBEDDED
+from lingls.model import load_model
+from lingls.runtime.cpu_step import CpuStep
 from training.baselines import repeat_previous_line
 from training.data import content_key, iter_files, source_roots
 from training.evaluate import (

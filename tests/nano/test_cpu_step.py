@@ -173,8 +173,8 @@ def test_ling_nano_decodes_the_same_lines_with_the_lean_step(assets):
     import os
     from pathlib import Path
 
-    from lingls.model import load_model
     from lingls.engine.tokenizer import Tokenizer
+    from lingls.model import load_model
 
     model = load_model(assets, device="cpu", dtype=torch.float32)
     text = Path(os.__file__).with_name("argparse.py").read_text()
