@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from bench.common import kernel_rows, write_result
-from lingls.bench.step import median_ms
+from lingls.bench.floor import median_ms
 from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
 from lingls.runtime.runner import ModelRunner

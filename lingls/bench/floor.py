@@ -33,7 +33,7 @@ def copy_bandwidth(device="cuda", gib: float = 2.0) -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    ms = _median_event_ms(lambda: y.copy_(x), 20)
+    ms = median_ms(lambda: y.copy_(x), 20, warm=0)
     return 2 * x.numel() * 2 / (ms / 1e3)
 
 
@@ -42,10 +42,14 @@ def matmul_peak_tflops(n: int = 8192, reps: int = 10) -> float:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
-    return 2 * n ** 3 / (_median_event_ms(lambda: a @ b, reps) * 1e-3) / 1e12
+    return 2 * n ** 3 / (median_ms(lambda: a @ b, reps, warm=0) * 1e-3) / 1e12
 
 
-def _median_event_ms(fn: Callable[[], object], reps: int) -> float:
+def median_ms(fn: Callable[[], object], reps: int = 50, warm: int = 5) -> float:
+    """Median of `reps` timed calls of fn (CUDA events around each), after `warm` untimed ones."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

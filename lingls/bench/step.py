@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lingls.bench.floor import copy_bandwidth, routed_experts, step_bytes
+from lingls.bench.floor import copy_bandwidth, median_ms, routed_experts, step_bytes
 from lingls.model.config import flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
 from lingls.model.loader import random_model
@@ -49,21 +49,6 @@ def build_flash(layers: int, tp: int = 1, rank: int = 0, device: str = "cuda", s
     cfg = flash_config(layers)
     cfg.num_nextn_predict_layers = 0
     return random_model(cfg, Parallel(rank, tp), device, torch.bfloat16, seed)
-
-
-def median_ms(fn, reps: int = 50, warm: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def distinct_experts(model: LingForCausalLM, runner: ModelRunner, t: int) -> list[int]:
