@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lingls.bench.floor import median_ms
 from lingls.bench.step import build_flash, fla_version
 from lingls.runtime.runner import ModelRunner, Sampling
 
@@ -339,16 +340,9 @@ def _first_piece_graph_ms(runner: ModelRunner, prompt: list[int], reps: int = 3)
     graph = runner._prefill_graphs.get(bucket)
     if graph is None:
         return None
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+    ms = median_ms(graph.replay, reps, warm=0)
     runner.cache.reset()  # the replays moved the live state
-    return statistics.median(times)
+    return ms
 
 
 def _prefill_result(runner: ModelRunner, prompt: list[int]) -> dict:
