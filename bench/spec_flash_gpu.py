@@ -60,6 +60,7 @@ from bench.common import kernel_rows, write_result
 from lingls.bench.floor import median_ms
 from lingls.model.config import LingConfig, flash_config
 from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.runtime.graphs import capture
 from lingls.runtime.runner import ModelRunner
 from lingls.runtime.spec.draft_vocab import DraftVocab
 from lingls.runtime.spec.round import DSparkRuntime, MTPDrafter, SpecStats, Speculator
@@ -204,8 +205,8 @@ def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: in
     r = spec.runner
     kv = r.bucket(context)
     graphs = {"target_step": lambda: r.run_step(k + 1, kv, True),
-              "draft": spec._graphs[("draft", kv, True)].replay,
-              "verify": spec._graphs[("verify", kv, True, True)].replay}
+              "draft": spec.graphs.graphs[("draft", kv, True)].replay,
+              "verify": spec.graphs.graphs[("verify", kv, True, True)].replay}
     out = {}
     for name, fn in graphs.items():
         r.pos.fill_(context - (reps + 4) * (k + 1))
@@ -247,8 +248,8 @@ def verify_parts(spec: Speculator, k: int, kv: int, context: int, reps: int = 20
     r = spec.runner
     positions = r.pos + spec.arange
     drafter_accept = spec.drafter.accept
-    bodies = {"forward": lambda: spec._target(spec.ids, positions, kv, staged=False),
-              "forward_staged": lambda: spec._target(spec.ids, positions, kv, staged=True),
+    bodies = {"forward": lambda: spec.target(spec.ids, positions, kv, staged=False),
+              "forward_staged": lambda: spec.target(spec.ids, positions, kv, staged=True),
               "verify_without_drafter_accept": lambda: spec._verify(kv, True),
               "verify": lambda: spec._verify(kv, True)}
     parts = {}
@@ -257,7 +258,7 @@ def verify_parts(spec: Speculator, k: int, kv: int, context: int, reps: int = 20
         if name == "verify_without_drafter_accept":
             spec.drafter.accept = lambda *a: None
         try:
-            graph = spec._capture(body)
+            graph, _ = capture(body, spec.live(), spec.graphs.pool)
         finally:
             spec.drafter.accept = drafter_accept
         parts[name] = median_ms(graph.replay, reps=reps, warm=2)
@@ -404,7 +405,8 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                 except Exception as e:  # one drafter's failure leaves the others' rows
                     res["errors"][name] = repr(e)
                     say(f"{name} failed:", traceback.format_exc())
-                    spec = runner.spec = None
+                    spec = None
+                    runner.attach(None)
                     continue
                 for a in range(k + 1):
                     if a and out_of_time():
@@ -424,13 +426,14 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
                             res.setdefault("profile", {})[f"{name} a={a}"] = prof = profile_round(spec, k, args.context)
                         say_profile(say, prof)
                         save()
-                res.setdefault("graph_keys", {})[name] = [repr(key) for key in spec._graphs]
-                spec = runner.spec = None
+                res.setdefault("graph_keys", {})[name] = [repr(key) for key in spec.graphs.graphs]
+                spec = None
+                runner.attach(None)
         except Exception as e:
             res["errors"][f"K={k}"] = repr(e)
             say(f"K={k} failed:", traceback.format_exc())
         spec = None
-        runner.spec = None
+        runner.attach(None)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for d in ("dspark", "dspark-ref"):

@@ -129,8 +129,8 @@ def model_latency(a) -> int:
     tok = Tokenizer(model_dir)
     texts = tok.candidates().texts
     stop = tok.special_ids | tok.eos_ids
-    runner = ModelRunner(model, capacity=a.tokens + 128)
-    lean = not a.model_step and cpu_step.install(runner)  # as LocalEngine runs it
+    runner = ModelRunner(model, capacity=a.tokens + 128, lean_cpu=not a.model_step)  # as LocalEngine runs it
+    lean = isinstance(runner.fused, cpu_step.CpuStep)
     text = Path(a.file).read_text(encoding="utf-8")
     lines = text.split("\n")
     # the cursor's line: the first code line past the middle of the file with at least `keystrokes` characters
@@ -337,7 +337,7 @@ def _first_piece_graph_ms(runner: ModelRunner, prompt: list[int], reps: int = 3)
     """Device time of the graph a cold `prompt`'s first piece replays (its tokens before the tail snapshot at
     end-8), by CUDA events around replays alone; None where that piece has no graph."""
     bucket = runner.prefill_bucket(len(prompt) - 8)
-    graph = runner._prefill_graphs.get(bucket)
+    graph = runner.piece_graphs.graphs.get(bucket)
     if graph is None:
         return None
     ms = median_ms(graph.replay, reps, warm=0)

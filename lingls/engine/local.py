@@ -225,7 +225,6 @@ class LocalEngine:
             import torch
 
             from lingls.model import CheckpointError, ConfigError, load_model
-            from lingls.runtime import cpu_step
             from lingls.runtime.runner import ModelRunner
 
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,10 +247,11 @@ class LocalEngine:
             cfg = model.config
             capacity = self.capacity or min(cfg.max_position_embeddings, 32768 if device.startswith("cuda") else 4096)
             self.load_progress = "capturing decode graphs"
-            runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs)
+            # fp32 on a CPU without a drafter: the lean step for decode and edits
+            runner = ModelRunner(model, capacity=capacity, use_graphs=self.use_graphs,
+                                 lean_cpu=not self.draft or self.draft == "none")
             runner.warmup(greedy_only=True)
             attach_drafter(runner, self.draft, self.draft_k, self.simulate_accept, self.draft_vocab)
-            cpu_step.install(runner)  # fp32 on a CPU without a drafter: the lean step for decode and edits
             self.runner = runner
             self.load_progress = f"ready ({time.perf_counter() - t0:.1f} s)"
 

@@ -530,7 +530,7 @@ class LingForCausalLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
              kv_len: int | None = None, normed: bool = False, prefill: bool = False,
-             valid: torch.Tensor | None = None):
+             valid: torch.Tensor | None = None, keep: tuple[int, ...] | None = None):
         """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm), and
         with `normed` also their final norm, the head's input: (hidden, normed). The fused step makes both in
         one launch; here the pair keeps the two steps' contracts the same.
@@ -541,21 +541,29 @@ class LingForCausalLM(nn.Module):
         MLA attention needs no mask tensor (`GatedMLA.attend_prefill`). `valid` ([T] bool on the device): the
         tokens are padded after the first n (a fixed-shape prefill, `ModelRunner`'s prefill graphs): the
         KDA states end as after the n real tokens, and the padded tokens' MLA rows (positions past them) are
-        written like any row past the sequence, masked until overwritten.
+        written like any row past the sequence, masked until overwritten. `keep` (may be empty) names layers whose
+        outputs (the residual stream after them, a drafter's features) come back after the hidden states, as the
+        fused step returns them: (hidden, {layer: [T, hidden]}[, normed]).
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
+        kept = {} if keep is not None else None
         if prefill:
-            h = self._prefill_layers(h, state, positions, kv_len, valid)
+            h = self._prefill_layers(h, state, positions, kv_len, valid, keep, kept)
         else:
             for i, layer in enumerate(self.decoder_layers):
                 h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
-        return (h, self.model.norm(h)) if normed else h
+                if keep and i in keep:
+                    kept[i] = h
+        out = (h,) + ((kept,) if keep is not None else ()) + ((self.model.norm(h),) if normed else ())
+        return out if len(out) > 1 else h
 
-    def _prefill_layers(self, h, state: InferenceState, positions, kv_len: int, valid=None):
+    def _prefill_layers(self, h, state: InferenceState, positions, kv_len: int, valid=None,
+                        keep: tuple[int, ...] | None = None, kept: dict | None = None):
         """The decoder layers of a prefill step: `_layer_step`'s arithmetic with each residual add and the norm
         after it as one launch on a GPU (`norm.add_rms_norm`: the same bits as `h + a` then the RMSNorm), where
-        torch spends about eight elementwise launches over [T, hidden] per norm. h is updated in place."""
+        torch spends about eight elementwise launches over [T, hidden] per norm. h is updated in place, so the
+        residual streams after the layers `keep` names go into `kept` as copies."""
         layers, eps = self.decoder_layers, self.config.rms_norm_eps
         x, h = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
@@ -566,6 +574,8 @@ class LingForCausalLM(nn.Module):
                 x, h = norm.add_rms_norm(m, h, layers[i + 1].input_layernorm.weight, eps)
             else:
                 h = h + m
+            if keep and i in keep:
+                kept[i] = h.clone()
         return h
 
     def _layer_step(self, i, layer: DecoderLayer, h, state: InferenceState, positions, kv_len, prefill=False,

@@ -106,6 +106,8 @@ def supports(model: LingForCausalLM) -> bool:
 
 
 class CpuStep:
+    max_tokens = MAX_TOKENS  # longer inputs are prefills: the model's own step
+
     def __init__(self, model: LingForCausalLM):
         if not supports(model):
             raise ValueError("CpuStep runs an unsharded fp32 model on a CPU")
@@ -227,12 +229,6 @@ class CpuStep:
             normed = rms_norm(h, self.final_norm, self.eps)
         return normed @ self.head_t
 
-    def prefill_step(self, ids: torch.Tensor, state: InferenceState, positions: torch.Tensor, kv_len: int):
-        """A runner's prefill step: this step for a few tokens (an edit's changed suffix), the model's beyond."""
-        if ids.shape[0] <= MAX_TOKENS:
-            return self.step(ids, state, positions, kv_len)
-        return self.model.step(ids, state, positions, kv_len=kv_len)
-
     # ---- layers: each returns the residual stream h with its output added -----------------------------------
     def _kda(self, e: dict, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,
              s: torch.Tensor) -> torch.Tensor:
@@ -334,13 +330,3 @@ class CpuStep:
         gu = x @ e["gate_up_t"]
         return torch.addmm(h, ref.swiglu(gu[:, : e["inter"]], gu[:, e["inter"]:], e["limit"]), e["down_t"])
 
-
-def install(runner) -> bool:
-    """Run `runner`'s decode steps and short prefill steps through a CpuStep where it serves the model (an
-    fp32 model on a CPU, no tensor parallelism, no speculative decoding attached). Returns whether it did."""
-    if runner.fused is not None or runner.spec is not None or not supports(runner.model):
-        return False
-    step = CpuStep(runner.model)
-    runner.fused = step
-    runner.prefill_step = step.prefill_step
-    return True

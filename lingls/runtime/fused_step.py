@@ -72,6 +72,8 @@ class _Ops:
 
 
 class FusedStep:
+    max_tokens = MAX_TOKENS  # longer inputs are prefills: the model's own step
+
     def __init__(self, model: LingForCausalLM, kernels: bool | None = None, pdl: bool = True):
         """kernels: the Triton kernels (default on CUDA) or their references; pdl: launch each kernel as a
         programmatic dependent launch of the previous one (CUDA; off only to measure what it saves)."""

@@ -25,6 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -33,6 +34,8 @@ from lingls.kernels import accept, kda
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
+from lingls.runtime.fused_step import FusedStep
+from lingls.runtime.graphs import GraphSet
 from lingls.runtime.sampling import argmax_shards, sample
 
 # the padded lengths of a cold prompt's first piece with prefill graphs (a piece runs at the smallest that holds it)
@@ -50,7 +53,7 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-class _Fence:
+class Fence:
     """A pinned host slot + event per in-flight step (CUDA), or a plain buffer (CPU, where copies are synchronous)."""
 
     def __init__(self, device: torch.device, slots: int, width: int):
@@ -75,17 +78,17 @@ class _Fence:
         return self.view[slot * self.width: slot * self.width + n]
 
 
-def fused_step(model: LingForCausalLM):
-    """What runs decode and verify steps: the fused Triton kernels on CUDA (`fused_step.FusedStep`, 5.8x faster
-    than the torch ops on one H200 at Ling-3.0-flash shapes, bench/results/fused_step_shard42.json); None (the
-    model's own torch step) elsewhere, without Triton, or with LINGLS_KERNELS=0."""
-    if model.lm_head.weight.device.type != "cuda" or os.environ.get("LINGLS_KERNELS", "1") == "0":
-        return None
-    try:
-        from lingls.runtime.fused_step import FusedStep
-    except ImportError:
-        return None
-    return FusedStep(model)
+def short_step(model: LingForCausalLM, lean_cpu: bool = False):
+    """What runs decode and verify steps and a prompt's short pieces (up to its `max_tokens`; the model's own torch
+    step runs longer ones): the fused Triton kernels on CUDA (`fused_step.FusedStep`, 5.8x faster than the torch
+    ops on one H200 at Ling-3.0-flash shapes, bench/results/fused_step_shard42.json) unless LINGLS_KERNELS=0; with
+    `lean_cpu`, the CPU step (`cpu_step.CpuStep`) where it serves the model (fp32, unsharded, on a CPU); else
+    None (the model's own torch step)."""
+    if model.lm_head.weight.device.type == "cuda":
+        return FusedStep(model) if os.environ.get("LINGLS_KERNELS", "1") != "0" else None
+    from lingls.runtime import cpu_step
+
+    return cpu_step.CpuStep(model) if lean_cpu and cpu_step.supports(model) else None
 
 
 class ModelRunner:
@@ -93,7 +96,7 @@ class ModelRunner:
 
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
-                 max_snapshots: int = 24, prefill_graphs: bool | None = None):
+                 max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
         8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
         an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
@@ -105,7 +108,10 @@ class ModelRunner:
         (`PREFILL_BUCKETS`), one CUDA graph per bucket, and with CUDA graphs the short pieces (<= 16 tokens)
         replay a graph per (tokens, KV bucket), so the host issues a few replays instead of thousands of
         launches (the eager prefill is bound by those: bench/results/prefix.json). Default: on with CUDA graphs
-        (on a CPU, or without graphs, the padded first piece runs eagerly: tests set it to check that path)."""
+        (on a CPU, or without graphs, the padded first piece runs eagerly: tests set it to check that path).
+
+        lean_cpu: decode steps and short prefill pieces of an fp32 model on a CPU run `cpu_step.CpuStep` (the
+        model's step regrouped into few large ops; speculative decoding needs the model's own step there)."""
         self.model = model
         self.device = model.lm_head.weight.device
         self.capacity = capacity
@@ -125,28 +131,34 @@ class ModelRunner:
         self.temperature = torch.ones(1, device=dev)
         self.top_p = torch.ones(1, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)
-        self.fence = _Fence(dev, 2, self.max_t)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self.fence = Fence(dev, 2, self.max_t)
+        # decode and verify steps by (T, KV bucket, greedy?); a speculative round's phases join them in this set
+        self.graphs = GraphSet()
         self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
-        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # a prompt's pieces, in a pool of their own (their hidden states are read after the replay): a cold first
+        # piece's padded step by its bucket, a short piece's by (tokens, KV bucket, staged?)
+        self.piece_graphs = GraphSet()
         self._prefill_ids_buf: dict[int, torch.Tensor] = {}  # bucket -> its graph's input ids
-        self._prefill_hidden: dict[int, torch.Tensor] = {}  # bucket -> its graph's output hidden states
-        self._prefill_pool = None
-        # (tokens, KV bucket, staged?) -> a short piece's graph, and its output hidden states
-        self._piece_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self._piece_hidden: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._tail_stage_buf: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_tail_stage`
         self.piece_ids = torch.zeros(FUSED_MAX_TOKENS, dtype=torch.long, device=dev)  # a short piece's graph inputs
         self.piece_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.arange_piece = torch.arange(FUSED_MAX_TOKENS, device=dev)
         self.real_tokens = torch.zeros((), dtype=torch.long, device=dev)  # how many of a padded piece are real
         self.arange_prefill = torch.arange(max(PREFILL_BUCKETS), device=dev)
-        # speculative decoding (speculative.Speculator) swaps in a prefill step that also feeds its drafter the
-        # prompt's hidden states, and takes over `decode`
+        # what runs a prompt's pieces: the runner's own step; a benchmark swaps in its baseline here (a step
+        # swapped in sees every piece: the tail then stays two pieces, see `prefill`)
         self.prefill_step = self._prefill_step
-        self.spec = None
-        self.fused = fused_step(model)
+        self.spec = None  # a speculative round (`attach`)
+        self.fused = short_step(model, lean_cpu)
+
+    def attach(self, spec) -> None:
+        """Decode by speculative rounds (`spec.round.Speculator`, or None for plain steps again): `decode` runs
+        its rounds, and every prefill piece also keeps the residual streams after the layers `spec.keep` names
+        and hands them with the piece's hidden states to `spec.prefill`, so its drafter sees the prompt."""
+        if spec is not None and self.fused is not None and not isinstance(self.fused, FusedStep):
+            raise ValueError("speculative decoding runs on the fused step or the model's own step, not on "
+                             f"{type(self.fused).__name__} (build the runner with lean_cpu=False)")
+        self.spec = spec
 
     # ---- one step ----------------------------------------------------------------------------------------
     def prefill_bucket(self, n: int) -> int | None:
@@ -174,10 +186,7 @@ class ModelRunner:
         self.real_tokens.fill_(n)
         if not self.use_graphs:
             return self._padded_body(bucket)[:n]
-        if bucket not in self._prefill_graphs:
-            self._capture_prefill(bucket)
-        self._prefill_graphs[bucket].replay()
-        return self._prefill_hidden[bucket][:n]
+        return self.piece_graphs.run(bucket, partial(self._padded_body, bucket), self._piece_live())[:n]
 
     def _prefill_ids(self, bucket: int) -> torch.Tensor:
         """The bucket's input ids buffer (the padded step's, and its graph's, input)."""
@@ -185,40 +194,36 @@ class ModelRunner:
             self._prefill_ids_buf[bucket] = torch.zeros(bucket, dtype=torch.long, device=self.device)
         return self._prefill_ids_buf[bucket]
 
-    def _capture_prefill(self, bucket: int) -> None:
-        """Capture the bucket's padded step (one eager run first, on a side stream, so every kernel has been
-        compiled and tuned before capture); the states are saved and restored around both runs. The buckets'
-        graphs share one memory pool: a graph's hidden states are read (the piece's snapshot and head) before
-        another prefill graph replays."""
-        saved = [x.clone() for x in (self.state.kda, self.state.conv)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._padded_body(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        for dst, src in zip((self.state.kda, self.state.conv), saved):
-            dst.copy_(src)
-        if self._prefill_pool is None:
-            self._prefill_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._prefill_pool):
-            hidden = self._padded_body(bucket)
-        for dst, src in zip((self.state.kda, self.state.conv), saved):
-            dst.copy_(src)
-        self._prefill_hidden[bucket] = hidden
-        self._prefill_graphs[bucket] = graph
+    def _piece_live(self) -> list[torch.Tensor]:
+        """What a piece's capture changes (`graphs.capture` restores it): the KDA and conv states (the MLA rows
+        its runs write are the ones its replay writes)."""
+        return [self.state.kda, self.state.conv]
+
+    def forward(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int, prefill: bool = False,
+                **options):
+        """The target's step over ids at positions (`LingForCausalLM.step`'s contract and options: `keep`,
+        `normed`, and `stage` for a speculative verify or a staged tail): through `fused` (the fused kernels, the
+        lean CPU step, or the fused step's torch references) up to its `max_tokens`, through the model's torch
+        step (large GEMMs, chunked KDA, flash MLA) beyond, told with `prefill` that the positions end at kv_len."""
+        if self.fused is not None and ids.shape[0] <= self.fused.max_tokens:
+            return self.fused.step(ids, state, positions, kv_len, **options)
+        return self.model.step(ids, state, positions, kv_len=kv_len, prefill=prefill, **options)
 
     def _prefill_step(self, ids: torch.Tensor, state, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One piece of a prompt: a short one (a warm prompt's few new tokens; with a swapped-in prefill step,
         the tail's pieces around the end-1 snapshot) through the fused decode kernels, as a verify step runs (a
         graph replay on CUDA with graphs: eagerly its ~400 launches cost the host more than a cold prompt's
         whole first piece takes the GPU), a long one through the model's prefill step (large GEMMs, chunked
-        KDA, flash MLA), told that its positions end at kv_len."""
-        if self.fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:
-            if self.use_graphs and self.prefill_graphs and state is self.state:
-                return self._short_piece(ids, positions, kv_len)
-            return self.fused.step(ids, state, positions, kv_len)
-        return self.model.step(ids, state, positions, kv_len=kv_len, prefill=True)
+        KDA, flash MLA), told that its positions end at kv_len. With a speculative round attached (`attach`),
+        the piece runs eagerly and keeps the layers `spec.keep` names, and its drafter absorbs it."""
+        if self.spec is not None:
+            h, kept = self.forward(ids, state, positions, kv_len, prefill=True, keep=self.spec.keep)
+            self.spec.prefill(h, kept, ids, positions, kv_len - ids.shape[0])
+            return h
+        if (isinstance(self.fused, FusedStep) and ids.shape[0] <= FUSED_MAX_TOKENS and self.use_graphs
+                and self.prefill_graphs and state is self.state):
+            return self._short_piece(ids, positions, kv_len)
+        return self.forward(ids, state, positions, kv_len, prefill=True)
 
     def _short_piece(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int,
                      staged: bool = False) -> torch.Tensor:
@@ -230,35 +235,11 @@ class ModelRunner:
         key = (t, self.bucket(kv_len), staged)
         self.piece_ids[:t].copy_(ids)
         self.piece_pos.copy_(positions[:1])
-        if key not in self._piece_graphs:
-            self._capture_piece(*key)
-        self._piece_graphs[key].replay()
-        return self._piece_hidden[key]
+        return self.piece_graphs.run(key, partial(self._piece_body, *key), self._piece_live())
 
     def _piece_body(self, t: int, kv_bucket: int, staged: bool) -> torch.Tensor:
         return self.fused.step(self.piece_ids[:t], self.state, self.piece_pos + self.arange_piece[:t], kv_bucket,
                                stage=self._tail_stage(t) if staged else None)
-
-    def _capture_piece(self, t: int, kv_bucket: int, staged: bool) -> None:
-        """Capture a short piece's graph (after one eager run on a side stream; the KDA and conv states are
-        saved and restored around both; the MLA rows the eager run writes are the ones the replay writes)."""
-        saved = [x.clone() for x in (self.state.kda, self.state.conv)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._piece_body(t, kv_bucket, staged)
-        torch.cuda.current_stream().wait_stream(side)
-        for dst, src in zip((self.state.kda, self.state.conv), saved):
-            dst.copy_(src)
-        if self._prefill_pool is None:
-            self._prefill_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._prefill_pool):
-            hidden = self._piece_body(t, kv_bucket, staged)
-        for dst, src in zip((self.state.kda, self.state.conv), saved):
-            dst.copy_(src)
-        self._piece_hidden[(t, kv_bucket, staged)] = hidden
-        self._piece_graphs[(t, kv_bucket, staged)] = graph
 
     def _tail_stage(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage buffers for a staged piece of t tokens: ([n_kda, t, H, STAGE_ROWS, D] fp32, [n_kda, t, 3, C]), as
@@ -315,9 +296,8 @@ class ModelRunner:
         A decode step (t == 1) also chains: its token becomes the next input and the position advances, in one
         launch with the output's (`kernels.accept.settle_round`, a round without drafts)."""
         positions = self.pos if t == 1 else self.pos + self.arange[:t]  # pos advances only at the step's end
-        step = self.fused or self.model
-        h, normed = step.step(self.ids[:t], self.state, positions, kv_len=kv_len, normed=True)
-        local = step.head(h, normed)  # this rank's vocab shard
+        h, normed = self.forward(self.ids[:t], self.state, positions, kv_len, normed=True)
+        local = (self.fused or self.model).head(h, normed)  # this rank's vocab shard
         if greedy:
             tok = argmax_shards(local, self.model.par)
         else:
@@ -333,28 +313,11 @@ class ModelRunner:
         if not self.use_graphs:
             self._body(t, kv_len, greedy)
             return
-        graph = self._graphs.get((t, kv_len, greedy))
-        if graph is None:
-            graph = self._capture(t, kv_len, greedy)
-        graph.replay()
+        self.graphs.run((t, kv_len, greedy), partial(self._body, t, kv_len, greedy), self.live())
 
-    def _capture(self, t: int, kv_len: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        """Capture a step graph. Warm-up runs change the state and buffers, so they are saved and restored."""
-        saved = [x.clone() for x in (self.state.kda, self.state.conv, self.ids, self.pos, self.out)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body(t, kv_len, greedy)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._body(t, kv_len, greedy)
-        for dst, src in zip((self.state.kda, self.state.conv, self.ids, self.pos, self.out), saved):
-            dst.copy_(src)
-        self._graphs[(t, kv_len, greedy)] = graph
-        return graph
+    def live(self) -> list[torch.Tensor]:
+        """The tensors a step changes, which a graph capture's runs must leave as they were (`graphs.capture`)."""
+        return [self.state.kda, self.state.conv, self.ids, self.pos, self.out]
 
     @torch.inference_mode()
     def warmup(self, greedy_only: bool = False) -> None:
@@ -367,17 +330,15 @@ class ModelRunner:
         self.cache.reset()
         if self.prefill_graphs:
             for bucket in PREFILL_BUCKETS:
-                if bucket <= min(self.prefill_chunk, self.capacity) and bucket not in self._prefill_graphs:
-                    self._capture_prefill(bucket)
+                if bucket <= min(self.prefill_chunk, self.capacity):
+                    self.piece_graphs.capture(bucket, partial(self._padded_body, bucket), self._piece_live())
             self.cache.reset()
         b = self.bucket(1)
         while True:
             for greedy in (True,) if greedy_only else (True, False):
-                if (1, b, greedy) not in self._graphs:
-                    self._capture(1, b, greedy)
-            if self.fused is not None:  # the staged tail every cold prompt ends with (`_staged_tail`)
-                if (8, b, True) not in self._piece_graphs:
-                    self._capture_piece(8, b, True)
+                self.graphs.capture((1, b, greedy), partial(self._body, 1, b, greedy), self.live())
+            if isinstance(self.fused, FusedStep):  # the staged tail every cold prompt ends with (`_staged_tail`)
+                self.piece_graphs.capture((8, b, True), partial(self._piece_body, 8, b, True), self._piece_live())
             if b >= self.capacity:
                 break
             b = self.bucket(b + 1)
@@ -420,10 +381,11 @@ class ModelRunner:
             positions = torch.arange(start, len(prompt), device=self.device)
             end = len(prompt)
             # the last piece before the end-1 snapshot and the one token after it as one staged step of the
-            # fused kernels; a prefill step swapped in (speculation's feeds its drafter; a benchmark's) sees
-            # every piece, so there the tail stays two pieces
+            # fused kernels; where every piece must be seen (an attached speculative round's drafter absorbs
+            # each piece's kept layers; a benchmark's swapped-in step), the tail stays two pieces
             tail = bounds[-3] if len(bounds) >= 3 else start
-            staged_tail = (self.fused is not None and self.prefill_step == self._prefill_step
+            staged_tail = (isinstance(self.fused, FusedStep) and self.spec is None
+                           and self.prefill_step == self._prefill_step
                            and bounds[-2:] == [end - 1, end] and end - tail <= FUSED_MAX_TOKENS)
             a = start
             for b in bounds[:-2] if staged_tail else bounds:

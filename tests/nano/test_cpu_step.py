@@ -107,9 +107,10 @@ def test_runner_decodes_the_same_tokens():
     model = build(seed=3)
     with torch.no_grad():  # peaked logits: greedy choices far from ties
         model.lm_head.weight.mul_(8)
-    plain, lean = ModelRunner(model, capacity=256), ModelRunner(model, capacity=256)
-    assert cpu_step.install(lean) and isinstance(lean.fused, CpuStep)
-    assert not cpu_step.install(lean)  # once
+    plain, lean = ModelRunner(model, capacity=256), ModelRunner(model, capacity=256, lean_cpu=True)
+    assert plain.fused is None and isinstance(lean.fused, CpuStep)
+    with pytest.raises(ValueError, match="lean_cpu=False"):  # speculative rounds stage KDA: not the lean step's
+        lean.attach(object())
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(5, 96, (60,), generator=g).tolist()
     for p in (prompt, prompt + [7], prompt + [7, 9], prompt[:-1] + [11], prompt[:30]):
@@ -179,8 +180,8 @@ def test_ling_nano_decodes_the_same_lines_with_the_lean_step(assets):
     model = load_model(assets, device="cpu", dtype=torch.float32)
     text = Path(os.__file__).with_name("argparse.py").read_text()
     ids = Tokenizer(assets).encode(text)
-    plain, lean = ModelRunner(model, capacity=512), ModelRunner(model, capacity=512)
-    cpu_step.install(lean)  # re-points the model's weights at its layouts: the plain runner reads the same numbers
+    # the lean step re-points the model's weights at its layouts: the plain runner reads the same numbers
+    plain, lean = ModelRunner(model, capacity=512), ModelRunner(model, capacity=512, lean_cpu=True)
     for start in (3000, 9000):
         prompt = ids[start:start + 300]
         for p in (prompt, prompt + ids[start + 300:start + 302]):

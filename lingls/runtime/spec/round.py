@@ -38,10 +38,10 @@ from typing import Iterator
 import torch
 
 from lingls.kernels import accept, kda
-from lingls.model.config import KDA
 from lingls.model.ling import LingForCausalLM
-from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
-from lingls.runtime.runner import ModelRunner, _Fence
+from lingls.runtime.fused_step import FusedStep
+from lingls.runtime.graphs import GraphSet
+from lingls.runtime.runner import Fence, ModelRunner
 from lingls.runtime.sampling import argmax_shards, uniform_hash
 from lingls.runtime.spec.draft_vocab import DraftVocab
 
@@ -495,7 +495,8 @@ def make_drafter(spec: str, runner: ModelRunner, k: int | None = None, vocab: st
 def _one_drafter(name: str, runner: ModelRunner, k: int, vocab: str | None = None) -> Drafter:
     if name == "lookup":
         return LookupDrafter(k, runner.capacity, runner.device)
-    return MTPDrafter(runner.model, runner.state, k, runner.fused,
+    fused = runner.fused if isinstance(runner.fused, FusedStep) else None  # else the model's own MTP step
+    return MTPDrafter(runner.model, runner.state, k, fused,
                       DraftVocab.load(vocab, runner.model) if vocab is not None else None)
 
 
@@ -555,8 +556,11 @@ class _Clock:
 
 
 class Speculator:
-    """Speculative decoding for one ModelRunner: installs itself as the runner's prefill step (so the drafter
-    sees the prompt's hidden states) and decode loop."""
+    """Speculative decoding for one ModelRunner, attached to it (`ModelRunner.attach`): the runner hands it every
+    prefill piece's hidden states (so the drafter sees the prompt) and its decode loop.
+
+    The verify step is the fused step's (`FusedStep.step` with `stage`): its kernels where the runner runs them,
+    else their torch references (a CPU, or LINGLS_KERNELS=0), whose wiring is the same."""
 
     def __init__(self, runner: ModelRunner, drafter: Drafter):
         model = runner.model
@@ -564,70 +568,47 @@ class Speculator:
             raise ValueError("speculative verification stages KDA through kernels.kda.kda_step, which implements "
                              "the safe gate only (kda_safe_gate: true)")
         k = drafter.k
-        if runner.use_graphs and k + 1 > 16:
-            raise ValueError(f"K={k}: verify steps of more than 16 tokens cannot be captured (expert gather limit)")
+        if k + 1 > FusedStep.max_tokens:
+            raise ValueError(f"K={k}: a verify step runs at most {FusedStep.max_tokens} tokens (K <= "
+                             f"{FusedStep.max_tokens - 1})")
         self.runner, self.model, self.drafter, self.k = runner, model, drafter, k
+        self.keep = tuple(drafter.target_layers)  # the layers whose outputs are the drafter's features
+        self.verify_step = runner.fused if isinstance(runner.fused, FusedStep) else FusedStep(model, kernels=False)
         state, dev = runner.state, runner.device
         n_kda, heads, d = state.kda.shape[0], state.kda.shape[1], state.kda.shape[-1]
         self.stage_kda = torch.zeros(n_kda, k + 1, heads, kda.STAGE_ROWS, d, device=dev, dtype=state.kda.dtype)
         self.stage_conv = torch.zeros(state.conv.shape[0], k + 1, *state.conv.shape[1:3], device=dev,
                                       dtype=state.conv.dtype)  # [n_kda, K+1, 3, C]: the conv's inputs
-        self.conv_w = {i: torch.stack([c.weight.detach().squeeze(1) for c in (layer.attention.q_conv1d,
-                                       layer.attention.k_conv1d, layer.attention.v_conv1d)]).contiguous()
-                       for i, layer in enumerate(model.decoder_layers) if layer.kind == KDA}
         self.ids = torch.zeros(k + 1, dtype=torch.long, device=dev)  # [cur, drafts]
         self.q = None  # drafter distributions of the pending round (None: deterministic drafts)
         self.arange = torch.arange(k + 1, device=dev)
         self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)  # [n, tokens...]
-        self.fence = _Fence(dev, 2, k + 2)
+        self.fence = Fence(dev, 2, k + 2)
         self.clock = _Clock(dev, 2)
         self.stats = SpecStats()
         # simulated acceptance (benchmarks at random weights, where real drafts are never accepted): a long
         # device tensor [1] whose value, clamped to 0..K, replaces every round's accepted count (set it before
         # the first round; graphs read its current value at each replay)
         self.force_accept: torch.Tensor | None = None
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        runner.prefill_step = self._prefill_step
-        runner.spec = self
+        self.graphs = GraphSet(shares=runner.graphs)  # the round's phases, in the pool of the runner's steps
+        runner.attach(self)
 
     # ---- target forwards ---------------------------------------------------------------------------------------
-    def _target(self, ids, positions, kv_len: int, staged: bool):
-        """The target's step over ids (as `LingForCausalLM.step`), with KDA staged per position when `staged`:
-        (hidden, the residual stream after the drafter's target layers as features, the hidden's final norm where
-        the fused step made it, else None)."""
-        m, state = self.model, self.runner.state
-        fused = self.runner.fused
-        if fused is not None and ids.shape[0] <= FUSED_MAX_TOKENS:  # the fused kernels (CUDA)
-            h, kept, normed = fused.step(ids, state, positions, kv_len, keep=tuple(self.drafter.target_layers),
-                                         stage=(self.stage_kda, self.stage_conv) if staged else None, normed=True)
-            feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if self.drafter.target_layers else None
-            return h, feats, normed
-        h = m.model.word_embeddings(ids)
-        kept = {}
-        for i, layer in enumerate(m.decoder_layers):
-            if staged and layer.kind == KDA:
-                h = self._kda_staged(i, layer, h)
-            else:
-                h = m._layer_step(i, layer, h, state, positions, kv_len)
-            if i in self.drafter.target_layers:
-                kept[i] = h
-        feats = torch.cat([kept[i] for i in self.drafter.target_layers], -1) if kept else None
-        return h, feats, None
+    def _features(self, kept: dict) -> torch.Tensor | None:
+        """The drafter's features: the residual streams after its target layers, concatenated."""
+        return torch.cat([kept[i] for i in self.keep], -1) if self.keep else None
 
-    def _kda_staged(self, i, layer, h):
-        m, state = self.model, self.runner.state
-        attn, s = layer.attention, m.kda_slot[i]
-        x = layer.input_layernorm(h)
-        o = kda.kda_step(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.f_proj(x), attn.b_proj(x),
-                         attn.g_proj(x), state.conv[s], self.conv_w[i], attn.A_log, attn.dt_bias, attn.o_norm.weight,
-                         state.kda[s], lower_bound=attn.lower_bound, eps=attn.eps,
-                         stage=(self.stage_kda[s], self.stage_conv[s]))
-        return layer._mlp(h + m.par.all_reduce(attn.dense(o)))
+    def prefill(self, h, kept: dict, ids, positions, start: int) -> None:
+        """After each prefill piece of the runner (`ModelRunner.prefill_step`): the drafter absorbs it."""
+        self.drafter.prefill(h, self._features(kept), ids, positions, start)
 
-    def _prefill_step(self, ids, state, positions, kv_len):
-        h, feats, _ = self._target(ids, positions, kv_len, staged=False)
-        self.drafter.prefill(h, feats, ids, positions, kv_len - ids.shape[0])
-        return h
+    def target(self, ids, positions, kv_len: int, staged: bool):
+        """The target's step over the K+1 tokens of a round, with KDA staged per position when `staged` (see the
+        module note): (hidden, the drafter's features, the hidden's final norm)."""
+        h, kept, normed = self.verify_step.step(ids, self.runner.state, positions, kv_len, keep=self.keep,
+                                                stage=(self.stage_kda, self.stage_conv) if staged else None,
+                                                normed=True)
+        return h, self._features(kept), normed
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def _draft(self, kv_len: int, greedy: bool) -> None:
@@ -639,8 +620,8 @@ class Speculator:
     def _verify(self, kv_len: int, greedy: bool) -> None:
         r, m, state = self.runner, self.model, self.runner.state
         positions = r.pos + self.arange
-        h, feats, normed = self._target(self.ids, positions, kv_len, staged=True)
-        local = (self.runner.fused or m).head(h, normed)  # this rank's vocab shard
+        h, feats, normed = self.target(self.ids, positions, kv_len, staged=True)
+        local = self.verify_step.head(h, normed)  # this rank's vocab shard
         if greedy:  # n: the leading drafts equal to the target's argmax, decided in `settle`
             n, choice = None, argmax_shards(local, m.par)
         else:
@@ -662,33 +643,17 @@ class Speculator:
         self.fence.post(slot, self.result)
 
     def _run(self, key: tuple, body) -> None:
+        """Launch one phase: a graph replay on CUDA (captured on first use)."""
         if not self.runner.use_graphs:
             body()
             return
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(body)
-        graph.replay()
+        self.graphs.run(key, body, self.live())
 
-    def _capture(self, body) -> torch.cuda.CUDAGraph:
-        """Capture one phase. Its warm-up and capture runs advance the round state, so that is saved and
-        restored (rows they wrote past the current position are masked and rewritten, as in any round)."""
+    def live(self) -> list[torch.Tensor]:
+        """What a round changes, which a capture's runs must leave as they were (rows written past the current
+        position are masked and rewritten, as in any round)."""
         r = self.runner
-        live = [r.state.kda, r.state.conv, r.ids, r.pos, self.ids, self.result, *self.drafter.live()]
-        saved = [x.clone() for x in live]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        if r._pool is None:
-            r._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=r._pool):
-            body()
-        for dst, src in zip(live, saved):
-            dst.copy_(src)
-        return graph
+        return [r.state.kda, r.state.conv, r.ids, r.pos, self.ids, self.result, *self.drafter.live()]
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
