@@ -13,7 +13,7 @@ import itertools
 import time
 
 from lingls.engine.protocol import Engine, GenerateRequest
-from lingls.lsp.postprocess import Site, clean
+from lingls.lsp.postprocess import Cleaned, Site, clean
 
 WINDOW = 256  # characters each side of the anchor that must be unchanged for a generation to still apply
 _ids = itertools.count(1)
@@ -40,6 +40,17 @@ class Generation:
         self.first_chunk_at: float | None = None
         self._progress = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task | None = None
+        self._cleaned: tuple[tuple, Site, Cleaned] | None = None  # the last `cleaned` question and its answer
+
+    def cleaned(self, typed: str, site: Site, final: bool = False, block: bool | None = None) -> Cleaned:
+        """`postprocess.clean` of the text past the `typed` characters, at `site`. The stream's own stop rule and
+        the request that started it ask the same question after each chunk (mid-line, or where a block may
+        start): it is answered once per chunk."""
+        block = site.multiline if block is None else block
+        key = (len(self.text), typed, final, block)
+        if self._cleaned is None or self._cleaned[0] != key or self._cleaned[1] is not site:
+            self._cleaned = key, site, clean(self.text[len(typed):], site, self.specials, final=final, block=block)
+        return self._cleaned[2]
 
     def start(self, engine: Engine, request: GenerateRequest) -> None:
         self._task = asyncio.ensure_future(self._run(engine, request))
@@ -98,7 +109,7 @@ class Generation:
                 self.text += chunk
                 self._wake()
                 # Enough: the block (or, mid-line, the line) is over.
-                if clean(self.text, self.site, self.specials, block=not self.site.mid_line).complete:
+                if self.cleaned("", self.site, block=not self.site.mid_line).complete:
                     break
         except asyncio.CancelledError:
             self.stopped = True  # on purpose; the readers see `done` and `stopped`

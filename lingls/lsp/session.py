@@ -341,7 +341,7 @@ class Core:
                 if gen.text.startswith(typed):
                     # A stopped or failed stream's end is not the model's end.
                     final = gen.done and not gen.stopped and gen.error is None
-                    cleaned = clean(gen.text[len(typed) :], site, gen.specials, final=final)
+                    cleaned = gen.cleaned(typed, site, final=final)
                     if cleaned.complete:
                         self._told.discard("engine-generate")
                         return ("ok" if cleaned.text else "empty"), cleaned.text
