@@ -268,3 +268,53 @@ def test_staged_tail_leaves_what_the_two_tail_pieces_left(prompt):
     fresh = runner()
     fresh.prefill(appended, Sampling())
     assert new.chosen() == fresh.chosen() and _close(new.state.kda, fresh.state.kda)
+
+
+class _Absorbed:
+    """A speculative round as `ModelRunner.attach` sees it: the layers it keeps, and every piece it absorbs."""
+
+    keep = (1, 3)
+
+    def __init__(self):
+        self.pieces = []
+
+    def prefill(self, h, kept, ids, positions, start):
+        self.pieces.append((positions.clone(), {i: x.clone() for i, x in kept.items()}, start))
+
+
+def test_an_attached_round_absorbs_every_piece_and_the_tail_stays_two_pieces():
+    """With a speculative round attached, its drafter absorbs every prefill piece with the residual streams after
+    the layers it keeps: the long first piece (the model's prefill step, whose residual stream is updated in place:
+    the kept ones are copies), the piece up to the end-1 snapshot and the last token (the tail stays two pieces:
+    the staged tail's single step would hand the drafter no end-1 piece). The states and first token are those of
+    the two-piece path without a round (keeping layers changes no arithmetic); the kept streams are those of one
+    plain step over the whole prompt (to rounding)."""
+    from lingls.runtime.fused_step import FusedStep
+
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    fused = FusedStep(model, kernels=False)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    n = len(ids)
+    spec, plain = ModelRunner(model, capacity=128, prefill_chunk=512), ModelRunner(model, capacity=128,
+                                                                                   prefill_chunk=512)
+    spec.fused = plain.fused = fused
+    plain.prefill_step = lambda *args, **kw: plain._prefill_step(*args, **kw)  # the two tail pieces, no round
+    absorbed = _Absorbed()
+    spec.attach(absorbed)
+    for r in (spec, plain):
+        assert r.prefill(ids, Sampling()) == 0 and r.cache.snapshots == [n - 8, n - 1, n]
+    assert torch.equal(spec.state.kda, plain.state.kda) and torch.equal(spec.state.conv, plain.state.conv)
+    assert spec.chosen() == plain.chosen()
+
+    assert [(int(p[0]), len(p), start) for p, _, start in absorbed.pieces] == [(0, n - 8, 0), (n - 8, 7, n - 8),
+                                                                                (n - 1, 1, n - 1)]
+    with torch.no_grad():
+        _, whole = model.step(torch.tensor(ids), model.new_state(128), torch.arange(n), n, keep=spec.spec.keep)
+    for positions, kept, _ in absorbed.pieces:
+        assert sorted(kept) == [1, 3]
+        for i in kept:
+            assert (kept[i] - whole[i][positions]).abs().max().item() < 1e-4, (int(positions[0]), i)
+    spec.attach(None)
+    spec.cache.reset()
+    spec.prefill(ids, Sampling())  # detached: the staged tail again, and nothing absorbed
+    assert len(absorbed.pieces) == 3 and spec.chosen() == plain.chosen()
