@@ -1,5 +1,6 @@
 """CUDA graphs of fixed-shape bodies: each captured once per key, then replayed (the runner's decode and verify
-steps, its padded prefill pieces, a speculative round's draft and verify phases).
+steps, a prompt's padded first piece, its short pieces and staged tail, a speculative round's draft and verify
+phases).
 
 Capturing a body runs it twice: once eagerly on a side stream (so every kernel is compiled and autotuned before
 the capture, which must not allocate or synchronise), then under capture. Both runs change what the body writes

@@ -132,7 +132,7 @@ class ModelRunner:
         self.top_p = torch.ones(1, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)
         self.fence = Fence(dev, 2, self.max_t)
-        # decode and verify steps by (T, KV bucket, greedy?); a speculative round's phases join them in this set
+        # decode and verify steps by (T, KV bucket, greedy?); an attached round's phases share their memory pool
         self.graphs = GraphSet()
         self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
         # a prompt's pieces, in a pool of their own (their hidden states are read after the replay): a cold first
