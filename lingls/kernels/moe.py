@@ -418,20 +418,21 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
         wait_previous(USE_PDL)
         rs = tl.arange(0, D_PER_PAD)
         if BALANCE:
-            slots, owned = _dealt_slots(owned_ptr, sd, rs, D_MAX, SPLIT_D, D_PAD)
+            dealt = _dealt_slots(owned_ptr, sd, rs, D_MAX, SPLIT_D, D_PAD)
+            _, e = _unpack_slot(dealt, rs, 0)  # slot sd (see above)
         else:
             slots = sd + rs * SPLIT_D
             owned = tl.load(owned_ptr + slots, mask=(rs < D_PER) & (slots < D_MAX), other=-1)
-        if DEDUP:
-            e = tl.sum(tl.where(rs == 0, owned, 0))
+            if DEDUP:
+                e = tl.sum(tl.where(rs == 0, owned, 0))
         acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
         for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
             if BALANCE:
-                d = tl.sum(tl.where(rs == it // I_CHUNKS, slots, 0))
+                d, e = _unpack_slot(dealt, rs, it // I_CHUNKS)
             else:
                 d = sd + (it // I_CHUNKS) * SPLIT_D
+                e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
             rc = (it % I_CHUNKS) * BLOCK_I + ri
-            e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
             wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, hm, rc, rt, T, H, E, INTER, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
@@ -454,16 +455,23 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
 
 @jit
 def _dealt_slots(owned_ptr, sd, rs, D_MAX, SPLIT_D: tl.constexpr, D_PAD: tl.constexpr):
-    """Share sd's slots under BALANCE: the live slots of ranks sd + j * SPLIT_D (j = rs) and their experts, -1
-    where no live slot has that rank. Every slot id is read at once, so the loop's loads hang on registers only."""
+    """Share sd's slots under BALANCE, packed: (slot << 16) + expert + 1 of the live slot of rank sd + j * SPLIT_D
+    (j = rs), 0 where no live slot has that rank (`_unpack_slot`). Every slot id is read at once, so the loop's
+    loads hang on registers only, and one pick per slot gives both its slot and its expert."""
     rd = tl.arange(0, D_PAD)
     every = tl.load(owned_ptr + rd, mask=rd < D_MAX, other=-1)
     live = (every >= 0).to(tl.int32)
     rank = tl.cumsum(live, axis=0) - live
-    hit = (live[None, :] > 0) & (rank[None, :] == (sd + rs * SPLIT_D)[:, None])  # [D_PER_PAD, D_PAD]
-    slots = tl.sum(tl.where(hit, rd[None, :], 0), axis=1)
-    owned = tl.sum(tl.where(hit, every[None, :], 0), axis=1)
-    return slots, tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, owned, -1)
+    hit = (live[:, None] > 0) & (rank[:, None] == (sd + rs * SPLIT_D)[None, :])  # [D_PAD, D_PER_PAD]
+    packed = tl.sum(tl.where(hit, rd[:, None] * 65536 + every[:, None] + 1, 0), axis=0)  # slot, expert + 1; 0: none
+    return packed
+
+
+@jit
+def _unpack_slot(packed, rs, j):
+    """Slot j of `_dealt_slots`' picks: (slot, expert), expert -1 where none."""
+    p = tl.sum(tl.where(rs == j, packed, 0))
+    return p >> 16, (p & 65535) - 1
 
 
 @jit
