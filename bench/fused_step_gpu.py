@@ -120,8 +120,11 @@ def measure(model, out: str, bw: float, extra: dict | None = None, ts: tuple[int
             no_pdl = graphed(lambda: fused_no_pdl.step(ids, work, pos))
             no_pdl_ms = median_ms(no_pdl, reps=30)
         profiled.append((t, ids, pos, work))
-        if variants:
+        if variants:  # printed as measured, so a run stopped at its time limit still shows them
             side = time_variants(fused, variants, t, ids, pos, state, got)
+            print(f"T={t} shipped step {fused_ms:.3f} ms; side by side, alternated (best / median ms, rel to shipped):")
+            for v in side:
+                print(f"  {v['name']:>16} {v['ms_best']:.3f} / {v['ms_median']:.3f}  {v['rel_to_shipped']:.1e}")
         floor_ms = step_floor_ms(model, t, CONTEXT - t, distinct, bw, head=False)
         # a deep random-weight stack amplifies bf16 rounding (42 layers: the bf16 torch step itself is ~0.3-0.6 off
         # the fp32 references), so the kernels pass when they are as close to the references as that step is

@@ -621,7 +621,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     gu_cnt = counters(dev, h_blocks + d_max * i_blocks)[h_blocks:]  # past the down kernel's, which may overlap
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), BLOCK_I=k["block_i"], ROWS=gu_rows, BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
+        float(limit), float(shared_limit), BLOCK_I=k["block_i"], ROWS=gu_rows, BLOCK_K=gu_block_k,
+        K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, DEDUP=dedup, TOP_K=top_k, D_PAD=triton.next_power_of_2(d_max),
         num_warps=k["gu_warps"], num_stages=3, **launch)
