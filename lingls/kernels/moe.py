@@ -248,10 +248,9 @@ def _lowest_holder(experts_ptr, d, e, SLOT0: tl.constexpr, TOP_K: tl.constexpr, 
 @jit
 def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_ptr, part_ptr, cnt_ptr,
                     T, H, E, INTER, I_S, K_PER, limit, shared_limit,
-                    BLOCK_I: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                    I_PAD: tl.constexpr, SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
-                    F32_DOT: tl.constexpr, EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr,
-                    D_PAD: tl.constexpr):
+                    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, I_PAD: tl.constexpr,
+                    SPLIT_K: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr,
+                    EARLY_SHARED: tl.constexpr, DEDUP: tl.constexpr, TOP_K: tl.constexpr, D_PAD: tl.constexpr):
     """Program (slot, block of I, range of H), gemv's loop over [gate; up] rows (FMA path at one token). With
     SPLIT_K > 1 the H ranges of a (slot, block) publish fp32 partials of gate and up and the last to arrive sums
     them in a fixed order before the SwiGLU: a decode step's 9 experts x (I / BLOCK_I) blocks are too few
@@ -264,10 +263,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
     the routing's slots before its own wait.
 
     DEDUP (several tokens): a slot whose expert a lower token's row holds exits (`_lowest_holder`), and the
-    slot's first program writes what the slot became (its expert or -1) to owned_ptr, for the down kernel.
-
-    ROWS (<= BLOCK_I): rows of I per program; the tile's rows past it repeat the last one (same addresses, no
-    extra bytes from memory) and are not stored, so the grid can be sized to the SMs."""
+    slot's first program writes what the slot became (its expert or -1) to owned_ptr, for the down kernel."""
     d = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
@@ -286,13 +282,10 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
     if e >= 0:
         shared = e == E
         inter = tl.where(shared, I_S, INTER)
-        if ib * ROWS < inter:
+        if ib * BLOCK_I < inter:
             base = tl.where(shared, sgu_ptr, gu_ptr + e.to(tl.int64) * (2 * INTER * H))
             rt = tl.arange(0, 16)
-            if ROWS < BLOCK_I:
-                ri = ib * ROWS + tl.minimum(tl.arange(0, BLOCK_I), ROWS - 1)
-            else:
-                ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+            ri = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
             if FMA:  # one token: the program's rows over its whole H range requested at once
@@ -310,7 +303,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
-                pmask = (rt[:, None] < T) & _rows_kept(ri, inter, BLOCK_I, ROWS)[None, :]
+                pmask = (rt[:, None] < T) & (ri[None, :] < inter)
                 part = part_ptr + (ks * tl.num_programs(0) + d) * (2 * 16 * I_PAD)
                 tl.store(part + pofs, acc_g, mask=pmask)
                 tl.store(part + 16 * I_PAD + pofs, acc_u, mask=pmask)
@@ -325,11 +318,9 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
                         acc_g += tl.load(part + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
                         acc_u += tl.load(part + 16 * I_PAD + pofs, mask=pmask, other=0.0, cache_modifier=".cg")
                     tl.atomic_xchg(cnt_ptr + block, 0)
-                    _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD,
-                                      BLOCK_I, ROWS)
+                    _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
             else:
-                _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD,
-                                  BLOCK_I, ROWS)
+                _gate_up_epilogue(acc_g, acc_u, lim, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD)
     if USE_PDL and EARLY_SHARED:
         if d == 0:
             tl.extra.cuda.gdc_wait()
@@ -337,32 +328,22 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
 
 
 @jit
-def _rows_kept(ri, inter, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
-    """The gate-up program's rows to store: inside the expert, and not a repeat of its last row (ROWS < BLOCK_I)."""
-    kept = ri < inter
-    if ROWS < BLOCK_I:
-        kept = kept & (tl.arange(0, BLOCK_I) < ROWS)
-    return kept
-
-
-@jit
-def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr,
-                      BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
+def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr):
     act = _swiglu(acc_g, acc_u, limit)
     w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
     w = tl.where(shared & (rt < T), 1.0, w)
     act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
     tl.store(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=(rt[:, None] < T) & _rows_kept(ri, inter, BLOCK_I, ROWS)[None, :])
+             mask=(rt[:, None] < T) & (ri[None, :] < inter))
 
 
 @jit
 def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                  T, H, E, INTER, I_S, D_MAX,
                  D_PER: tl.constexpr, D_PER_PAD: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr,
-                 BALANCE: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr, F32_DOT: tl.constexpr):
+                 BLOCK_I: tl.constexpr, I_CHUNKS: tl.constexpr, I_PAD: tl.constexpr, HAS_RES: tl.constexpr,
+                 FMA: tl.constexpr, AHEAD: tl.constexpr, DEDUP: tl.constexpr, USE_PDL: tl.constexpr,
+                 F32_DOT: tl.constexpr):
     """Program (block of H, share of the slots): slots sd, sd + SPLIT_D, ... With SPLIT_D > 1 each program
     publishes an fp32 partial and the last to arrive for its block of H sums them in a fixed order (as gemv's
     split-K), so a verify step's ~70 experts are walked by SPLIT_D programs side by side, not one after another.
@@ -380,21 +361,10 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
     the duplicates -1 (the first slot's rows, requested early for the routing's expert, then count only if the
     slot kept it). All of a program's slot ids are read at once (D_PER_PAD lanes), so no weight load in the
     loop waits on an id load: Triton's pipeliner then gives the loop two buffers, where an id read inside
-    it left one (the verify step's down kernel at TP=4 with 64-column chunks: ~1,048 -> ~1,031 us per step).
-    ROWS (<= BLOCK_H): hidden rows per program, the tile's rows past it masked off, so the grid can be sized to the
-    SMs (2560 rows in 16-row programs are 160 programs on 132 SMs: 28 SMs carry two).
-    BALANCE (with DEDUP): the live slots (owned >= 0) are dealt to the shares in slot order by rank, share sd
-    taking ranks sd, sd + SPLIT_D, ..., so no share walks more than ceil(live / SPLIT_D) experts whatever the
-    duplicates (dealt by slot, share 0 of a 9-token step holds 10 slots and the others 9, minus the duplicates
-    that fall to each). The first slot of every share is unchanged (slots 0..SPLIT_D-1 are the shared expert and
-    token 0's distinct experts, all live, when SPLIT_D <= 1 + TOP_K: `fused_moe` checks), so its rows may still
-    be requested before the wait."""
+    it left one (the verify step's down kernel at TP=4 with 64-column chunks: ~1,048 -> ~1,031 us per step)."""
     hb = tl.program_id(0)
     sd = tl.program_id(1)
-    rh = hb * ROWS + tl.arange(0, BLOCK_H)
-    hm = rh < H
-    if ROWS < BLOCK_H:
-        hm = hm & (tl.arange(0, BLOCK_H) < ROWS)
+    rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     ri = tl.arange(0, BLOCK_I)
     rt = tl.arange(0, 16)
     acc = tl.zeros((16, BLOCK_H), tl.float32)
@@ -405,8 +375,8 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
             d = sd + slot * SPLIT_D
             e = tl.load(experts_ptr + d, mask=d < D_MAX, other=-1, cache_modifier=".cg")
             for c in tl.static_range(I_CHUNKS):
-                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, hm, c * BLOCK_I + ri, rt, T, H, E,
-                                                   INTER, I_S),)
+                tiles = tiles + ((e,) + _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, c * BLOCK_I + ri, rt, T, H, E, INTER,
+                                                   I_S),)
         wait_previous(USE_PDL)
         for it in tl.static_range(D_PER * I_CHUNKS):
             e, wt, w, inter = tiles[it]
@@ -414,30 +384,23 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
                                          (it % I_CHUNKS) * BLOCK_I + ri, rt, T, I_PAD, FMA, F32_DOT)
     else:
         e = tl.load(experts_ptr + sd, mask=sd < D_MAX, other=-1, cache_modifier=".cg")
-        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, hm, ri, rt, T, H, E, INTER, I_S)
+        wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S)
         wait_previous(USE_PDL)
         rs = tl.arange(0, D_PER_PAD)
-        if BALANCE:
-            dealt = _dealt_slots(owned_ptr, sd, rs, D_MAX, SPLIT_D, D_PAD)
-            _, e = _unpack_slot(dealt, rs, 0)  # slot sd (see above)
-        else:
-            slots = sd + rs * SPLIT_D
-            owned = tl.load(owned_ptr + slots, mask=(rs < D_PER) & (slots < D_MAX), other=-1)
-            if DEDUP:
-                e = tl.sum(tl.where(rs == 0, owned, 0))
+        slots = sd + rs * SPLIT_D
+        owned = tl.load(owned_ptr + slots, mask=(rs < D_PER) & (slots < D_MAX), other=-1)
+        if DEDUP:
+            e = tl.sum(tl.where(rs == 0, owned, 0))
         acc, acc2 = _down_accumulate(acc, acc2, act_ptr, sd, e, wt, w, inter, ri, rt, T, I_PAD, FMA, F32_DOT)
         for it in range(1, D_PER * I_CHUNKS):  # unused slots (-1, or past D_MAX) are masked off: no memory traffic
-            if BALANCE:
-                d, e = _unpack_slot(dealt, rs, it // I_CHUNKS)
-            else:
-                d = sd + (it // I_CHUNKS) * SPLIT_D
-                e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
+            d = sd + (it // I_CHUNKS) * SPLIT_D
             rc = (it % I_CHUNKS) * BLOCK_I + ri
-            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, hm, rc, rt, T, H, E, INTER, I_S)
+            e = tl.sum(tl.where(rs == it // I_CHUNKS, owned, 0))
+            wt, w, inter = _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, rc, rt, T, H, E, INTER, I_S)
             acc, acc2 = _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, rc, rt, T, I_PAD, FMA, F32_DOT)
     if FMA:
         acc = tl.zeros((16, BLOCK_H), tl.float32) + tl.sum(acc2, axis=1)[None, :]
-    mask = (rt[:, None] < T) & hm[None, :]
+    mask = (rt[:, None] < T) & (rh[None, :] < H)
     if SPLIT_D > 1:
         pofs = rt[:, None] * H + rh[None, :]
         tl.store(part_ptr + sd * 16 * H + pofs, acc, mask=mask)
@@ -454,35 +417,14 @@ def _down_kernel(act_ptr, dn_ptr, sdn_ptr, experts_ptr, owned_ptr, wt_ptr, out_p
 
 
 @jit
-def _dealt_slots(owned_ptr, sd, rs, D_MAX, SPLIT_D: tl.constexpr, D_PAD: tl.constexpr):
-    """Share sd's slots under BALANCE, packed: (slot << 16) + expert + 1 of the live slot of rank sd + j * SPLIT_D
-    (j = rs), 0 where no live slot has that rank (`_unpack_slot`). Every slot id is read at once, so the loop's
-    loads hang on registers only, and one pick per slot gives both its slot and its expert."""
-    rd = tl.arange(0, D_PAD)
-    every = tl.load(owned_ptr + rd, mask=rd < D_MAX, other=-1)
-    live = (every >= 0).to(tl.int32)
-    rank = tl.cumsum(live, axis=0) - live
-    hit = (live[:, None] > 0) & (rank[:, None] == (sd + rs * SPLIT_D)[None, :])  # [D_PAD, D_PER_PAD]
-    packed = tl.sum(tl.where(hit, rd[:, None] * 65536 + every[:, None] + 1, 0), axis=0)  # slot, expert + 1; 0: none
-    return packed
-
-
-@jit
-def _unpack_slot(packed, rs, j):
-    """Slot j of `_dealt_slots`' picks: (slot, expert), expert -1 where none."""
-    p = tl.sum(tl.where(rs == j, packed, 0))
-    return p >> 16, (p & 65535) - 1
-
-
-@jit
-def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, hm, ri, rt, T, H, E, INTER, I_S):
-    """Expert e's (-1: none) down rows rh (those hm marks) at columns ri [BLOCK_H, BLOCK_I] and the tokens'
-    weights for it [16] (the shared expert weighs 1), and its width."""
+def _down_rows(dn_ptr, sdn_ptr, wt_ptr, e, rh, ri, rt, T, H, E, INTER, I_S):
+    """Expert e's (-1: none) down rows rh at columns ri [BLOCK_H, BLOCK_I] and the tokens' weights for it [16]
+    (the shared expert weighs 1), and its width."""
     live = e >= 0
     shared = e == E
     inter = tl.where(shared, I_S, INTER)
     base = tl.where(shared, sdn_ptr, dn_ptr + e.to(tl.int64) * (H * INTER))
-    wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & hm[:, None] & (ri[None, :] < inter),
+    wt = tl.load(base + rh[:, None] * inter + ri[None, :], mask=live & (rh[:, None] < H) & (ri[None, :] < inter),
                  other=0.0)
     w = tl.load(wt_ptr + rt * E + e, mask=live & (rt < T) & (e < E), other=0.0, cache_modifier=".cg")
     return wt, tl.where(live & shared & (rt < T), 1.0, w), inter
@@ -566,8 +508,8 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     knobs: launch settings overriding `CONFIGS` (router_block_e, router_block_k, router_split, router_warps,
     route_warps, block_i, gu_block_k, gu_split (H ranges per gate-up block), gu_warps, gu_fma, block_h, split_d,
     dn_warps, dn_fma, dn_block_i (down's I columns per chunk, 0 or absent: all), dn_ahead; the FMA paths apply at
-    T=1 only; gu_rows and dn_rows (rows per gate-up / down program, at most block_i / block_h; absent: all of
-    them), dn_balance (several tokens: the live slots dealt to the down shares by rank), for the tuning benchmark.
+    T=1 only),
+    for the tuning benchmark.
     pdl: programmatic dependent launch (CUDA): every launch overlaps the previous kernel's tail (the router's
     first weight tile is requested before it waits).
     """
@@ -610,35 +552,27 @@ def fused_moe(x, router_w, expert_bias, gate_up, down, shared_gate_up=None, shar
     sdn = shared_down if has_shared else down
     gu_block_k = k["gu_block_k"]
     gu_k_per, gu_split = _h_ranges(h, k["gu_split"], gu_block_k)
-    gu_rows = k.get("gu_rows") or k["block_i"]  # rows of I per gate-up program (<= block_i)
-    assert 1 <= gu_rows <= k["block_i"]
-    i_blocks = triton.cdiv(max(i, i_s), gu_rows)
+    i_blocks = triton.cdiv(max(i, i_s), k["block_i"])
     gu_part = torch.empty(gu_split * d_max * 2 * 16 * i_pad if gu_split > 1 else 1, dtype=torch.float32, device=dev)
     block_h = k["block_h"]
-    dn_rows = k.get("dn_rows") or block_h  # hidden rows per down program (<= block_h)
-    assert 1 <= dn_rows <= block_h
-    h_blocks = triton.cdiv(h, dn_rows)
+    h_blocks = triton.cdiv(h, block_h)
     gu_cnt = counters(dev, h_blocks + d_max * i_blocks)[h_blocks:]  # past the down kernel's, which may overlap
     _gate_up_kernel[(d_max, i_blocks, gu_split)](
         x, gate_up, sgu, experts, owned, wt, act, gu_part, gu_cnt, t, h, e, i, i_s, gu_k_per,
-        float(limit), float(shared_limit), BLOCK_I=k["block_i"], ROWS=gu_rows, BLOCK_K=gu_block_k,
-        K_ITERS=gu_k_per // gu_block_k,
+        float(limit), float(shared_limit), BLOCK_I=k["block_i"], BLOCK_K=gu_block_k, K_ITERS=gu_k_per // gu_block_k,
         I_PAD=i_pad, SPLIT_K=gu_split, FMA=t == 1 and k["gu_fma"], USE_PDL=pdl_mode(pdl, "gate_up", t),
         F32_DOT=INTERPRET, EARLY_SHARED=has_shared, DEDUP=dedup, TOP_K=top_k, D_PAD=triton.next_power_of_2(d_max),
         num_warps=k["gu_warps"], num_stages=3, **launch)
     split_d = max(1, min(k["split_d"], d_max))
-    ahead = t == 1 and k["dn_fma"] and k.get("dn_ahead", False)
-    # dealt by rank, every share's first slot stays the routing's own (slots 0..top_k-1+shared are never duplicates)
-    balance = dedup and not ahead and k.get("dn_balance", False) and split_d <= top_k + int(has_shared)
     dn_block_i = min(max(k.get("dn_block_i") or i_pad, 16), i_pad)  # I columns per chunk (0: all; tl.dot: >= 16)
     down_part = torch.empty(split_d * 16 * h if split_d > 1 else 1, dtype=torch.float32, device=dev)
     _down_kernel[(h_blocks, split_d)](
         act, down, sdn, experts, owned, wt, out, residual if residual is not None else out, down_part,
         counters(dev, h_blocks), t, h, e, i, i_s, d_max, D_PER=triton.cdiv(d_max, split_d),
         D_PER_PAD=triton.next_power_of_2(triton.cdiv(d_max, split_d)), SPLIT_D=split_d,
-        BLOCK_H=block_h, ROWS=dn_rows, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i),
-        I_PAD=i_pad, HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"], AHEAD=ahead, DEDUP=dedup,
-        BALANCE=balance, D_PAD=triton.next_power_of_2(d_max),
+        BLOCK_H=block_h, BLOCK_I=dn_block_i, I_CHUNKS=triton.cdiv(max(i, i_s), dn_block_i), I_PAD=i_pad,
+        HAS_RES=residual is not None, FMA=t == 1 and k["dn_fma"],
+        AHEAD=t == 1 and k["dn_fma"] and k.get("dn_ahead", False), DEDUP=dedup,
         USE_PDL=pdl_mode(pdl, "down", t), F32_DOT=INTERPRET, num_warps=k["dn_warps"], num_stages=3, **launch)
     if return_routing:
         return out, topk_w, topk_i

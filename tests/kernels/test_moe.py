@@ -86,16 +86,9 @@ def test_fused_moe_matches_reference(poisoned, t, conf):
                                      (1, dict(block_h=4, split_d=2, dn_fma=True, dn_warps=1, block_i=4, gu_split=1,
                                               gu_fma=True, gu_block_k=64, gu_warps=1)),
                                      (1, dict(dn_ahead=True, dn_fma=True, split_d=1, block_h=8, dn_warps=2)),
-                                     (1, dict(dn_ahead=True, dn_fma=True, split_d=3, block_h=16, dn_block_i=16)),
-                                     # rows per program below the tile (the grid sized to the SMs)
-                                     (1, dict(dn_ahead=True, dn_fma=True, split_d=1, block_h=16, dn_rows=12,
-                                              gu_fma=True, gu_split=1, block_i=4, gu_rows=3)),
-                                     (9, dict(gu_rows=24, block_i=32, dn_rows=20, block_h=32, split_d=2)),
-                                     # live slots dealt to the down shares by rank
-                                     (9, dict(dn_balance=True, split_d=3, dn_rows=40, block_h=64)),
-                                     (2, dict(dn_balance=True, split_d=5))])
+                                     (1, dict(dn_ahead=True, dn_fma=True, split_d=3, block_h=16, dn_block_i=16))])
 def test_launch_knobs_compute_the_same_function(poisoned, t, knobs):
-    """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots or rows."""
+    """Every tuning candidate (bench/tune_gpu.py) is the same MoE, whatever the split of the slots."""
     h, e, i, i_s, k, g, tg, norm, lim, slim = CONFIGS[0]
     gen = torch.Generator().manual_seed(77)
     w = make(gen, h, e, i, i_s)
@@ -146,41 +139,34 @@ def test_kernels_compile_for_h200():
             build(moe._gate_up_kernel, dict(x_ptr="*bf16", gu_ptr="*bf16", sgu_ptr="*bf16", experts_ptr="*i32",
                   owned_ptr="*i32", wt_ptr="*fp32", act_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", limit="fp32",
                   shared_limit="fp32"),
-                  dict(BLOCK_I=32, ROWS=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True,
-                       F32_DOT=False, EARLY_SHARED=True, DEDUP=not fma, TOP_K=8, D_PAD=128),
+                  dict(BLOCK_I=32, BLOCK_K=128, K_ITERS=5, I_PAD=256, SPLIT_K=4, FMA=fma, USE_PDL=True, F32_DOT=False,
+                       EARLY_SHARED=True, DEDUP=not fma, TOP_K=8, D_PAD=128),
                   4, True, divisible=("H", "E", "INTER", "I_S", "K_PER"))
         down = dict(act_ptr="*bf16", dn_ptr="*bf16", sdn_ptr="*bf16", experts_ptr="*i32", owned_ptr="*i32",
                     wt_ptr="*fp32", out_ptr="*bf16", res_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
         for d_per, fma in ((1, True), (10, False)):
             build(moe._down_kernel, down,
-                  dict(D_PER=d_per, D_PER_PAD=triton.next_power_of_2(d_per), SPLIT_D=8, BLOCK_H=64, ROWS=64,
+                  dict(D_PER=d_per, D_PER_PAD=triton.next_power_of_2(d_per), SPLIT_D=8, BLOCK_H=64,
                        BLOCK_I=256 if fma else 64, I_CHUNKS=1 if fma else 3, I_PAD=256, HAS_RES=False, FMA=fma,
-                       AHEAD=False, DEDUP=not fma, BALANCE=False, D_PAD=128, USE_PDL=True, F32_DOT=False),
+                       AHEAD=False, DEDUP=not fma, USE_PDL=True, F32_DOT=False),
                   8 if fma else 4, True, divisible=("H", "E", "INTER", "I_S"))
         build(moe._down_kernel, down,  # one token, all 9 slots' tiles before the wait (the TP=4 settings)
-              dict(D_PER=9, D_PER_PAD=16, SPLIT_D=1, BLOCK_H=16, ROWS=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256,
-                   HAS_RES=False, FMA=True, AHEAD=True, DEDUP=False, BALANCE=False, D_PAD=16, USE_PDL=2,
-                   F32_DOT=False), 4, True, divisible=("H", "E", "INTER", "I_S"))
-        build(moe._down_kernel, down,  # nine tokens, the live slots dealt by rank
-              dict(D_PER=10, D_PER_PAD=16, SPLIT_D=8, BLOCK_H=64, ROWS=64, BLOCK_I=64, I_CHUNKS=3, I_PAD=256,
-                   HAS_RES=False, FMA=False, AHEAD=False, DEDUP=True, BALANCE=True, D_PAD=128, USE_PDL=True,
-                   F32_DOT=False), 4, True, divisible=("H", "E", "INTER", "I_S"))
+              dict(D_PER=9, D_PER_PAD=16, SPLIT_D=1, BLOCK_H=16, BLOCK_I=64, I_CHUNKS=3, I_PAD=256, HAS_RES=False,
+                   FMA=True, AHEAD=True, DEDUP=False, USE_PDL=2, F32_DOT=False), 4, True,
+              divisible=("H", "E", "INTER", "I_S"))
     """)
-    assert len(lines) == 10, lines
+    assert len(lines) == 9, lines
     for line in lines[4:]:  # the expert kernels, specialized as at flash's shapes, keep everything in registers
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
     # the verify step's down loop keeps two (slot, chunk) tiles in flight: weights [64, 64] and activations
     # [16, 64], bf16 (one buffer each when a slot id was read inside the loop)
-    for line in (lines[7], lines[9]):
-        assert int(line.rsplit("SMEM:", 1)[1]) >= 2 * (64 * 64 + 16 * 64) * 2, line
+    assert int(lines[7].rsplit("SMEM:", 1)[1]) >= 2 * (64 * 64 + 16 * 64) * 2, lines[7]
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(dn_balance=True, split_d=4)], ids=["by-slot", "by-rank"])
-def test_unused_slots_are_marked(monkeypatch, knobs):
+def test_unused_slots_are_marked(monkeypatch):
     """Nine tokens choosing the same 8 experts: the 64 slots of tokens 1-8 hold duplicates, which the gate-up
     kernel must mark -1 for the down kernel. Here the scratch starts at 0 (an expert every token chooses,
-    through its bias) instead of the usual -1 poison, so a slot left unmarked would count expert 0 again.
-    Dealt by rank, the 9 live slots of 73 go to 4 shares (3, 2, 2, 2), every other rank finds no slot."""
+    through its bias) instead of the usual -1 poison, so a slot left unmarked would count expert 0 again."""
     real = torch.empty
 
     def empty(*shape, dtype=None, device=None):
@@ -194,6 +180,6 @@ def test_unused_slots_are_marked(monkeypatch, knobs):
     w.expert_bias[0] = 10.0
     x = torch.randn(1, 64, generator=gen).to(DEV, torch.bfloat16).expand(9, 64).contiguous()  # 8 experts, 73 slots
     cfg = dict(top_k=8, n_group=8, topk_group=4, normalize=True, scale=2.5)
-    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg, **knobs)
+    out, tw, ti = M.fused_moe(x, *w, return_routing=True, **cfg)
     assert (ti == 0).any(dim=1).all()
     assert rel(out, M.fused_moe_reference(x, *w, routing=(tw, ti), **cfg)) < 1e-2
