@@ -29,8 +29,8 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import INTERPRET, _mma, counters, gemv_reference, sm_count
-from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+from lingls.kernels.gemv import INTERPRET, counters, gemv_reference, mma, sm_count
+from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
 from lingls.kernels.sampling import picked
@@ -150,7 +150,7 @@ def _qkv_rope_kernel(x_desc, w_desc, qn_ptr, kn_ptr, freq_ptr, pos_ptr, q_ptr, c
     wait_previous(USE_PDL)
     for it in range(K_ITERS):
         kk = sp * K_PER + it * BLOCK_K
-        acc = _mma(acc, w_desc.load([head * D, kk]), tl.trans(x_desc.load([0, kk])), F32_DOT)
+        acc = mma(acc, w_desc.load([head * D, kk]), tl.trans(x_desc.load([0, kk])), F32_DOT)
     rt = tl.arange(0, 16)
     d = tl.arange(0, D)
     tl.store(part_ptr + (sp * HEADS + head) * 16 * D + rt[:, None] * D + d[None, :], tl.trans(acc))
@@ -259,13 +259,13 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
         offs = n[:, None] * s_kv + g * D + d[None, :]
         k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
-        s = _mma(tl.zeros([ROWS, BLOCK_N], tl.float32), q, tl.trans(k), F32_DOT) * scale_log2
+        s = mma(tl.zeros([ROWS, BLOCK_N], tl.float32), q, tl.trans(k), F32_DOT) * scale_log2
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _mma(acc * alpha[:, None], p.to(v.dtype), v, F32_DOT)
+        acc = mma(acc * alpha[:, None], p.to(v.dtype), v, F32_DOT)
         m_i = m_new
     part = (sp * KVH + g) * ROWS
     tl.store(po_ptr + (part + r)[:, None] * D + d[None, :], acc)
@@ -365,21 +365,21 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_pt
     dt = logits_ptr.dtype.element_ty
     bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1).to(dt).to(tl.float32)
     x = (tl.load(logits_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias).to(dt).to(tl.float32)
-    best = tl.max(tl.where(m, _key(x, offs, 2 ** 31), _NO_KEY), axis=0)
+    best = tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0)
     tl.store(part_ptr + blk, best)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == NB - 1:
         j = tl.arange(0, NB_PAD)
-        keys = tl.load(part_ptr + j, mask=j < NB, other=_NO_KEY, cache_modifier=".cg")
+        keys = tl.load(part_ptr + j, mask=j < NB, other=NO_KEY, cache_modifier=".cg")
         key = tl.max(keys, axis=0)
-        token = _key_index(key, 2 ** 31).to(tl.int64) + offset
+        token = key_index(key, 2 ** 31).to(tl.int64) + offset
         if RANKS == 1:
             tl.store(out_ptr, token)
         else:
             slot = tl.arange(0, RANKS)
             mine = slot == rank
-            tl.store(out_ptr + slot, tl.where(mine, _key_value(key), 0.0))
+            tl.store(out_ptr + slot, tl.where(mine, key_value(key), 0.0))
             tl.store(out_ptr + RANKS + slot, tl.where(mine, token.to(tl.float32), 0.0))
         tl.atomic_xchg(cnt_ptr, 0)
 

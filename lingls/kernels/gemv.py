@@ -47,7 +47,7 @@ MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
 
 
 @jit
-def _mma(acc, a, b, F32_DOT: tl.constexpr):
+def mma(acc, a, b, F32_DOT: tl.constexpr):
     """acc += a @ b with fp32 accumulation (see the module note on the interpreter). fp32 operands (models run
     in fp32, as the tests' small ones) are multiplied in full fp32 precision, not rounded to TF32."""
     if F32_DOT:
@@ -58,7 +58,7 @@ def _mma(acc, a, b, F32_DOT: tl.constexpr):
 
 
 @jit
-def _swiglu(gate, up, limit):
+def swiglu_act(gate, up, limit):
     """silu(gate) * up, clamped as min(silu(gate), L) * clamp(up, -L, L) when limit > 0 (fp32 in, fp32 out)."""
     act = gate * tl.sigmoid(gate)
     if limit > 0:
@@ -68,7 +68,7 @@ def _swiglu(gate, up, limit):
 
 
 @jit
-def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
+def load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
     """A [rows, K tile] of W (and of its up half with SWIGLU; otherwise the same tile twice, unused)."""
     wmask = (rn[:, None] < N) & (kk[None, :] < K)
     wt = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
@@ -79,21 +79,21 @@ def _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU: tl.constexpr):
 
 
 @jit
-def _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+def load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
                 SWIGLU: tl.constexpr):
-    """All K_ITERS tiles of W's rows rn from column k_lo (each a `_load_w` pair), requested at once. No tile
+    """All K_ITERS tiles of W's rows rn from column k_lo (each a `load_w` pair), requested at once. No tile
     depends on another, so a program's whole slice is in flight together; loaded inside the multiply loop,
     each tile cost a memory round trip of its own (the loop's FMAs wait for it before the next load issues)."""
     tiles = ()
     for i in tl.static_range(K_ITERS):
-        tiles = tiles + (_load_w(w_ptr, rn, k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU),)
+        tiles = tiles + (load_w(w_ptr, rn, k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU),)
     return tiles
 
 
 @jit
-def _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+def fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
               SWIGLU: tl.constexpr):
-    """One token through `_load_tiles`' tiles on the FMA units: [16, ROWS] fp32 sums (every row the same) for W's
+    """One token through `load_tiles`' tiles on the FMA units: [16, ROWS] fp32 sums (every row the same) for W's
     rows and their up rows. x is read in the tiles' own 2D layout (each row's copy from L1): read as a
     [BLOCK_K] vector it was moved into that layout through shared memory, two barriers per tile."""
     rk = tl.arange(0, BLOCK_K)
@@ -111,12 +111,12 @@ def _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS: tl.constexpr, BLOCK_K: tl.constex
 
 
 @jit
-def _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
+def accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr):
     """One K tile of the T tokens on the tensor cores, into [16, rows] sums."""
     xt = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
-    acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+    acc = mma(acc, xt, tl.trans(wt), F32_DOT)
     if SWIGLU:
-        acc_up = _mma(acc_up, xt, tl.trans(wu), F32_DOT)
+        acc_up = mma(acc_up, xt, tl.trans(wu), F32_DOT)
     return acc, acc_up
 
 
@@ -130,28 +130,28 @@ def _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS:
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((16, ROWS), tl.float32)
     acc_up = tl.zeros((16, ROWS), tl.float32)
-    acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, F32_DOT)
+    acc, acc_up = accumulate(acc, acc_up, x_ptr, wt, wu, rt, k_lo + rk, T, K, stride_x, SWIGLU, F32_DOT)
     for i in range(1, K_ITERS):
         kk = k_lo + i * BLOCK_K + rk
-        wt, wu = _load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
-        acc, acc_up = _accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, F32_DOT)
+        wt, wu = load_w(w_ptr, rn, kk, N, K, stride_w, SWIGLU)
+        acc, acc_up = accumulate(acc, acc_up, x_ptr, wt, wu, rt, kk, T, K, stride_x, SWIGLU, F32_DOT)
     return acc, acc_up
 
 
 @jit
-def _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+def rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                      K_ITERS: tl.constexpr, SWIGLU: tl.constexpr, FMA: tl.constexpr, USE_PDL: tl.constexpr,
                      F32_DOT: tl.constexpr):
     """x[:T] @ W[rn]^T (and its up rows with SWIGLU) in a kernel that follows another: W is requested before
     waiting for the previous kernel (PDL: weights never depend on it), at one token the program's whole slice
-    (`_load_tiles`, `_fma_rows`), else the first tile (`_dot_rows` pipelines the rest into the MMA); x after."""
+    (`load_tiles`, `fma_rows`), else the first tile (`_dot_rows` pipelines the rest into the MMA); x after."""
     if FMA:
-        tiles = _load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
+        tiles = load_tiles(w_ptr, rn, k_lo, N, K, stride_w, BLOCK_K, K_ITERS, SWIGLU)
     else:
-        wt, wu = _load_w(w_ptr, rn, k_lo + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU)
+        wt, wu = load_w(w_ptr, rn, k_lo + tl.arange(0, BLOCK_K), N, K, stride_w, SWIGLU)
     wait_previous(USE_PDL)
     if FMA:
-        acc, acc_up = _fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS, BLOCK_K, K_ITERS, SWIGLU)
+        acc, acc_up = fma_rows(x_ptr, tiles, rn, k_lo, K, ROWS, BLOCK_K, K_ITERS, SWIGLU)
     else:
         acc, acc_up = _dot_rows(x_ptr, w_ptr, wt, wu, rn, k_lo, T, N, K, stride_x, stride_w, ROWS, BLOCK_K, K_ITERS,
                                 SWIGLU, F32_DOT)
@@ -169,7 +169,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     rt = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # the last range may run past K: its tail is masked, never read
-    acc, acc_up = _rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
+    acc, acc_up = rows_after_wait(x_ptr, w_ptr, rn, k_lo, T, N, K, stride_x, stride_w, BLOCK_N, BLOCK_K, K_ITERS,
                                    SWIGLU, FMA, USE_PDL, F32_DOT)
     _finish(acc, acc_up, out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o, stride_r, limit,
             BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
@@ -197,9 +197,9 @@ def _gemv_tma_kernel(x_desc, w_desc, out_ptr, res_ptr, part_ptr, cnt_ptr,
     for i in range(K_ITERS):
         kk = k_lo + i * BLOCK_K
         xt = tl.trans(x_desc.load([0, kk]))
-        acc = _mma(acc, w_desc.load([n0, kk]), xt, F32_DOT)
+        acc = mma(acc, w_desc.load([n0, kk]), xt, F32_DOT)
         if SWIGLU:
-            acc_up = _mma(acc_up, w_desc.load([n0 + N, kk]), xt, F32_DOT)
+            acc_up = mma(acc_up, w_desc.load([n0 + N, kk]), xt, F32_DOT)
     _finish(tl.trans(acc), tl.trans(acc_up), out_ptr, res_ptr, part_ptr, cnt_ptr, pid_n, pid_k, rt, rn, T, N, stride_o,
             stride_r, limit, BLOCK_N, SPLIT_K, SWIGLU, HAS_RES)
 
@@ -239,7 +239,7 @@ def _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride
     mask = (rt[:, None] < T) & (rn[None, :] < N)
     y = acc
     if SWIGLU:
-        y = _swiglu(acc, acc_up, limit)
+        y = swiglu_act(acc, acc_up, limit)
     if HAS_RES:
         y += tl.load(res_ptr + rt[:, None] * stride_r + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rt[:, None] * stride_o + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_width_and_tokens, jit, tl, triton
+from lingls.kernels import by_width, by_width_and_tokens, jit, tl, triton, tuned
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
@@ -64,17 +64,17 @@ CONV_KERNEL = 4  # Ling's short_conv_kernel_size; the kernel keeps the last 3 in
 
 
 @jit
-def _sigmoid(x):
+def sigmoid(x):
     """1 / (1 + exp(-x)) with the approximate division (div.full, 2 ulp): the IEEE one Triton's tl.sigmoid emits
     costs a range check and a slow path per element, and the token loop is a chain of such instructions."""
     return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
 
 
 @jit
-def _conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
+def conv_silu(w0, w1, w2, w3, x0, x1, x2, x):
     """One causal-conv output (taps w0..w3 over inputs x0, x1, x2, x oldest first) then SiLU, fp32."""
     y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x
-    return y * _sigmoid(y)
+    return y * sigmoid(y)
 
 
 STAGE_ROWS = 4  # per position and head: normalised key, log decay, value, beta (broadcast over D)
@@ -93,7 +93,7 @@ def _stage_inputs(st, dk, dv, kt, gate, vt, beta, j, D: tl.constexpr):
 
 
 @jit
-def _delta_rule(S, kt, decay, vt, beta):
+def delta_rule(S, kt, decay, vt, beta):
     """One position's state update, the step kernel's and the commit's replay: S' = P + k (beta (v - P^T k))^T
     with P = diag(decay) S. Returns (P, the error beta (v - P^T k), S')."""
     P = S * decay[:, None]
@@ -163,20 +163,20 @@ def _kda_step_kernel(
         xq, xk, xv, f, b = nq.to(tl.float32), nk.to(tl.float32), nv.to(tl.float32), nf.to(tl.float32), nb
         nq, nk, nv, nf, nb = _token_rows(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sq, sk, sv, sf, sb, t + 1, ck, cv, h,
                                          t + 1 < T)
-        qt = _conv_silu(wq0, wq1, wq2, wq3, xq0, xq1, xq2, xq)
-        kt = _conv_silu(wk0, wk1, wk2, wk3, xk0, xk1, xk2, xk)
-        vt = _conv_silu(wv0, wv1, wv2, wv3, xv0, xv1, xv2, xv)
+        qt = conv_silu(wq0, wq1, wq2, wq3, xq0, xq1, xq2, xq)
+        kt = conv_silu(wk0, wk1, wk2, wk3, xk0, xk1, xk2, xk)
+        vt = conv_silu(wv0, wv1, wv2, wv3, xv0, xv1, xv2, xv)
         xq0, xq1, xq2 = xq1, xq2, xq
         xk0, xk1, xk2 = xk1, xk2, xk
         xv0, xv1, xv2 = xv1, xv2, xv
         qt = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale)
         kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-        gate = lower_bound * _sigmoid(rate * (f + dt_bias))  # log decay
+        gate = lower_bound * sigmoid(rate * (f + dt_bias))  # log decay
         decay = tl.exp(gate)
-        beta = _sigmoid(b.to(tl.float32))
+        beta = sigmoid(b.to(tl.float32))
         # o = S'^T q = P^T q + (k.q) err: its reduction reads the decayed state P, as the update's does, so the
         # two are independent and their latencies overlap
-        P, err, S = _delta_rule(S, kt, decay, vt, beta)
+        P, err, S = delta_rule(S, kt, decay, vt, beta)
         o = tl.sum(P * qt[:, None], 0) + tl.sum(qt * kt, 0) * err
         if NORM:
             tl.store(o_acc_ptr + t * C + cv, o)
@@ -242,17 +242,9 @@ def _row_stride(x: torch.Tensor, name: str) -> int:
     return x.stride(0)
 
 
-# (block_v, num_warps) by heads per rank, then by the step's token count (the smallest key >= T applies), timed
-# on an H200 at Ling-3.0-flash rank shapes. T=1 by bench/tune_gpu.py (8 heads: TP=4, bench/results/kernels_kda.json,
-# settings within 5%; 16 heads: TP=2, tune_kda_tp2_rows_ahead.json, 12 layers: 32/4 4.50 us against 16/4 5.02).
-# Verify steps (T > 1) run one warp per program, so every reduction over D stays inside a warp: chosen in the
-# step, not alone (alone the tuner prefers 4 columns, tune_kda_1warp_tp4.json). In the TP=4 step, 8 columns took
-# the KDA's device time per T=9 step 450 -> 400 us and the step 19-86 us lower in each of four alternations in two
-# calls (fused_step_shard42_kda1warp_ab.json, fused_step_shard42_kg_ab.json), 62-104 us with the verify GEMV
-# settings beside it (four more); 4 columns 455 us, 16 columns 474 us. At T=1 one warp lost in the step (1.458 ms
-# against 1.402), though it wins alone. TP=2: 8 columns, with the GEMV settings beside it the speculative round's
-# verify 6.82 -> 6.71 ms (spec_flash_tp2_shard_t2_ab.json).
-CONFIGS = {8: {1: (16, 4), 16: (8, 1)}, 16: {1: (32, 4), 16: (8, 1)}}
+# (block_v, num_warps) by heads per rank, then by the step's token count (the smallest key >= T applies):
+# tuned.json. Verify steps (T > 1) run one warp per program, so every reduction over D stays inside a warp.
+CONFIGS = by_width(tuned("kda"))
 
 
 def config_for(t: int, heads: int = 8) -> tuple[int, int]:
@@ -381,7 +373,7 @@ def kda_step(q, k, v, f, b, z, conv_state, conv_weight, a_log, dt_bias, norm_wei
 def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, H: tl.constexpr, D: tl.constexpr,
                    BV: tl.constexpr, T_STAGE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (layer, p): for p < H * D/BV, replays positions 0..index of head p // (D/BV) on its BV value
-    columns of the live state (the step kernel's `_delta_rule` on the staged inputs); the other programs each
+    columns of the live state (the step kernel's `delta_rule` on the staged inputs); the other programs each
     take BLOCK of the layer's NB = 3 * C conv channels and write their windows after position index: inputs
     index-2, index-1, index, from staged_conv [L, T, 3, C], or for positions before the step the live window's
     newer slots (each thread reads a channel's slots before it writes them)."""
@@ -402,7 +394,7 @@ def _commit_kernel(index_ptr, state_ptr, stage_ptr, live_conv, staged_conv, NB, 
             decay = tl.exp(tl.load(st + D + dk))
             vt = tl.load(st + 2 * D + dv)
             beta = tl.load(st + 3 * D)
-            _, _, S_next = _delta_rule(S, kt, decay, vt, beta)
+            _, _, S_next = delta_rule(S, kt, decay, vt, beta)
             S = tl.where(t <= idx, S_next, S)
         tl.store(s_ptr, S)
     else:

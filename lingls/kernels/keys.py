@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from lingls.kernels import jit, tl
 
-_NO_KEY = -(2 ** 63) + 1  # below every key, -inf's included
+NO_KEY = -(2 ** 63) + 1  # below every key, -inf's included
 if tl is not None:
-    _NO_KEY = tl.constexpr(_NO_KEY)  # as the kernels read it
+    NO_KEY = tl.constexpr(NO_KEY)  # as the kernels read it
 
 
 @jit
-def _key(value, index, N_PAD: tl.constexpr):
+def make_key(value, index, N_PAD: tl.constexpr):
     """The key of fp32 `value` at `index` (0 <= index < N_PAD, N_PAD a power of two <= 2**31)."""
     bits = value.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller int
@@ -25,11 +25,11 @@ def _key(value, index, N_PAD: tl.constexpr):
 
 
 @jit
-def _key_value(key):
+def key_value(key):
     ordered = (key >> 32).to(tl.int32)
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @jit
-def _key_index(key, N_PAD: tl.constexpr):
+def key_index(key, N_PAD: tl.constexpr):
     return N_PAD - 1 - (key & (N_PAD - 1)).to(tl.int32)

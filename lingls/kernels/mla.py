@@ -69,7 +69,7 @@ def heads_per_program(t: int, h: int) -> int:
 
 
 if triton is not None:
-    from lingls.kernels.gemv import INTERPRET, _mma, counters
+    from lingls.kernels.gemv import INTERPRET, counters, mma
     from lingls.kernels.pdl import mode as pdl_mode
     from lingls.kernels.pdl import wait_previous
 
@@ -107,7 +107,7 @@ if triton is not None:
             rt = tl.arange(0, 16)
             qn = tl.load(q_ptr + rt[:, None] * sq + head * (NOPE + 2 * HALF) + rn[None, :],
                          mask=(rt[:, None] < T) & (rn[None, :] < NOPE), other=0.0)
-            ql = _mma(tl.zeros((16, RBLK), tl.float32), qn, wk, F32_DOT)
+            ql = mma(tl.zeros((16, RBLK), tl.float32), qn, wk, F32_DOT)
             tl.store(ql_ptr + (rt[:, None] * H + head) * R + rr[None, :], ql.to(ql_ptr.dtype.element_ty),
                      mask=(rt[:, None] < T) & (rr[None, :] < R))
         else:
@@ -147,7 +147,7 @@ if triton is not None:
         j_ok = j < n_rows
         c = tl.load(cache + j[:, None] * (R + P) + r[None, :], mask=j_ok[:, None], other=0.0)
         kr = tl.load(cache + j[:, None] * (R + P) + R + p[None, :], mask=j_ok[:, None], other=0.0)
-        s = _mma(_mma(tl.zeros((ql.shape[0], BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
+        s = mma(mma(tl.zeros((ql.shape[0], BN), tl.float32), ql, tl.trans(c), F32_DOT), qr, tl.trans(kr), F32_DOT)
         s = s * scale
         s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -155,7 +155,7 @@ if triton is not None:
         alpha = tl.exp(m - m_safe)
         w = tl.exp(s - m_safe[:, None])
         wsum = wsum * alpha + tl.sum(w, axis=1)
-        acc = _mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
+        acc = mma(acc * alpha[:, None], w.to(c.dtype), c, F32_DOT)
         return m_new, wsum, acc
 
     @jit

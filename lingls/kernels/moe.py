@@ -49,21 +49,21 @@ from typing import NamedTuple
 
 import torch
 
-from lingls.kernels import by_width_and_tokens, jit, tl, triton
+from lingls.kernels import by_width, by_width_and_tokens, jit, tl, triton, tuned
 from lingls.kernels import reference as ref
 from lingls.kernels.gemv import (
     INTERPRET,
     MAX_T,
-    _accumulate,
-    _fma_rows,
-    _load_tiles,
-    _load_w,
-    _mma,
-    _rows_after_wait,
-    _swiglu,
+    accumulate,
     counters,
+    fma_rows,
+    load_tiles,
+    load_w,
+    mma,
+    rows_after_wait,
+    swiglu_act,
 )
-from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
 
@@ -99,7 +99,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_PER,
     rt = tl.arange(0, 16)
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo = pid_k * K_PER
-    acc, _ = _rows_after_wait(x_ptr, w_ptr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, USE_PDL,
+    acc, _ = rows_after_wait(x_ptr, w_ptr, re, k_lo, T, E, H, H, H, BLOCK_E, BLOCK_K, K_ITERS, False, FMA, USE_PDL,
                               F32_DOT)
     tl.store(part_ptr + pid_k * 16 * E + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
@@ -113,9 +113,9 @@ def _route_token_kernel(part_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, experts_ptr,
     """Program t routes token t alone (a verify step's tokens side by side, not one after another in one
     program) and writes its row of slots; the programs never meet (see the module note)."""
     t = tl.program_id(0)
-    gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
+    gbias, bias = load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)  # a weight: loaded before waiting
     wait_previous(USE_PDL)
-    mine = _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
+    mine = route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale, SPLIT, TOP_K, K_PAD, G,
                         G_PAD, EPG, EPG_PAD, E_PAD, TOPK_GROUP, NORMALIZE, WRITE_TOPK).to(tl.int32)
     _token_slots(mine, experts_ptr, t, E, TOP_K, E_PAD, HAS_SHARED)
 
@@ -130,9 +130,9 @@ def _logits(part_ptr, t, e, mask, E, SPLIT: tl.constexpr):
 
 
 @jit
-def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr,
+def load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.constexpr, EPG_PAD: tl.constexpr,
                E_PAD: tl.constexpr):
-    """The expert bias in the two layouts `_route_token` reads it: [group, expert in group] and flat [E]."""
+    """The expert bias in the two layouts `route_token` reads it: [group, expert in group] and flat [E]."""
     rg = tl.arange(0, G_PAD)
     rc = tl.arange(0, EPG_PAD)
     gvalid = (rg[:, None] < G) & (rc[None, :] < EPG)
@@ -142,7 +142,7 @@ def _load_bias(bias_ptr, E, G: tl.constexpr, G_PAD: tl.constexpr, EPG: tl.conste
 
 
 @jit
-def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
+def route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, scale,
                  SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  NORMALIZE: tl.constexpr, WRITE_TOPK: tl.constexpr):
@@ -168,10 +168,10 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
     valid = re < E
     score = tl.sigmoid(_logits(part_ptr, t, re, valid, E, SPLIT))  # both layouts requested at once
     gchoice = tl.sigmoid(_logits(part_ptr, t, gid, gvalid, E, SPLIT)) + gbias
-    gkey = tl.where(gvalid, _key(gchoice, rc[None, :], EPG_PAD), _NO_KEY)
+    gkey = tl.where(gvalid, make_key(gchoice, rc[None, :], EPG_PAD), NO_KEY)
     best1 = tl.max(gkey, axis=1)
-    best2 = tl.max(tl.where(gkey == best1[:, None], _NO_KEY, gkey), axis=1)  # the best again if it occurs twice
-    gscore = tl.where(rg < G, _key_value(best1) + _key_value(best2), float("-inf"))
+    best2 = tl.max(tl.where(gkey == best1[:, None], NO_KEY, gkey), axis=1)  # the best again if it occurs twice
+    gscore = tl.where(rg < G, key_value(best1) + key_value(best2), float("-inf"))
     # a group is kept when fewer than TOPK_GROUP groups beat it (ties: the lower group first)
     gcol = tl.max(tl.where(rg[:, None] == rg[None, :], gscore[:, None], float("-inf")), axis=0)  # along columns
     beaten = (gcol[None, :] > gscore[:, None]) | ((gcol[None, :] == gscore[:, None]) & (rg[None, :] < rg[:, None]))
@@ -193,9 +193,9 @@ def _route_token(part_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, t, E, sc
         vals = tl.where(hit, float("-inf"), vals)
     ids = tl.zeros((K_PAD,), tl.int32)
     if tl.sum(chosen.to(tl.int32), axis=0) != TOP_K:
-        chosen, ids = _pick_keys(tl.where(live, _key(choice, re, E_PAD), _NO_KEY), ids, kc, TOP_K, E_PAD)
+        chosen, ids = _pick_keys(tl.where(live, make_key(choice, re, E_PAD), NO_KEY), ids, kc, TOP_K, E_PAD)
     elif WRITE_TOPK:  # selection order, for callers that ask: the chosen keys picked again
-        _, ids = _pick_keys(tl.where(chosen, _key(choice, re, E_PAD), _NO_KEY), ids, kc, TOP_K, E_PAD)
+        _, ids = _pick_keys(tl.where(chosen, make_key(choice, re, E_PAD), NO_KEY), ids, kc, TOP_K, E_PAD)
     weights = tl.where(chosen, score, 0.0)
     mult = scale / (tl.sum(weights, axis=0) + 1e-20) if NORMALIZE else scale
     tl.store(wt_ptr + t * E + re, weights * mult, mask=valid)
@@ -215,14 +215,14 @@ def _pick_keys(left, ids, kc, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
         best = tl.max(left, axis=0)
         hit = left == best
         chosen = chosen | hit
-        left = tl.where(hit, _NO_KEY, left)
-        ids = tl.where(kc == k, _key_index(best, E_PAD), ids)
+        left = tl.where(hit, NO_KEY, left)
+        ids = tl.where(kc == k, key_index(best, E_PAD), ids)
     return chosen, ids
 
 
 @jit
 def _token_slots(chosen, experts_ptr, t, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Token t's row of slots: the TOP_K experts it chose (chosen [E_PAD], 0 or 1; `_route_token` always
+    """Token t's row of slots: the TOP_K experts it chose (chosen [E_PAD], 0 or 1; `route_token` always
     chooses exactly TOP_K) in ascending id order, at slots HAS_SHARED + t * TOP_K + j; the shared expert
     (id E) in slot 0."""
     re = tl.arange(0, E_PAD)
@@ -289,8 +289,8 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
             rk = tl.arange(0, BLOCK_K)
             k_lo = ks * K_PER
             if FMA:  # one token: the program's rows over its whole H range requested at once
-                tiles = _load_tiles(base, ri, k_lo, inter, H, H, BLOCK_K, K_ITERS, True)
-                acc_g, acc_u = _fma_rows(x_ptr, tiles, ri, k_lo, H, BLOCK_I, BLOCK_K, K_ITERS, True)
+                tiles = load_tiles(base, ri, k_lo, inter, H, H, BLOCK_K, K_ITERS, True)
+                acc_g, acc_u = fma_rows(x_ptr, tiles, ri, k_lo, H, BLOCK_I, BLOCK_K, K_ITERS, True)
             else:
                 acc_g = tl.zeros((16, BLOCK_I), tl.float32)
                 acc_u = tl.zeros((16, BLOCK_I), tl.float32)
@@ -298,8 +298,8 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
                 # wait, so no first tile can be requested early, and the peeled form holds 44 registers more
                 for i in range(0, K_ITERS):
                     kk = k_lo + i * BLOCK_K + rk
-                    wg, wu = _load_w(base, ri, kk, inter, H, H, True)
-                    acc_g, acc_u = _accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, F32_DOT)
+                    wg, wu = load_w(base, ri, kk, inter, H, H, True)
+                    acc_g, acc_u = accumulate(acc_g, acc_u, x_ptr, wg, wu, rt, kk, T, H, H, True, F32_DOT)
             lim = tl.where(shared, shared_limit, limit)
             if SPLIT_K > 1:
                 pofs = rt[:, None] * I_PAD + ri[None, :]
@@ -329,7 +329,7 @@ def _gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, experts_ptr, owned_ptr, wt_ptr, act_
 
 @jit
 def _gate_up_epilogue(acc_g, acc_u, limit, wt_ptr, act_ptr, d, e, shared, inter, rt, ri, T, E, I_PAD: tl.constexpr):
-    act = _swiglu(acc_g, acc_u, limit)
+    act = swiglu_act(acc_g, acc_u, limit)
     w = tl.load(wt_ptr + rt * E + e, mask=(rt < T) & (e < E), other=0.0)
     w = tl.where(shared & (rt < T), 1.0, w)
     act = tl.where(w[:, None] != 0.0, act, 0.0)  # tokens that did not choose this expert contribute 0
@@ -441,7 +441,7 @@ def _down_accumulate(acc, acc2, act_ptr, d, e, wt, w, inter, ri, rt, T, I_PAD: t
     else:
         a = tl.load(act_ptr + d * (16 * I_PAD) + rt[:, None] * I_PAD + ri[None, :],
                     mask=live & (rt[:, None] < T) & (ri[None, :] < inter), other=0.0)
-        acc += _mma(tl.zeros(acc.shape, tl.float32), a, tl.trans(wt), F32_DOT) * w[:, None]
+        acc += mma(tl.zeros(acc.shape, tl.float32), a, tl.trans(wt), F32_DOT) * w[:, None]
     return acc, acc2
 
 
@@ -453,37 +453,11 @@ def _down_epilogue(acc, out_ptr, res_ptr, rt, rh, mask, H, HAS_RES: tl.constexpr
 
 
 # Launch knobs by each expert's rows per rank (192: TP=4, 384: TP=2), then by the step's token count (the
-# smallest key >= T applies): router programs over experts and over H (each streaming router_block_k columns at
-# a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges (split-K) and FMA path,
-# down rows per program, slot shares, FMA path, I columns per chunk (default all) and, at one token, whether a
-# program requests all its (slot, chunk) tiles before the wait (dn_ahead). Chosen by
-# bench/tune_gpu.py on an H200 at Ling-3.0-flash rank shapes (its JSON lists every candidate's time). At T=1
-# each gate-up program requests its rows of one expert over all of H at once (no partial sums to add up), and
-# so does the router: per MoE layer 18.6 -> 16.5 us at TP=4 with 4 rows and 2 warps per gate-up program
-# (tune_t1_preload.json), 26.5 -> 23.4 at TP=2 (12 layers, tune_t1_tp2_preload.json). TP=2 reads down
-# in 128-column chunks: 135.4 -> 119.1 us per MoE layer at T=9 (tune_t9_down_tp2.json). At TP=4 chunks were not
-# faster (tune_t9_down_tp4.json) until the down kernel read its slot ids before its loop, which gives the loop
-# two buffers: then 64-column chunks took its device time ~1,048 -> ~1,031 us per 42-layer T=9 step (all 192
-# columns in two buffers need 82 KB of shared memory: 1,365 us; fused_step_shard42_dnids_*.json), and TP=2's
-# verify step 6.69 -> 6.60 ms (spec_flash_tp2_shard_dnids_*.json). At T=1 at TP=4 each down program takes 16
-# hidden rows of all 9 slots, every tile requested before the wait: no partial sums and no arrival counter
-# after it. Timed in the 42-layer step, not alone (alone, in a chain of MoE layers, an earlier form lost:
-# tune_t1_down_ahead_tp4.json): 1.464-1.467 -> 1.431-1.444 ms in three alternations
-# (fused_step_shard42_down_ahead*.json). TP=2 keeps its split (not timed).
-_ROUTER = dict(router_block_e=8, router_block_k=512, router_split=5, router_warps=4, route_warps=4)
-CONFIGS = {192: {
-    1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
-            gu_block_k=256, gu_split=1, gu_warps=2, gu_fma=True, block_h=16, split_d=1, dn_warps=4, dn_fma=True,
-            dn_ahead=True, dn_block_i=64),
-    16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64, split_d=8,
-             dn_warps=4, dn_fma=False, dn_block_i=64),
-}, 384: {
-    1: dict(router_block_e=8, router_block_k=128, router_split=4, router_warps=4, route_warps=4, block_i=4,
-            gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=True, block_h=32, split_d=16, dn_warps=4, dn_fma=True,
-            dn_block_i=128),
-    16: dict(_ROUTER, block_i=32, gu_block_k=256, gu_split=1, gu_warps=4, gu_fma=False, block_h=64,
-             split_d=8, dn_warps=4, dn_fma=False, dn_block_i=128),
-}}
+# smallest key >= T applies), from tuned.json: router programs over experts and over H (each streaming
+# router_block_k columns at a time) and its warps, the routing's warps, gate-up rows per program, H tile, H ranges
+# (split-K) and FMA path, down rows per program, slot shares, FMA path, I columns per chunk (default all) and, at
+# one token, whether a program requests all its (slot, chunk) tiles before the wait (dn_ahead).
+CONFIGS = by_width(tuned("moe"))
 
 
 def config_for(t: int, rows: int = 192) -> dict:

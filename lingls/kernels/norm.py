@@ -29,7 +29,7 @@ NUM_WARPS = 8  # one row of 2560 per program; the fused all-reduce kernel uses t
 
 
 @jit
-def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.constexpr):
+def add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.constexpr):
     """One row's arithmetic: h = x + r (rounded to r's dtype, written back to r), out = w * (h / rms(h)).
     Shared with the peer all-reduce's fused kernel, which must produce the same bits."""
     h = x
@@ -37,11 +37,11 @@ def _add_rms_norm_row(x, r_ptr, w, out_ptr, offs, m, N, eps, HAS_RESIDUAL: tl.co
         r = tl.load(r_ptr + offs, mask=m, other=0.0)
         h = (x.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
         tl.store(r_ptr + offs, h, mask=m)
-    tl.store(out_ptr + offs, _rms_norm_row(h, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + offs, rms_norm_row(h, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @jit
-def _rms_norm_row(h, w, N, eps):
+def rms_norm_row(h, w, N, eps):
     """w * h / rms(h) in fp32 (w fp32; h's lanes past N are 0), the normed row rounded to h's dtype before the
     weight multiply, as the reference rounds it."""
     hf = h.to(tl.float32)
@@ -52,14 +52,14 @@ def _rms_norm_row(h, w, N, eps):
 @jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sx, sr, so, N, eps,
                          BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program per row (`_add_rms_norm_row`)."""
+    """One program per row (`add_rms_norm_row`)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: safe before the previous kernel ends
     wait_previous(USE_PDL)
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
-    _add_rms_norm_row(x, r_ptr + row * sr, w, out_ptr + row * so, offs, m, N, eps, HAS_RESIDUAL)
+    add_rms_norm_row(x, r_ptr + row * sr, w, out_ptr + row * so, offs, m, N, eps, HAS_RESIDUAL)
 
 
 def fused_add_rms_norm(x, residual, weight, eps: float, *, out=None, pdl: bool = False, num_warps: int = NUM_WARPS):
@@ -101,7 +101,7 @@ def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, res_ptr, out_ptr, N, eps, 
     wait_previous(USE_PDL)
     x = _embedding_row(ids_ptr, table_ptr, row, offs, m, N)
     tl.store(res_ptr + row * N + offs, x, mask=m)
-    tl.store(out_ptr + row * N + offs, _rms_norm_row(x, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + row * N + offs, rms_norm_row(x, w, N, eps).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @jit
@@ -117,14 +117,14 @@ def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wf_ptr, wh_ptr, out_ptr
         w = tl.load(we_ptr + offs, mask=m, other=0.0).to(tl.float32)
         wait_previous(USE_PDL)
         x = _embedding_row(ids_ptr, table_ptr, row, offs, m, N)
-        tl.store(out_ptr + row * so + offs, _rms_norm_row(x, w, N, eps).to(dtype), mask=m)
+        tl.store(out_ptr + row * so + offs, rms_norm_row(x, w, N, eps).to(dtype), mask=m)
     else:
         wf = tl.load(wf_ptr + offs, mask=m, other=0.0).to(tl.float32)
         wh = tl.load(wh_ptr + offs, mask=m, other=0.0).to(tl.float32)
         wait_previous(USE_PDL)
         x = tl.load(h_ptr + row * sh + offs, mask=m, other=0.0)
-        y = _rms_norm_row(x, wf, N, eps).to(dtype)
-        tl.store(out_ptr + row * so + N + offs, _rms_norm_row(y, wh, N, eps).to(dtype), mask=m)
+        y = rms_norm_row(x, wf, N, eps).to(dtype)
+        tl.store(out_ptr + row * so + N + offs, rms_norm_row(y, wh, N, eps).to(dtype), mask=m)
 
 
 def fused_embed_rms_norm(ids, table, weight, eps: float, *, pdl: bool = False, num_warps: int = NUM_WARPS):

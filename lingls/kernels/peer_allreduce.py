@@ -60,7 +60,7 @@ try:
     import triton.language as tl
 
     from lingls.kernels.norm import NUM_WARPS as NORM_WARPS
-    from lingls.kernels.norm import _add_rms_norm_row
+    from lingls.kernels.norm import add_rms_norm_row
 except ImportError:  # CPU-only installs: the fallback serves there
     triton = tl = None
 
@@ -192,7 +192,7 @@ if triton is not None:
         if REDUCE:
             acc = _wait_and_sum(x, offs, mask, row, e, parity, data_ptr, flag_ptr, error_ptr, slot_elems, RANK,
                                 WORLD, BLOCK, MAX_SPIN)
-            _add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), res_ptr + row * N, w, out_ptr + row * N, cols, mask,
+            add_rms_norm_row(acc.to(x_ptr.dtype.element_ty), res_ptr + row * N, w, out_ptr + row * N, cols, mask,
                               N, eps, True)
             tl.store(epochs_ptr + row, e)
 

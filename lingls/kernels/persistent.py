@@ -483,9 +483,9 @@ def check_loader(schedule: Schedule) -> None:
 # The kernel
 
 if triton is not None:
-    from lingls.kernels.kda import _conv_silu, _delta_rule, _sigmoid
-    from lingls.kernels.moe import _load_bias, _route_token
-    from lingls.kernels.norm import _rms_norm_row
+    from lingls.kernels.kda import conv_silu, delta_rule, sigmoid
+    from lingls.kernels.moe import load_bias, route_token
+    from lingls.kernels.norm import rms_norm_row
 
 
 @_jit
@@ -642,7 +642,7 @@ def _norm_task(h_ptr, a_ptr, w_ptr, h1_ptr, x_ptr, cnt_ptr, stamp_ptr, idx, c0, 
         a = tl.load(a_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
         x = (x.to(tl.float32) + a.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h1_ptr + offs, x, mask=m)
-    tl.store(x_ptr + offs, _rms_norm_row(x, w, H, eps).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(x_ptr + offs, rms_norm_row(x, w, H, eps).to(x_ptr.dtype.element_ty), mask=m)
 
 
 @_jit
@@ -686,14 +686,14 @@ def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, c
     k_in = tl.load(p_ptr + C + ck, cache_modifier=".cg")
     f = tl.load(p_ptr + 3 * C + ck, cache_modifier=".cg").to(tl.float32)
     b = tl.load(p_ptr + 5 * C + h, cache_modifier=".cg").to(tl.float32)
-    qt = _conv_silu(wq0, wq1, wq2, wq3, xq0.to(tl.float32), xq1.to(tl.float32), xq2.to(tl.float32),
+    qt = conv_silu(wq0, wq1, wq2, wq3, xq0.to(tl.float32), xq1.to(tl.float32), xq2.to(tl.float32),
                     q_in.to(tl.float32))
-    kt = _conv_silu(wk0, wk1, wk2, wk3, xk0.to(tl.float32), xk1.to(tl.float32), xk2.to(tl.float32),
+    kt = conv_silu(wk0, wk1, wk2, wk3, xk0.to(tl.float32), xk1.to(tl.float32), xk2.to(tl.float32),
                     k_in.to(tl.float32))
     qt = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * q_scale)
     kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-    decay = tl.exp(lower_bound * _sigmoid(rate * (f + dt_bias)))
-    beta = _sigmoid(b)
+    decay = tl.exp(lower_bound * sigmoid(rate * (f + dt_bias)))
+    beta = sigmoid(b)
     qk = tl.sum(qt * kt, 0)
     ety = conv_ptr.dtype.element_ty  # the windows slide by one input (the projected rows, as stored)
     # every chunk's loads go out here, together: inside the chunk loop each chunk's loads had to follow the
@@ -719,10 +719,10 @@ def _kda_task(p_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr, state_ptr, c
         v_in = v_ins[j]
         xv1 = v_win[3 * j + 1]
         xv2 = v_win[3 * j + 2]
-        vt = _conv_silu(v_taps[4 * j].to(tl.float32), v_taps[4 * j + 1].to(tl.float32),
+        vt = conv_silu(v_taps[4 * j].to(tl.float32), v_taps[4 * j + 1].to(tl.float32),
                         v_taps[4 * j + 2].to(tl.float32), v_taps[4 * j + 3].to(tl.float32),
                         v_win[3 * j].to(tl.float32), xv1.to(tl.float32), xv2.to(tl.float32), v_in.to(tl.float32))
-        P, err, S = _delta_rule(S_tiles[j], kt, decay, vt, beta)
+        P, err, S = delta_rule(S_tiles[j], kt, decay, vt, beta)
         o = tl.sum(P * qt[:, None], 0) + qk * err
         tl.store(state_ptr + h * D * D + dk[:, None] * D + j * BV + dv[None, :], S)
         tl.store(conv_ptr + (2 * C + cv) * 3 + 0, xv1)
@@ -749,11 +749,11 @@ def _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, st
                 EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 TIMELINE: tl.constexpr):
     """The grouped top-k of `moe._route_token` on the router's logits: topk_w / topk_i in selection order."""
-    gbias, bias = _load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
+    gbias, bias = load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
     _stamp(stamp_ptr, idx, 1, TIMELINE)
     _wait(cnt_ptr, c0, n0, gen)
     _stamp(stamp_ptr, idx, 2, TIMELINE)
-    _route_token(logit_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, 0, E, scale, 1, TOP_K, K_PAD, G, G_PAD, EPG,
+    route_token(logit_ptr, gbias, bias, topk_w_ptr, topk_i_ptr, wt_ptr, 0, E, scale, 1, TOP_K, K_PAD, G, G_PAD, EPG,
                  EPG_PAD, E_PAD, TOPK_GROUP, True, True)
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from lingls.kernels import jit, tl, triton
-from lingls.kernels.gemv import INTERPRET, MAX_T, _mma, counters
-from lingls.kernels.keys import _NO_KEY, _key, _key_index, _key_value
+from lingls.kernels.gemv import INTERPRET, MAX_T, counters, mma
+from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
 from lingls.kernels.reference import uniform_hash
 
 ARGMAX_BLOCK = 4096  # logits per program of `argmax_rows` (39 programs per row for Ling's 157,184 tokens)
@@ -64,7 +64,7 @@ def _lm_head_kernel(x_ptr, w_ptr, logits_ptr, pv_ptr, pi_ptr, cnt_ptr, val_ptr, 
         kk = i * BLOCK_K + rk
         xt = tl.load(x_ptr + rt[:, None] * K + kk[None, :], mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
         wt = tl.load(w_ptr + rv[:, None] * K + kk[None, :], mask=(rv[:, None] < V) & (kk[None, :] < K), other=0.0)
-        acc = _mma(acc, xt, tl.trans(wt), F32_DOT)
+        acc = mma(acc, xt, tl.trans(wt), F32_DOT)
     valid = (rt[:, None] < T) & (rv[None, :] < V)
     if WRITE_LOGITS:
         tl.store(logits_ptr + rt[:, None] * V + rv[None, :], acc.to(logits_ptr.dtype.element_ty), mask=valid)
@@ -173,22 +173,22 @@ def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, ids_ptr, msg_ptr, V, strid
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < V
     x = tl.load(x_ptr + row * stride + offs, mask=m, other=0.0).to(tl.float32)
-    best = tl.max(tl.where(m, _key(x, offs, 2 ** 31), _NO_KEY), axis=0)
+    best = tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0)
     tl.store(part_ptr + row * NB + blk, best)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
     if arrived == NB - 1:
         r = tl.arange(0, NB_PAD)
-        keys = tl.load(part_ptr + row * NB + r, mask=r < NB, other=_NO_KEY, cache_modifier=".cg")
+        keys = tl.load(part_ptr + row * NB + r, mask=r < NB, other=NO_KEY, cache_modifier=".cg")
         key = tl.max(keys, axis=0)
-        index = _key_index(key, 2 ** 31)
+        index = key_index(key, 2 ** 31)
         token = tl.load(ids_ptr + index).to(tl.int64) if IDS else index.to(tl.int64) + offset
         if RANKS == 1:
             tl.store(out_ptr + row, token)
         else:
             slot = tl.arange(0, RANKS)
             mine = slot == rank
-            tl.store(msg_ptr + slot * T + row, tl.where(mine, _key_value(key), 0.0))
+            tl.store(msg_ptr + slot * T + row, tl.where(mine, key_value(key), 0.0))
             tl.store(msg_ptr + (RANKS + slot) * T + row, tl.where(mine, token.to(tl.float32), 0.0))
         tl.atomic_xchg(cnt_ptr + row, 0)
 
@@ -199,7 +199,7 @@ def picked(msg_ptr, row, T, RANKS: tl.constexpr):
     slots, the first rank among equal scores."""
     slot = tl.arange(0, RANKS)
     scores = tl.load(msg_ptr + slot * T + row)
-    best = _key_index(tl.max(_key(scores, slot, RANKS), axis=0), RANKS)
+    best = key_index(tl.max(make_key(scores, slot, RANKS), axis=0), RANKS)
     return tl.sum(tl.where(slot == best, tl.load(msg_ptr + (RANKS + slot) * T + row), 0.0), axis=0).to(tl.int64)
 
 
