@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -199,15 +200,50 @@ def model_latency(a) -> int:
     return 0
 
 
+# what a prefill kernel is, by its name: (kind, pattern), the first match counts
+KERNEL_KINDS = (
+    ("experts: gate/up (grouped)", r"_grouped_gate_up_kernel"),
+    ("experts: down (grouped)", r"_grouped_down"),
+    ("experts: weighted sum", r"_combine_kernel"),
+    ("experts: routing and sort", r"_route_kernel|_count_kernel|_offsets_kernel|_scatter_kernel|_block_expert"),
+    ("KDA: fla state pass (chunk_gated_delta_rule_fwd_kernel_h)", r"delta_rule_fwd_kernel_h"),
+    ("KDA: fla, other kernels", r"chunk|kda|solve_tril|recompute_w_u|cumsum|fwd_o"),
+    ("KDA: prologue, conv state, gated norm", r"_prologue_kernel|_conv_state_kernel|_gated_norm_kernel"),
+    ("MLA: flash attention", r"flash|fmha|attention"),
+    ("dense GEMMs (cuBLAS)", r"gemm|nvjet|sm90_xmma|cutlass|cublas"),
+    ("residual add + RMSNorm", r"rms_norm"),
+    ("tail step: fused decode kernels", r"_gate_up_kernel|_down_kernel|_route_token|_router_kernel|_gemv|_mla_|kda_"),
+)
+
+
+def kernel_kinds(kernels) -> list[dict]:
+    """Device time of profiled kernels summed by `KERNEL_KINDS` (the rest as 'other'), largest first."""
+    import re
+
+    sums: dict[str, list] = {}
+    for e in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.name)), "other")
+        entry = sums.setdefault(kind, [0.0, 0])
+        entry[0] += e.device_time / 1e3
+        entry[1] += 1
+    return sorted(({"kind": k, "device_ms": ms, "kernels": n} for k, (ms, n) in sums.items()),
+                  key=lambda r: -r["device_ms"])
+
+
 def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> dict:
-    """Where a cold prefill's time goes: its `top` ops and kernels by device time (CUPTI via torch.profiler; the
-    kernels a graph replay runs are listed by name, with no host time of their own), each with its calls and the
-    host time spent in it (a prefill issued op by op can be bound by either), and the device time of all kernels."""
+    """Where a cold prefill's time goes: the prefill alone (its pieces, the head and the first token's choice,
+    no decode step), its `top` ops and kernels by device time (CUPTI via torch.profiler; the kernels a graph
+    replay runs are listed by name, with no host time of their own), each with its calls and the host time
+    spent in it (a prefill issued op by op can be bound by either), the device time of all kernels, and that
+    time by kind of kernel (`kernel_kinds`)."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.cache.reset()
+    _sync(runner)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        ttft_ms(runner, prompt)
+        runner.prefill(prompt, Sampling())
+        _sync(runner)
+    runner.cache.reset()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     rows = [dict(op=e.key[:90], device_ms=e.self_device_time_total / 1e3, host_ms=e.self_cpu_time_total / 1e3,
                  calls=e.count) for e in prof.key_averages()]
@@ -221,8 +257,91 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
         print(f"  {r['device_ms']:9.2f} ms device {r['host_ms']:9.2f} ms host {r['calls']:7d} x  {r['op']}")
     by_host = sorted(rows, key=lambda r: -r["host_ms"])[:10]
     print("  by host time: " + "; ".join(f"{r['op'][:40]} {r['host_ms']:.2f} ms x{r['calls']}" for r in by_host))
+    kinds = kernel_kinds(kernels)
+    print("  by kind: " + "; ".join(f"{k['kind']} {k['device_ms']:.2f} ms ({k['kernels']})" for k in kinds))
     return {"kernels": len(kernels), "kernel_ms": kernel_ms, "kernel_span_ms": span_ms, "top": rows[:top],
-            "top_by_host": by_host}
+            "top_by_host": by_host, "by_kind": kinds}
+
+
+
+# ---- the grouped experts' launch settings, measured on the GPU -------------------------------------------------
+def expert_candidates():
+    """The settings `tune_experts` times (`prefill_moe.Settings`): the previous ones first, then other tiles, the
+    down product as a loop over a block's columns (`_grouped_down_rows_kernel`), and 128-row blocks."""
+    from lingls.kernels.prefill_moe import PREVIOUS, Settings
+
+    return (PREVIOUS,
+            Settings(64, (128, 64, 8, 3), (128, 4, 4, 2), True),
+            Settings(64, (64, 128, 4, 3), (64, 4, 4, 3), True),
+            Settings(64, (64, 64, 4, 4), (128, 1, 8, 2), True),
+            Settings(64, (32, 64, 4, 4), (256, 64, 8, 3)),
+            Settings(128, (64, 64, 8, 3), (128, 64, 8, 3)),
+            Settings(128, (32, 64, 4, 3), (128, 4, 8, 2), True))
+
+
+def tune_experts(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
+    """The grouped experts' settings for each token count in `sizes`, measured on one MoE layer of `model`:
+    fresh random hidden states routed by the layer's router; for every candidate (`expert_candidates`) the
+    sort, the gate/up kernel, the down kernel and the weighted sum timed apart (CUDA events, median of `reps`)
+    and its output compared with the previous settings' and with torch's grouped GEMM (`Experts._grouped`).
+    For each block height the fastest gate/up and down settings that agree (relative difference < 1e-2) are
+    joined, the join checked again, and the fastest join is that size's choice. Returns (the table by token
+    count for `prefill_moe.SETTINGS`, a row per size for the JSON)."""
+    from lingls.kernels import prefill_moe as pm
+    from lingls.model.ling import MoE
+
+    moe = next(layer.mlp for layer in model.decoder_layers if isinstance(layer.mlp, MoE))
+    ex = moe.experts
+    gu, dn, inter, limit = ex.gate_up_proj, ex.down_proj, ex.inter, ex.limit
+    n_exp, hidden = gu.shape[0], gu.shape[2]
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    table, rows = {}, []
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for n in sizes:
+        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        with torch.inference_mode():
+            w, idx = moe.gate(x)
+            k = idx.shape[1]
+            want = ex._grouped(x, w, idx)
+            run = lambda s: pm.moe_prefill_triton(x, w, idx, gu, dn, inter, limit, settings=s)  # noqa: E731
+            base = run(pm.PREVIOUS)
+            timed = []
+            for s in expert_candidates():
+                out = run(s)
+                sort = pm.sort_pairs_triton(idx, n_exp, s.block_m)
+                act = pm.gate_up_act(x, gu, *sort, k, inter, limit, s)
+                y = pm.down_y(act, dn, *sort, n * k, s)
+                timed.append({
+                    "settings": s, "err_vs_previous": rel(out, base), "err_vs_torch": rel(out, want),
+                    "sort_ms": median_ms(lambda: pm.sort_pairs_triton(idx, n_exp, s.block_m), reps, warm=2),
+                    "gate_up_ms": median_ms(lambda: pm.gate_up_act(x, gu, *sort, k, inter, limit, s), reps, warm=2),
+                    "down_ms": median_ms(lambda: pm.down_y(act, dn, *sort, n * k, s), reps, warm=2),
+                    "combine_ms": median_ms(lambda: pm.combine(y, w), reps, warm=2)})
+            joins = []
+            for block_m in sorted({t["settings"].block_m for t in timed}):
+                ok = [t for t in timed if t["settings"].block_m == block_m and t["err_vs_torch"] < 1e-2]
+                if not ok:
+                    continue
+                g = min(ok, key=lambda t: t["gate_up_ms"])
+                d = min(ok, key=lambda t: t["down_ms"])
+                s = g["settings"]._replace(down=d["settings"].down, down_rows=d["settings"].down_rows)
+                err = rel(run(s), want)
+                if err < 1e-2:
+                    joins.append((g["sort_ms"] + g["gate_up_ms"] + d["down_ms"] + g["combine_ms"], s, err))
+            best_ms, best, best_err = min(joins, key=lambda j: j[0])
+            previous_ms = sum(timed[0][key] for key in ("sort_ms", "gate_up_ms", "down_ms", "combine_ms"))
+        table[n] = best
+        rows.append({"tokens": n, "chosen": best._asdict(), "chosen_ms": best_ms, "chosen_err_vs_torch": best_err,
+                     "previous_ms": previous_ms, "previous_err_vs_torch": timed[0]["err_vs_torch"],
+                     "candidates": [dict(t, settings=t["settings"]._asdict()) for t in timed]})
+        print(f"experts at {n} tokens (one layer): previous {previous_ms:.3f} ms (gate/up "
+              f"{timed[0]['gate_up_ms']:.3f}, down {timed[0]['down_ms']:.3f}, sort {timed[0]['sort_ms']:.3f}, sum "
+              f"{timed[0]['combine_ms']:.3f}); chosen {best_ms:.3f} ms {tuple(best)} (rel. diff. from torch's "
+              f"grouped GEMM {best_err:.1e})", flush=True)
+        for t in timed:
+            print(f"    {tuple(t['settings'])}: gate/up {t['gate_up_ms']:.3f} down {t['down_ms']:.3f} ms, "
+                  f"diff {t['err_vs_torch']:.1e}", flush=True)
+    return table, rows
 
 
 # ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
@@ -281,11 +400,27 @@ def legacy_prefill_step(model):
     return step
 
 
-def _use(runner: ModelRunner, path: tuple) -> None:
-    """Put a (prefill step, chunk, prefill graphs?) path into the runner: its step, its chunk as piece size and
-    snapshot spacing, and whether a cold prompt's pieces replay graphs (the padded first piece, the short ones)."""
-    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path
-    runner.cache.every = path[1]
+class PrefillPath(NamedTuple):
+    """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
+    captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the grouped
+    experts' launch settings (`prefill_moe.SETTINGS`) while it runs."""
+    runner: ModelRunner
+    step: object
+    chunk: int
+    graphs: bool
+    experts: dict
+
+
+def _use(path: PrefillPath) -> ModelRunner:
+    """Put a path into its runner and the experts' settings into `prefill_moe`; returns the runner."""
+    from lingls.kernels import prefill_moe
+
+    runner = path.runner
+    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
+    runner.cache.every = path.chunk
+    prefill_moe.SETTINGS = path.experts
+    return runner
 
 
 def _torch_ops(step):
@@ -441,12 +576,18 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
+    from lingls.kernels import prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
+    expert_table, tuning = prefill_moe.SETTINGS, None
+    if a.tune_experts:  # before the warm-up: its graphs are captured with the chosen kernels
+        buckets = sorted({runner.prefill_bucket(t - 8) or t for t in sizes})
+        expert_table, tuning = tune_experts(model, buckets)
+        prefill_moe.SETTINGS = expert_table
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     warmup_s = time.perf_counter() - t0
@@ -454,16 +595,24 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": (runner.prefill_step, a.chunk, runner.prefill_graphs)}
-    if runner.fused is not None:  # the runner's step swapped in: its tail as two pieces, each a weight stream
-        paths["two_tail_pieces"] = (_two_tail_pieces(runner), a.chunk, runner.prefill_graphs)
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, expert_table)}
+    if tuning and any(s != prefill_moe.PREVIOUS for s in expert_table.values()):  # the previous settings, graphed
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
+        previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
+        paths["previous_experts"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
+                                          {max(expert_table): prefill_moe.PREVIOUS})
+    if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
+        paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
+                                         expert_table)  # as two pieces, each a weight stream
     if runner.prefill_graphs:
-        paths["eager"] = (runner.prefill_step, a.chunk, False)
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, expert_table)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = (runner.prefill_step, chunk, False)
-    paths["eager_torch_ops"] = (_torch_ops(runner.prefill_step), a.chunk, False)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, expert_table)
+    if "eager_torch_ops" not in a.skip:
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False,
+                                           expert_table)
     if not a.no_baseline:
-        paths["before_issue_39"] = (legacy_prefill_step(model), 2048, False)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, expert_table)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -474,13 +623,14 @@ def flash_prefill(a) -> int:
         row = {"tokens": t, "tflop": fl.prefill_flops(model, t) / 1e12,
                "distinct_experts_mean": sum(experts) / len(experts), **floor}
         for name, path in paths.items():
-            _use(runner, path)
-            runner.cache.reset()
-            ttft_ms(runner, prompts[t])  # first use of this size: allocations, kernels' first launches
-            ms, issued = _timed_cold(runner, prompts[t], a.reps)
+            r = _use(path)
+            r.cache.reset()
+            ttft_ms(r, prompts[t])  # first use of this size: allocations, kernels' first launches, a graph's capture
+            ms, issued = _timed_cold(r, prompts[t], a.reps)
             row[f"{name}_ms"], row[f"{name}_x_floor"], row[f"{name}_issue_ms"] = ms, ms / floor["floor_ms"], issued
-        _use(runner, paths["runtime"])
-        row["runtime_first_piece_graph_ms"] = _first_piece_graph_ms(runner, prompts[t])
+        for name in ("runtime", "previous_experts"):
+            if name in paths:
+                row[f"{name}_first_piece_graph_ms"] = _first_piece_graph_ms(_use(paths[name]), prompts[t])
         print(f"{t:6d} tokens: " + ", ".join(f"{n} {row[n + '_ms']:.1f} ms (x{row[n + '_x_floor']:.1f}, "
                                                 f"issued in {row[n + '_issue_ms']:.1f})" for n in paths)
               + f"; floor {floor['floor_ms']:.1f} ms (FLOPs {floor['flop_ms']:.1f}, bytes {floor['byte_ms']:.1f}; "
@@ -491,18 +641,16 @@ def flash_prefill(a) -> int:
     checks = {}
     for t in sizes:  # every path against the eager one on the same prompt (same weights, same tokens)
         ref_name = "eager" if "eager" in paths else "runtime"
-        _use(runner, paths[ref_name])
-        ref = _prefill_result(runner, prompts[t])
+        ref = _prefill_result(_use(paths[ref_name]), prompts[t])
         checks[t] = {}
         for name in paths:
             if name != ref_name:
-                _use(runner, paths[name])
-                checks[t][f"{name}_vs_{ref_name}"] = _compare(_prefill_result(runner, prompts[t]), ref)
-        _use(runner, paths["runtime"])
-        checks[t]["padded_graph_vs_padded_eager"] = _padded_graph_exact(runner, prompts[t])
+                checks[t][f"{name}_vs_{ref_name}"] = _compare(_prefill_result(_use(paths[name]), prompts[t]), ref)
+        checks[t]["padded_graph_vs_padded_eager"] = _padded_graph_exact(_use(paths["runtime"]), prompts[t])
         print(f"{t:6d} tokens, results against {ref_name}: {json.dumps(checks[t])}", flush=True)
     # prefix reuse after the runtime's cold prefill of the largest prompt: the last token edited, then one appended
     prompt = prompts[max(sizes)]
+    _use(paths["runtime"])
     runner.cache.reset()
     ttft_ms(runner, prompt)
     edits, reused = [], []
@@ -515,13 +663,12 @@ def flash_prefill(a) -> int:
     ops = {}
     if a.profile:  # the runtime's path at each profiled size, the eager one (thousands of ops) at the first
         sizes_profiled = [int(x) for x in a.profile_tokens.split(",") if int(x) in prompts]
-        for i, t in enumerate(sizes_profiled):
-            for name in ("runtime", "eager") if i == 0 else ("runtime",):
+        for t in sizes_profiled:
+            for name in a.profile_paths.split(","):
                 if name in paths:
                     print(f"{name}: the {a.profile} largest ops and kernels of a cold {t}-token prefill")
-                    _use(runner, paths[name])
-                    ops[f"{name}_{t}"] = cold_prefill_profile(runner, prompts[t], a.profile)
-        _use(runner, paths["runtime"])
+                    ops[f"{name}_{t}"] = cold_prefill_profile(_use(paths[name]), prompts[t], a.profile)
+        _use(paths["runtime"])
     result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla": fla_version(),
               "layers": a.layers, "tp": a.tp, "prefill_chunk": a.chunk, "reps": a.reps, "paths": list(paths),
               "warmup_s": warmup_s, "matmul_peak_tflops": peak, "copy_TBps": bw / 1e12, "cold": rows,
@@ -529,7 +676,9 @@ def flash_prefill(a) -> int:
               "edit_prompt_tokens": len(prompt), "edit_ttft_ms": edits,
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
-              "serve_ttft": "not measured (lingls serve runs a whole model; a TP=4 rank's shard alone is not servable)",
+              "experts_settings": {str(n): s._asdict() for n, s in expert_table.items()},
+              **({"experts_tuning": tuning} if tuning else {}),
+              "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -572,8 +721,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/results/prefix.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one more cold prefill by each path: its N largest ops by device time")
-    p.add_argument("--profile-tokens", default="1536",
-                   help="the profiled prompts' lengths (of --sizes; a,b,...: the eager path at the first only)")
+    p.add_argument("--profile-tokens", default="1536", help="the profiled prompts' lengths (of --sizes; a,b,...)")
+    p.add_argument("--profile-paths", default="runtime", help="the paths profiled (a,b,...)")
+    p.add_argument("--tune-experts", action="store_true",
+                   help="first time the grouped experts' candidate settings at each size's bucket, run with the "
+                        "fastest, and time the previous settings beside them (path previous_experts)")
+    p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:
         import argparse as _argparse
