@@ -12,7 +12,13 @@ Per size, one streaming greedy completion of --new-tokens tokens per run, each p
 synthetic tokenizer (one token each, so nothing is reused from the prompt before); TTFT is the client's time
 from sending the request to the first streamed chunk with text. A first request, not counted, goes before them.
 
-    python -m bench.serve_ttft [--sizes 512,1536,4096,8192] [--runs 3] [--layers 42] [--model DIR] --out OUT.json
+With `--kernels-from PREFIX.json` the server runs the prefill kernels' settings that `lingls bench prefix --tune`
+chose in that result (the grouped experts' launch settings, the KDA state pass's runs) instead of the tree's
+tables: the server is started as `python -m bench.serve_ttft --serve-with PREFIX.json -- serve ...`, which sets
+them and runs `lingls.cli.main`.
+
+    python -m bench.serve_ttft [--sizes 512,1536,4096,8192] [--runs 3] [--layers 42] [--model DIR]
+                               [--kernels-from PREFIX.json] --out OUT.json
 """
 
 from __future__ import annotations
@@ -48,7 +54,25 @@ def rank_config(layers: int = 42, tp: int = 4, context: int = 16384):
     return cfg
 
 
+def serve_with(prefix_json: str, argv: list[str]) -> int:
+    """`lingls` with the prefill kernels' settings recorded in a `lingls bench prefix` result."""
+    import json
+
+    from lingls.cli import main as lingls_main
+    from lingls.kernels import prefill_kda_state, prefill_moe
+
+    result = json.loads(Path(prefix_json).read_text())
+    prefill_moe.SETTINGS = {int(n): prefill_moe.Settings(**{k: tuple(v) if isinstance(v, list) else v
+                                                              for k, v in s.items()})
+                            for n, s in result["experts_settings"].items()}
+    prefill_kda_state.PARTS = {int(n): parts for n, parts in result["kda_split_parts"].items()}
+    return lingls_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-with"]:
+        return serve_with(argv[1], argv[3:])  # --serve-with FILE -- lingls arguments
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model directory (default: a weightless TP=4 rank-shaped one)")
     p.add_argument("--layers", type=int, default=42, help="decoder layers of the rank-shaped checkpoint")
@@ -56,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="completions per size (the median is reported)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds for the server to load and warm up")
+    p.add_argument("--kernels-from", metavar="PREFIX_JSON", default=None,
+                   help="serve with the prefill kernels' settings of this `lingls bench prefix` result")
     p.add_argument("--out", default="bench/results/serve_ttft.json")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -77,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             None, None, None
         port = _free_port()
         t0 = time.perf_counter()
-        proc = start_server(args, port, out.with_suffix(".log"))
+        launcher = [sys.executable, "-m", "bench.serve_ttft", "--serve-with", args.kernels_from, "--"] \
+            if args.kernels_from else None
+        proc = start_server(args, port, out.with_suffix(".log"), launcher)
         load_s = time.perf_counter() - t0
         print(f"lingls serve ready in {load_s:.1f} s (load and warm-up): {label}", flush=True)
         rows = []
@@ -98,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     result = {"bench": "serve_ttft", "model": label, "layers": args.layers, "load_s": load_s, "runs": args.runs,
+              "kernels_from": args.kernels_from,
               "new_tokens": args.new_tokens, "sizes": rows, **metrics, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_result(out, result)
     print("\n| prompt tokens | TTFT through lingls serve (median) |\n|---|---|")

@@ -344,6 +344,65 @@ def tune_experts(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[di
     return table, rows
 
 
+def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
+    """How many runs the KDA state pass of a prefill of each size in `sizes` is split into
+    (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
+    (q, k L2-normalised, q scaled, gates in (lower bound, 0), beta in (0, 1)) and a random initial state; for
+    every run count (1: fla's chunk_kda unsplit) the time (CUDA events, median of `reps`) and the relative error
+    of the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`). The
+    fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the table by
+    token count for `prefill_kda_state.PARTS`, a row per size)."""
+    from lingls.kernels import prefill_kda_state as ks
+    from lingls.kernels import reference as ref
+    from lingls.model.ling import KimiDeltaAttention, _fla_chunk_kda
+
+    attn = next(layer.attention for layer in model.decoder_layers if isinstance(layer.attention, KimiDeltaAttention))
+    heads, d, lower = attn.heads, attn.d, attn.lower_bound
+    fla = _fla_chunk_kda()
+    if fla is None or not ks.available():
+        print("KDA split: fla-core 0.6.0 absent, the unsplit pass serves", flush=True)
+        return {max(sizes): 1}, []
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    table, rows = {}, []
+    for t in sizes:
+        rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+        q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
+        k = ref.l2_normalize(rnd(1, t, heads, d))
+        v = rnd(1, t, heads, d)
+        g = lower * torch.sigmoid(rnd(1, t, heads, d) - 4)  # mostly slow decay, as trained gates are
+        beta = torch.sigmoid(rnd(1, t, heads))
+        s0 = rnd(1, heads, d, d) * 0.05
+        with torch.inference_mode():
+            o_ref, s_ref = ref.kda_chunked(q, k, v, g, beta, s0)
+            options = []
+            for parts in (1, 2, 4, 8, 16):
+                if parts > 1 and parts > -(-t // ks.CHUNK) // 2:
+                    continue
+                if parts == 1:
+                    run = lambda: fla(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=s0,  # noqa: E731
+                                      output_final_state=True, use_qk_l2norm_in_kernel=False)
+                else:
+                    run = lambda parts=parts: ks.chunk_kda(q, k, v, g, beta, s0, parts)  # noqa: E731
+                try:
+                    o, s = run()
+                    options.append({"parts": parts, "ms": median_ms(run, reps, warm=2), "o_err": rel(o, o_ref),
+                                    "state_err": rel(s, s_ref)})
+                except Exception as e:  # a failed split is reported and not chosen
+                    options.append({"parts": parts, "error": repr(e)[:300]})
+        base = options[0]
+        ok = [o for o in options if "ms" in o and o["o_err"] <= 2 * base["o_err"] + 1e-4
+              and o["state_err"] <= 2 * base["state_err"] + 1e-4]
+        best = min(ok, key=lambda o: o["ms"])
+        table[t] = best["parts"]
+        rows.append({"tokens": t, "chosen_parts": best["parts"], "options": options})
+        print(f"KDA state pass at {t} tokens (one layer, {heads} heads): " + "; ".join(
+            f"{o['parts']} runs {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e})" if "ms" in o
+            else f"{o['parts']} runs failed: {o['error'][:80]}" for o in options) + f"; chosen {best['parts']}",
+            flush=True)
+    return table, rows
+
+
 # ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
 def legacy_prefill_step(model):
     """The prefill step as it was before issue 39 (9f7a14b), kept here only as the benchmark's baseline: every
@@ -403,23 +462,25 @@ def legacy_prefill_step(model):
 class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
-    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the grouped
-    experts' launch settings (`prefill_moe.SETTINGS`) while it runs."""
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the grouped
+    experts' launch settings (`prefill_moe.SETTINGS`) and the KDA state pass's runs (`prefill_kda_state.PARTS`)
+    while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     experts: dict
+    kda_parts: dict
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner and the experts' settings into `prefill_moe`; returns the runner."""
-    from lingls.kernels import prefill_moe
+    """Put a path into its runner and its kernels' settings into their modules; returns the runner."""
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
-    prefill_moe.SETTINGS = path.experts
+    prefill_moe.SETTINGS, prefill_kda_state.PARTS = path.experts, path.kda_parts
     return runner
 
 
@@ -576,18 +637,22 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_moe
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
-    expert_table, tuning = prefill_moe.SETTINGS, None
-    if a.tune_experts:  # before the warm-up: its graphs are captured with the chosen kernels
+    expert_table, kda_table, tuning = prefill_moe.SETTINGS, prefill_kda_state.PARTS, None
+    if a.no_kda_split:
+        kda_table = prefill_kda_state.PARTS = prefill_kda_state.PREVIOUS
+    if a.tune:  # before the warm-up: its graphs are captured with the chosen kernels
         buckets = sorted({runner.prefill_bucket(t - 8) or t for t in sizes})
-        expert_table, tuning = tune_experts(model, buckets)
-        prefill_moe.SETTINGS = expert_table
+        kda_table, kda_tuning = tune_kda_split(model, buckets) if not a.no_kda_split else (kda_table, [])
+        expert_table, expert_tuning = tune_experts(model, buckets)
+        prefill_moe.SETTINGS, prefill_kda_state.PARTS = expert_table, kda_table
+        tuning = {"experts": expert_tuning, "kda_split": kda_tuning}
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     warmup_s = time.perf_counter() - t0
@@ -595,24 +660,24 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, expert_table)}
-    if tuning and any(s != prefill_moe.PREVIOUS for s in expert_table.values()):  # the previous settings, graphed
+    tables = (expert_table, kda_table)
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, *tables)}
+    if a.previous:  # the previous kernels' settings (experts, unsplit KDA state pass), graphed on a runner of their own
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
-        paths["previous_experts"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                          {max(expert_table): prefill_moe.PREVIOUS})
+        paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
+                                        {8192: prefill_moe.PREVIOUS}, prefill_kda_state.PREVIOUS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
-                                         expert_table)  # as two pieces, each a weight stream
-    if runner.prefill_graphs:
-        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, expert_table)
+                                         *tables)  # as two pieces, each a weight stream
+    if runner.prefill_graphs and "eager" not in a.skip:
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, *tables)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, expert_table)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, *tables)
     if "eager_torch_ops" not in a.skip:
-        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False,
-                                           expert_table)
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, *tables)
     if not a.no_baseline:
-        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, expert_table)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, *tables)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -628,7 +693,7 @@ def flash_prefill(a) -> int:
             ttft_ms(r, prompts[t])  # first use of this size: allocations, kernels' first launches, a graph's capture
             ms, issued = _timed_cold(r, prompts[t], a.reps)
             row[f"{name}_ms"], row[f"{name}_x_floor"], row[f"{name}_issue_ms"] = ms, ms / floor["floor_ms"], issued
-        for name in ("runtime", "previous_experts"):
+        for name in ("runtime", "previous"):
             if name in paths:
                 row[f"{name}_first_piece_graph_ms"] = _first_piece_graph_ms(_use(paths[name]), prompts[t])
         print(f"{t:6d} tokens: " + ", ".join(f"{n} {row[n + '_ms']:.1f} ms (x{row[n + '_x_floor']:.1f}, "
@@ -677,7 +742,8 @@ def flash_prefill(a) -> int:
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
               "experts_settings": {str(n): s._asdict() for n, s in expert_table.items()},
-              **({"experts_tuning": tuning} if tuning else {}),
+              "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
+              **({"tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
@@ -723,10 +789,13 @@ def main(argv: list[str]) -> int:
                    help="also profile one more cold prefill by each path: its N largest ops by device time")
     p.add_argument("--profile-tokens", default="1536", help="the profiled prompts' lengths (of --sizes; a,b,...)")
     p.add_argument("--profile-paths", default="runtime", help="the paths profiled (a,b,...)")
-    p.add_argument("--tune-experts", action="store_true",
-                   help="first time the grouped experts' candidate settings at each size's bucket, run with the "
-                        "fastest, and time the previous settings beside them (path previous_experts)")
-    p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager_torch_ops; a,b,...)")
+    p.add_argument("--tune", action="store_true",
+                   help="first time the grouped experts' candidate settings and the KDA state pass's splits at each "
+                        "size's bucket and run with the fastest that agree with their references")
+    p.add_argument("--no-kda-split", action="store_true", help="the KDA state pass unsplit on every path")
+    p.add_argument("--previous", action="store_true",
+                   help="also time the previous kernels' settings (experts, unsplit KDA), graphed (path previous)")
+    p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:
         import argparse as _argparse
