@@ -267,16 +267,18 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
 # ---- the grouped experts' launch settings, measured on the GPU -------------------------------------------------
 def expert_candidates():
     """The settings `tune_experts` times (`prefill_moe.Settings`): the previous ones first, then other tiles, the
-    down product as a loop over a block's columns (`_grouped_down_rows_kernel`), and 128-row blocks."""
+    down product as a loop over a block's columns (`_grouped_down_rows_kernel`), 128-row blocks (8,192 tokens
+    give an expert ~128 pairs) and 32-row blocks (1,536 and 4,096 tokens give it ~24 and ~64: a 64-row block
+    is then up to half padding)."""
     from lingls.kernels.prefill_moe import PREVIOUS, Settings
 
     return (PREVIOUS,
             Settings(64, (128, 64, 8, 3), (128, 4, 4, 2), True),
             Settings(64, (64, 128, 4, 3), (64, 4, 4, 3), True),
             Settings(64, (64, 64, 4, 4), (128, 1, 8, 2), True),
-            Settings(64, (32, 64, 4, 4), (256, 64, 8, 3)),
             Settings(128, (64, 64, 8, 3), (128, 64, 8, 3)),
-            Settings(128, (32, 64, 4, 3), (128, 4, 8, 2), True))
+            Settings(32, (64, 64, 4, 3), (128, 64, 4, 3)),
+            Settings(32, (64, 128, 4, 3), (128, 4, 4, 3), True))
 
 
 def tune_experts(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
