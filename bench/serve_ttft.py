@@ -12,10 +12,9 @@ Per size, one streaming greedy completion of --new-tokens tokens per run, each p
 synthetic tokenizer (one token each, so nothing is reused from the prompt before); TTFT is the client's time
 from sending the request to the first streamed chunk with text. A first request, not counted, goes before them.
 
-With `--kernels-from PREFIX.json` the server runs the prefill kernels' settings that `lingls bench prefix --tune`
-chose in that result (the grouped experts' launch settings, the KDA state pass's runs) instead of the tree's
-tables: the server is started as `python -m bench.serve_ttft --serve-with PREFIX.json -- serve ...`, which sets
-them and runs `lingls.cli.main`.
+With `--kernels-from PREFIX.json` the server splits the KDA state pass as `lingls bench prefix --tune` chose in that
+result (`prefill_kda_state.PARTS`) instead of the tree's table: the server is started as
+`python -m bench.serve_ttft --serve-with PREFIX.json -- serve ...`, which sets it and runs `lingls.cli.main`.
 
     python -m bench.serve_ttft [--sizes 512,1536,4096,8192] [--runs 3] [--layers 42] [--model DIR]
                                [--kernels-from PREFIX.json] --out OUT.json
@@ -55,16 +54,13 @@ def rank_config(layers: int = 42, tp: int = 4, context: int = 16384):
 
 
 def serve_with(prefix_json: str, argv: list[str]) -> int:
-    """`lingls` with the prefill kernels' settings recorded in a `lingls bench prefix` result."""
+    """`lingls` with the KDA state pass's runs recorded in a `lingls bench prefix` result."""
     import json
 
     from lingls.cli import main as lingls_main
-    from lingls.kernels import prefill_kda_state, prefill_moe
+    from lingls.kernels import prefill_kda_state
 
     result = json.loads(Path(prefix_json).read_text())
-    prefill_moe.SETTINGS = {int(n): prefill_moe.Settings(**{k: tuple(v) if isinstance(v, list) else v
-                                                              for k, v in s.items()})
-                            for n, s in result["experts_settings"].items()}
     prefill_kda_state.PARTS = {int(n): parts for n, parts in result["kda_split_parts"].items()}
     return lingls_main(argv)
 
@@ -81,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds for the server to load and warm up")
     p.add_argument("--kernels-from", metavar="PREFIX_JSON", default=None,
-                   help="serve with the prefill kernels' settings of this `lingls bench prefix` result")
+                   help="serve with the KDA state pass's runs of this `lingls bench prefix` result")
     p.add_argument("--out", default="bench/results/serve_ttft.json")
     args = p.parse_args(argv)
     out = Path(args.out)

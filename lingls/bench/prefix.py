@@ -7,9 +7,12 @@ bf16 matmul peak and its weight bytes over the copy rate, both measured in the s
 and the time the host takes to issue the prefill. Then the graphed and eager paths' results on every prompt
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
-kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--profile N` adds
-the runtime's and the eager path's N largest ops and kernels of one cold prefill (device time: kernels inside a
-graph replay are listed by name).
+kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
+the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
+how the runtime splits it (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
+largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
+listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
+at the same sizes: `python -m bench.serve_ttft`.
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
@@ -264,88 +267,7 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
 
 
 
-# ---- the grouped experts' launch settings, measured on the GPU -------------------------------------------------
-def expert_candidates():
-    """The settings `tune_experts` times (`prefill_moe.Settings`): the previous ones first, then other tiles, the
-    down product as a loop over a block's columns (`_grouped_down_rows_kernel`), 128-row blocks (8,192 tokens
-    give an expert ~128 pairs) and 32-row blocks (1,536 and 4,096 tokens give it ~24 and ~64: a 64-row block
-    is then up to half padding)."""
-    from lingls.kernels.prefill_moe import PREVIOUS, Settings
-
-    return (PREVIOUS,
-            Settings(64, (128, 64, 8, 3), (128, 4, 4, 2), True),
-            Settings(64, (64, 128, 4, 3), (64, 4, 4, 3), True),
-            Settings(64, (64, 64, 4, 4), (128, 1, 8, 2), True),
-            Settings(128, (64, 64, 8, 3), (128, 64, 8, 3)),
-            Settings(32, (64, 64, 4, 3), (128, 64, 4, 3)),
-            Settings(32, (64, 128, 4, 3), (128, 4, 4, 3), True))
-
-
-def tune_experts(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
-    """The grouped experts' settings for each token count in `sizes`, measured on one MoE layer of `model`:
-    fresh random hidden states routed by the layer's router; for every candidate (`expert_candidates`) the
-    sort, the gate/up kernel, the down kernel and the weighted sum timed apart (CUDA events, median of `reps`)
-    and its output compared with the previous settings' and with torch's grouped GEMM (`Experts._grouped`).
-    For each block height the fastest gate/up and down settings that agree (relative difference < 1e-2) are
-    joined, the join checked again, and the fastest join is that size's choice. Returns (the table by token
-    count for `prefill_moe.SETTINGS`, a row per size for the JSON)."""
-    from lingls.kernels import prefill_moe as pm
-    from lingls.model.ling import MoE
-
-    moe = next(layer.mlp for layer in model.decoder_layers if isinstance(layer.mlp, MoE))
-    ex = moe.experts
-    gu, dn, inter, limit = ex.gate_up_proj, ex.down_proj, ex.inter, ex.limit
-    n_exp, hidden = gu.shape[0], gu.shape[2]
-    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-    table, rows = {}, []
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    for n in sizes:
-        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-        with torch.inference_mode():
-            w, idx = moe.gate(x)
-            k = idx.shape[1]
-            want = ex._grouped(x, w, idx)
-            run = lambda s: pm.moe_prefill_triton(x, w, idx, gu, dn, inter, limit, settings=s)  # noqa: E731
-            base = run(pm.PREVIOUS)
-            timed = []
-            for s in expert_candidates():
-                out = run(s)
-                sort = pm.sort_pairs_triton(idx, n_exp, s.block_m)
-                act = pm.gate_up_act(x, gu, *sort, k, inter, limit, s)
-                y = pm.down_y(act, dn, *sort, n * k, s)
-                timed.append({
-                    "settings": s, "err_vs_previous": rel(out, base), "err_vs_torch": rel(out, want),
-                    "sort_ms": median_ms(lambda: pm.sort_pairs_triton(idx, n_exp, s.block_m), reps, warm=2),
-                    "gate_up_ms": median_ms(lambda: pm.gate_up_act(x, gu, *sort, k, inter, limit, s), reps, warm=2),
-                    "down_ms": median_ms(lambda: pm.down_y(act, dn, *sort, n * k, s), reps, warm=2),
-                    "combine_ms": median_ms(lambda: pm.combine(y, w), reps, warm=2)})
-            joins = []
-            for block_m in sorted({t["settings"].block_m for t in timed}):
-                ok = [t for t in timed if t["settings"].block_m == block_m and t["err_vs_torch"] < 1e-2]
-                if not ok:
-                    continue
-                g = min(ok, key=lambda t: t["gate_up_ms"])
-                d = min(ok, key=lambda t: t["down_ms"])
-                s = g["settings"]._replace(down=d["settings"].down, down_rows=d["settings"].down_rows)
-                err = rel(run(s), want)
-                if err < 1e-2:
-                    joins.append((g["sort_ms"] + g["gate_up_ms"] + d["down_ms"] + g["combine_ms"], s, err))
-            best_ms, best, best_err = min(joins, key=lambda j: j[0])
-            previous_ms = sum(timed[0][key] for key in ("sort_ms", "gate_up_ms", "down_ms", "combine_ms"))
-        table[n] = best
-        rows.append({"tokens": n, "chosen": best._asdict(), "chosen_ms": best_ms, "chosen_err_vs_torch": best_err,
-                     "previous_ms": previous_ms, "previous_err_vs_torch": timed[0]["err_vs_torch"],
-                     "candidates": [dict(t, settings=t["settings"]._asdict()) for t in timed]})
-        print(f"experts at {n} tokens (one layer): previous {previous_ms:.3f} ms (gate/up "
-              f"{timed[0]['gate_up_ms']:.3f}, down {timed[0]['down_ms']:.3f}, sort {timed[0]['sort_ms']:.3f}, sum "
-              f"{timed[0]['combine_ms']:.3f}); chosen {best_ms:.3f} ms {tuple(best)} (rel. diff. from torch's "
-              f"grouped GEMM {best_err:.1e})", flush=True)
-        for t in timed:
-            print(f"    {tuple(t['settings'])}: gate/up {t['gate_up_ms']:.3f} down {t['down_ms']:.3f} ms, "
-                  f"diff {t['err_vs_torch']:.1e}", flush=True)
-    return table, rows
-
-
+# ---- the KDA state pass's split, measured on the GPU -----------------------------------------------------------
 def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
     """How many runs the KDA state pass of a prefill of each size in `sizes` is split into
     (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
@@ -464,25 +386,23 @@ def legacy_prefill_step(model):
 class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
-    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the grouped
-    experts' launch settings (`prefill_moe.SETTINGS`) and the KDA state pass's runs (`prefill_kda_state.PARTS`)
-    while it runs."""
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the KDA state
+    pass's runs (`prefill_kda_state.PARTS`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
-    experts: dict
     kda_parts: dict
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner and its kernels' settings into their modules; returns the runner."""
-    from lingls.kernels import prefill_kda_state, prefill_moe
+    """Put a path into its runner and its KDA state pass's runs into `prefill_kda_state`; returns the runner."""
+    from lingls.kernels import prefill_kda_state
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
-    prefill_moe.SETTINGS, prefill_kda_state.PARTS = path.experts, path.kda_parts
+    prefill_kda_state.PARTS = path.kda_parts
     return runner
 
 
@@ -639,22 +559,17 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda_state, prefill_moe
+    from lingls.kernels import prefill_kda_state
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
-    expert_table, kda_table, tuning = prefill_moe.SETTINGS, prefill_kda_state.PARTS, None
-    if a.no_kda_split:
-        kda_table = prefill_kda_state.PARTS = prefill_kda_state.PREVIOUS
-    if a.tune:  # before the warm-up: its graphs are captured with the chosen kernels
-        buckets = sorted({runner.prefill_bucket(t - 8) or t for t in sizes})
-        kda_table, kda_tuning = tune_kda_split(model, buckets) if not a.no_kda_split else (kda_table, [])
-        expert_table, expert_tuning = tune_experts(model, buckets)
-        prefill_moe.SETTINGS, prefill_kda_state.PARTS = expert_table, kda_table
-        tuning = {"experts": expert_tuning, "kda_split": kda_tuning}
+    kda_table, tuning = prefill_kda_state.PARTS, None
+    if a.tune:  # before the warm-up: its graphs are captured with the chosen runs
+        kda_table, tuning = tune_kda_split(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
+        prefill_kda_state.PARTS = kda_table
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     warmup_s = time.perf_counter() - t0
@@ -662,24 +577,23 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    tables = (expert_table, kda_table)
-    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, *tables)}
-    if a.previous:  # the previous kernels' settings (experts, unsplit KDA state pass), graphed on a runner of their own
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table)}
+    if a.previous:  # the unsplit KDA state pass, graphed on a runner of its own (a graph bakes in its kernels)
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        {8192: prefill_moe.PREVIOUS}, prefill_kda_state.PREVIOUS)
+                                        prefill_kda_state.PREVIOUS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
-                                         *tables)  # as two pieces, each a weight stream
+                                         kda_table)  # as two pieces, each a weight stream
     if runner.prefill_graphs and "eager" not in a.skip:
-        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, *tables)
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, *tables)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table)
     if "eager_torch_ops" not in a.skip:
-        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, *tables)
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table)
     if not a.no_baseline:
-        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, *tables)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -743,9 +657,8 @@ def flash_prefill(a) -> int:
               "edit_prompt_tokens": len(prompt), "edit_ttft_ms": edits,
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
-              "experts_settings": {str(n): s._asdict() for n, s in expert_table.items()},
               "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
-              **({"tuning": tuning} if tuning else {}),
+              **({"kda_split_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
@@ -792,11 +705,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile-tokens", default="1536", help="the profiled prompts' lengths (of --sizes; a,b,...)")
     p.add_argument("--profile-paths", default="runtime", help="the paths profiled (a,b,...)")
     p.add_argument("--tune", action="store_true",
-                   help="first time the grouped experts' candidate settings and the KDA state pass's splits at each "
-                        "size's bucket and run with the fastest that agree with their references")
-    p.add_argument("--no-kda-split", action="store_true", help="the KDA state pass unsplit on every path")
+                   help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
+                        "run with the fastest that agrees with the torch form")
     p.add_argument("--previous", action="store_true",
-                   help="also time the previous kernels' settings (experts, unsplit KDA), graphed (path previous)")
+                   help="also time the unsplit KDA state pass, graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

@@ -27,9 +27,10 @@ import torch
 from lingls.kernels import by_tokens
 
 CHUNK = 64  # fla's KDA chunk size
-# runs of the state pass by prompt tokens (`by_tokens`: the smallest key >= T); 1: fla's chunk_kda unsplit
-PARTS: dict[int, int] = {1024: 1, 2048: 4, 4096: 8, 8192: 8}
-PREVIOUS: dict[int, int] = {8192: 1}  # the unsplit pass everywhere (`lingls bench prefix` times it beside)
+# runs of the state pass by prompt tokens (`by_tokens`: the smallest key >= T); 1: fla's chunk_kda unsplit.
+# Unsplit until a GPU run measures the split (`lingls bench prefix --tune --previous`): it has not run on one yet
+PARTS: dict[int, int] = {8192: 1}
+PREVIOUS: dict[int, int] = {8192: 1}  # the unsplit pass everywhere (`lingls bench prefix --previous` times it)
 _FLA: list = []
 
 

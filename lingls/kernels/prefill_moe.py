@@ -7,11 +7,8 @@ from a table and leaves at once where the block lies past the last expert's run)
 - `_grouped_gate_up_kernel`: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and
   up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
 - `_grouped_down_kernel`: y = act Wd^T, written to the pair's own row (token-major, [N*k, H]), so the weighted
-  sum over a token's k experts is a plain reduction afterwards, in a fixed order; one program per (block,
-  column tile), whose K loop is short (the expert width: 192 at a TP=4 rank of Ling-3.0-flash, three 64-column steps);
-- `_grouped_down_rows_kernel`: the same product with the block's act rows loaded once (the whole expert width,
-  padded to a power of two) and a loop over the block's share of the output columns, the weight tiles
-  streamed through the software pipeline instead of a program per tile;
+  sum over a token's k experts is a plain reduction afterwards, in a fixed order;
+(named apart from the fused decode step's `_gate_up_kernel` and `_down_kernel`, so a profile tells them apart);
 - `_combine_kernel`: that reduction, sum_j w_j * y_j in fp32 rounded once, in one pass over y (torch's upcast,
   multiply and sum wrote and read fp32 copies of y: ~2 GB a layer at 8,192 tokens).
 Before them, two steps that were a few dozen small torch ops per layer (each a launch and a pass over memory):
@@ -21,8 +18,7 @@ Before them, two steps that were a few dozen small torch ops per layer (each a l
   expert's run differs between the two, which changes nothing a pair computes: each output row of a block's
   product is its own row's dot products, in the same order.
 Products round to bf16 where torch's grouped GEMM rounds them (gate and up before the activation, y before the
-routing weight), so the kernels compute what `moe_prefill_reference` computes. Their launch settings depend on
-the token count (`SETTINGS`, by `by_tokens`; `lingls bench prefix --tune-experts` measures candidates).
+routing weight), so the kernels compute what `moe_prefill_reference` computes.
 
 Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole expert shard crosses HBM once per
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
@@ -30,11 +26,9 @@ layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 m
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from lingls.kernels import by_tokens, jit, tl, triton
+from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
@@ -262,33 +256,6 @@ if triton is not None:
 
 
     @jit
-    def _grouped_down_rows_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
-                          INTER: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          COLS: tl.constexpr, F32_DOT: tl.constexpr):
-        """`_grouped_down_kernel`'s product for one block and COLS output columns: the block's act rows
-        [BLOCK_M, K_PAD] (the expert width padded with zeros) loaded once, then one dot per BLOCK_N-column
-        weight tile."""
-        b = tl.program_id(0)
-        e = tl.load(bexp_ptr + b)
-        if e < E:
-            m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(rows_ptr + m)
-            valid = pair >= 0
-            kk = tl.arange(0, K_PAD)
-            kmask = kk < INTER
-            a = tl.load(act_ptr + m[:, None].to(tl.int64) * INTER + kk[None, :],
-                        mask=valid[:, None] & kmask[None, :], other=0.0)
-            w_e = w_ptr + e.to(tl.int64) * (H * INTER)
-            y_rows = y_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * H
-            first = tl.program_id(1) * COLS
-            for n0 in range(0, COLS, BLOCK_N):
-                n = first + n0 + tl.arange(0, BLOCK_N)
-                nmask = n < H
-                w = tl.load(w_e + n[:, None] * INTER + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                acc = _dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, tl.trans(w), F32_DOT)
-                tl.store(y_rows + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
-
-    @jit
     def _combine_kernel(y_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
         """out[t] = sum over j < TOP_K of w[t, j] * y[t * TOP_K + j], in fp32 in the order of j, rounded once."""
         t = tl.program_id(0)
@@ -302,80 +269,33 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class Settings(NamedTuple):
-    """Launch settings of the grouped kernels for one token count."""
-    block_m: int  # rows of one expert per program: each expert's pairs are padded to a multiple of it
-    gate_up: tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-    # `_grouped_down_kernel`: as gate_up; with down_rows, `_grouped_down_rows_kernel`'s (BLOCK_N, programs per
-    # block (each a share of the hidden width), num_warps, num_stages)
-    down: tuple[int, int, int, int]
-    down_rows: bool = False
-
-
-# the settings the sixteenth session swept at 1,536 and 8,192 tokens (docs/kernel-log.md)
-PREVIOUS = Settings(BLOCK_M, (64, 64, 4, 3), (128, 64, 4, 3))
-# by token count (`by_tokens`: the smallest key >= N)
-SETTINGS: dict[int, Settings] = {8192: PREVIOUS}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the two kernels
+GATE_UP_CONFIG = (64, 64, 4, 3)
+DOWN_CONFIG = (128, 64, 4, 3)
 COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
 
 
-def gate_up_act(x, gate_up, rows, block_expert, top_k: int, inter: int, limit: float, s: Settings) -> torch.Tensor:
-    """act = swiglu(gate x, up x) of every padded row ([R, inter]; padding rows unwritten); a row's pair index
-    over top_k is its token."""
+def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M):
+    """`moe_prefill_reference` by the two grouped kernels (any device Triton runs on; the interpreter on a CPU)."""
     from lingls.kernels.gemv import INTERPRET
 
+    n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
+    rows, block_expert = sort_pairs_triton(idx, n_exp, block_m)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = s.gate_up
+    bn, bk, warps, stages = GATE_UP_CONFIG
     _grouped_gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
-        x.contiguous(), gate_up, rows, block_expert, act, TOP_K=top_k, E=n_exp, H=hidden,
-        INTER=inter, LIMIT=float(limit), BLOCK_M=s.block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET,
-        num_warps=warps, num_stages=stages)
-    return act
-
-
-def down_y(act, down, rows, block_expert, pairs: int, s: Settings) -> torch.Tensor:
-    """y = act Wd^T of every pair, in the pair's own row ([pairs, hidden])."""
-    from lingls.kernels.gemv import INTERPRET
-
-    n_exp, hidden, inter = down.shape
-    y = torch.empty(pairs, hidden, dtype=act.dtype, device=act.device)
-    blocks = block_expert.shape[0]
-    if s.down_rows:
-        bn, splits, warps, stages = s.down
-        cols = triton.cdiv(triton.cdiv(hidden, splits), bn) * bn
-        _grouped_down_rows_kernel[(blocks, triton.cdiv(hidden, cols))](
-            act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, K_PAD=triton.next_power_of_2(inter),
-            BLOCK_M=s.block_m, BLOCK_N=bn, COLS=cols, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
-    else:
-        bn, bk, warps, stages = s.down
-        _grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](
-            act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=s.block_m, BLOCK_N=bn,
-            BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
-    return y
-
-
-def combine(y, weights) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[t * k + j] (fp32, rounded once)."""
-    n, k = weights.shape
-    hidden = y.shape[1]
-    out = torch.empty(n, hidden, dtype=y.dtype, device=y.device)
+        x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter, LIMIT=float(limit),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
+    y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = DOWN_CONFIG
+    _grouped_down_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
+        act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights.float().contiguous(), out, H=hidden, TOP_K=k,
                                                             BLOCK=COMBINE_BLOCK, num_warps=4)
     return out
-
-
-def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int | None = None,
-                       settings: Settings | None = None):
-    """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), with
-    `settings` (default: `SETTINGS` for this token count; `block_m` overrides its block rows)."""
-    n, k = idx.shape
-    s = settings or by_tokens(SETTINGS, n)
-    if block_m is not None:
-        s = s._replace(block_m=block_m)
-    rows, block_expert = sort_pairs_triton(idx, gate_up.shape[0], s.block_m)
-    act = gate_up_act(x, gate_up, rows, block_expert, k, inter, limit, s)
-    return combine(down_y(act, down, rows, block_expert, n * k, s), weights)
 
 
 def moe_prefill(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):
