@@ -6,12 +6,22 @@ kernels) from the same state, compared (relative error of the hidden state), the
 graph and timed (median of replays) next to the step's byte floor; the fused step also without programmatic
 dependent launch (same bits required), to show what PDL saves. Writes JSON, prints a table.
 
-    python -m bench.fused_step_gpu OUT.json [LAYERS]
+    python -m bench.fused_step_gpu OUT.json [LAYERS] [--ts 1,5,9] [--variants VARIANTS.json]
+
+`--variants` times launch settings side by side with the shipped ones in the same process: a JSON object
+{name: {"moe": {T: knobs}, "kda": {T: [block_v, num_warps]}}} (knobs as `moe.fused_moe` takes them, T as a
+string; a T a variant does not name runs the shipped settings). Each variant's step is captured in its own CUDA
+graph from the same state, its output compared with the shipped settings' (relative error; launch settings move
+no rounding unless they change a summation order), and the graphs are replayed in alternation, several rounds,
+so a variant and the shipped step see the same machine.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from functools import partial
 
 import torch
 
@@ -21,13 +31,65 @@ from lingls.bench.step import build_flash, copy_bandwidth, median_ms
 from lingls.runtime.fused_step import FusedStep
 
 
-def main(out: str, layers: int) -> int:
+def main(out: str, layers: int, ts: tuple[int, ...] = (1, 9), variants: dict | None = None) -> int:
     torch.manual_seed(0)
-    return measure(build_flash(layers, tp=4, rank=0), out, copy_bandwidth())
+    return measure(build_flash(layers, tp=4, rank=0), out, copy_bandwidth(), ts=ts, variants=variants)
 
 
-def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
-    """Check and time the fused step of `model` against the plain step; JSON to `out` (plus `extra`)."""
+def _variant_ops(fused: FusedStep, spec: dict, t: int):
+    """(moe, kda_step) of `fused` with a variant's launch settings for T=t (the shipped ones where it has none)."""
+    from lingls.kernels import kda, moe
+
+    knobs = spec.get("moe", {}).get(str(t))
+    kda_knobs = spec.get("kda", {}).get(str(t))
+    pdl = fused.ops.pdl
+    return (partial(moe.fused_moe, pdl=pdl, **knobs) if knobs else fused.ops.moe,
+            partial(kda.fused_kda_step, pdl=pdl, block_v=kda_knobs[0], num_warps=kda_knobs[1]) if kda_knobs
+            else fused.ops.kda_step)
+
+
+def time_variants(fused: FusedStep, variants: dict, t: int, ids, pos, state, base_out, rounds: int = 3) -> list[dict]:
+    """The shipped settings and each variant that names T=t: output against the shipped one, then graph replays
+    in alternation (`rounds` medians of 30 replays each)."""
+    shipped = (fused.ops.moe, fused.ops.kda_step)
+    graphs, rows = {}, []
+    mine = {n: v for n, v in variants.items() if any(str(t) in v.get(op, {}) for op in ("moe", "kda"))}
+    try:
+        for name, spec in {"shipped": {}, **mine}.items():
+            fused.ops.moe, fused.ops.kda_step = _variant_ops(fused, spec, t)
+            with torch.inference_mode():
+                got = fused.step(ids, state.clone(), pos).float()
+                work = state.clone()
+                graphs[name] = graphed(lambda: fused.step(ids, work, pos))
+            rows.append(dict(name=name, spec=spec, rel_to_shipped=((got - base_out).norm() / base_out.norm()).item(),
+                             bit_identical_to_shipped=torch.equal(got, base_out), ms=[]))
+        for _ in range(rounds):
+            for row in rows:
+                row["ms"].append(median_ms(graphs[row["name"]], reps=30))
+        for row in rows:
+            row["ms_best"], row["ms_median"] = min(row["ms"]), sorted(row["ms"])[len(row["ms"]) // 2]
+    finally:
+        fused.ops.moe, fused.ops.kda_step = shipped
+    return rows
+
+
+def profile_variants(fused: FusedStep, variants: dict, t: int, ids, pos, state, rows: list[dict]) -> None:
+    """Each variant's device time per kernel (eager, after every timing: see `measure`)."""
+    shipped = (fused.ops.moe, fused.ops.kda_step)
+    try:
+        for row in rows:
+            fused.ops.moe, fused.ops.kda_step = _variant_ops(fused, row["spec"], t)
+            work = state.clone()
+            with torch.inference_mode():
+                row["kernels"] = kernel_profile(lambda: fused.step(ids, work, pos))
+    finally:
+        fused.ops.moe, fused.ops.kda_step = shipped
+
+
+def measure(model, out: str, bw: float, extra: dict | None = None, ts: tuple[int, ...] = (1, 9),
+            variants: dict | None = None) -> int:
+    """Check and time the fused step of `model` against the plain step at each T of `ts` (and `variants`' launch
+    settings beside the shipped ones, see the module note); JSON to `out` (plus `extra`)."""
     layers = len(model.decoder_layers)
     vocab = model.config.vocab_size
     state = random_state(model)
@@ -35,7 +97,7 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
     fused_no_pdl = FusedStep(model, kernels=True, pdl=False)  # the same kernels, each launch waiting for the last
     fused_ref = FusedStep(model, kernels=False)  # the same wiring on the plain-torch references (fp32 math)
     rows, ok, profiled = [], True, []
-    for t in (1, 9):
+    for t in ts:
         ids = torch.randint(0, vocab, (t,), device="cuda")
         pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
         with torch.inference_mode():
@@ -58,6 +120,11 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
             no_pdl = graphed(lambda: fused_no_pdl.step(ids, work, pos))
             no_pdl_ms = median_ms(no_pdl, reps=30)
         profiled.append((t, ids, pos, work))
+        if variants:  # printed as measured, so a run stopped at its time limit still shows them
+            side = time_variants(fused, variants, t, ids, pos, state, got)
+            print(f"T={t} shipped step {fused_ms:.3f} ms; side by side, alternated (best / median ms, rel to shipped):")
+            for v in side:
+                print(f"  {v['name']:>16} {v['ms_best']:.3f} / {v['ms_median']:.3f}  {v['rel_to_shipped']:.1e}")
         floor_ms = step_floor_ms(model, t, CONTEXT - t, distinct, bw, head=False)
         # a deep random-weight stack amplifies bf16 rounding (42 layers: the bf16 torch step itself is ~0.3-0.6 off
         # the fp32 references), so the kernels pass when they are as close to the references as that step is
@@ -69,6 +136,8 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
                          fused_no_pdl_graph_ms=no_pdl_ms,
                          floor_ms=floor_ms,
                          fused_over_floor=fused_ms / floor_ms, speedup=plain_ms / fused_ms))
+        if variants:
+            rows[-1]["variants"] = side
     # the profiles last: after a profiler session this process's graph replays run slower (the trace probe,
     # docs/kernel-log.md), so a profile between two timings made the second one slower
     # (T=9 4.094 against 4.013 ms, docs/kernel-log.md)
@@ -78,6 +147,8 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
         print(f"T={t} fused step, device time per kernel (eager):")
         for p in row["kernels"]:
             print(f"  {p['us_per_step']:8.1f} us  {p['launches_per_step']:6.1f} x  {p['kernel']}")
+        if variants:
+            profile_variants(fused, variants, t, ids, pos, work, row["variants"])
     result = dict(what=f"fused step vs plain step, one TP={model.par.size} rank of Ling-3.0-flash", layers=layers,
                   context=CONTEXT,
                   device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tbs=bw / 1e12, rows=rows,
@@ -94,9 +165,29 @@ def measure(model, out: str, bw: float, extra: dict | None = None) -> int:
         print(f"{r['T']:>3} {r['rel_err_hidden']:>8.1e} {r['plain_graph_ms']:>9.3f} "
               f"{r['fused_no_pdl_graph_ms']:>9.3f} {r['fused_graph_ms']:>9.3f} {r['floor_ms']:>9.3f} "
               f"{r['fused_over_floor']:>11.2f} {r['speedup']:>8.2f}")
+    for r in rows:
+        if "variants" in r:
+            print(f"T={r['T']} launch settings side by side ({len(r['variants'][0]['ms'])} alternated rounds; "
+                  f"device time of the MoE expert and KDA kernels per step, eager):")
+            for v in r["variants"]:
+                dev = {p["kernel"]: p["us_per_step"] for p in v.get("kernels", [])}
+                mine = "  ".join(f"{k.strip('_').split('_kernel')[0]} {dev[k]:.0f}" for k in
+                                 ("_gate_up_kernel", "_down_kernel", "_kda_step_kernel") if k in dev)
+                print(f"  {v['name']:>16} best {v['ms_best']:.3f} ms  median {v['ms_median']:.3f}  "
+                      f"rel {v['rel_to_shipped']:.1e}  {mine}")
     return 0 if ok else 1
 
 
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", nargs="?", default="fused_step.json")
+    p.add_argument("layers", nargs="?", type=int, default=42)
+    p.add_argument("--ts", default="1,9", help="token counts to check and time, comma-separated")
+    p.add_argument("--variants", help="JSON file of launch settings to time beside the shipped ones")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "fused_step.json",
-                  int(sys.argv[2]) if len(sys.argv) > 2 else 42))
+    a = _args(sys.argv[1:])
+    sys.exit(main(a.out, a.layers, tuple(int(t) for t in a.ts.split(",")),
+                  json.load(open(a.variants)) if a.variants else None))

@@ -10,10 +10,12 @@ T=9, as in verification); MoE sweeps its router and routing, gate-up (split-K) a
 T=1) one kernel at a time, rejecting any candidate whose output or experts differ from the reference; GEMV its
 settings per shape (the FMA path at T=1). The best go into `mla.CONFIGS` / `kda.CONFIGS` / `moe.CONFIGS` /
 `gemv.CONFIGS` for this process, and `fused_step_gpu.measure` then checks and times the whole step with them.
-The JSON lists every candidate; the winners are what the code's CONFIGS ship. Every MoE stage starts from the
+The JSON lists every candidate. `--ship PATH` writes a copy of lingls/kernels/tuned.json with the winners over the
+shipped entries, each naming this GPU and commit (LINGLS_COMMIT where the tree has no git): copy it over the
+package's file to ship them. Every MoE stage starts from the
 shipped settings, so a sweep cut short by the budget never replaces them with an untimed choice.
 
-    python -m bench.tune_gpu OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N]
+    python -m bench.tune_gpu OUT.json [LAYERS [TUNING_BUDGET_S [T,... [STAGE,...]]]] [--tp N] [--ship PATH]
     (T: 1 and/or 9, default both; STAGE: mla, kda, moe (or moe-down: only its down kernel), gemv (or gemv-tma:
     only the descriptor-load path's candidates, T > 1), default all;
     --tp: the rank shapes of TP=N, default 4; the settings are kept per width, heads or expert rows per rank,
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +37,7 @@ import torch
 from bench.common import CONTEXT, graphed
 from bench.fused_step_gpu import measure
 from lingls.bench.step import build_flash, copy_bandwidth, median_ms
-from lingls.kernels import gemv, kda, mla, moe
+from lingls.kernels import TUNED, gemv, kda, mla, moe
 from lingls.model.config import KDA
 from lingls.runtime.fused_step import FusedStep
 
@@ -319,8 +323,39 @@ def load_tuned(path: str) -> dict:
     return chosen
 
 
+def write_tuned(doc: dict, path: Path) -> None:
+    """tuned.json's layout: one entry per line, so a diff shows which shapes a tuning run changed."""
+    kernels = [k for k in doc if k != "about"]
+    lines = ["{", f' "about": {json.dumps(doc["about"])},']
+    for i, kernel in enumerate(kernels):
+        entries = doc[kernel]
+        lines += [f' "{kernel}": [', *(f"  {json.dumps(e)}{',' if j < len(entries) - 1 else ''}"
+                                       for j, e in enumerate(entries)), " ]" + ("," if i < len(kernels) - 1 else "")]
+    path.write_text("\n".join(lines + ["}"]) + "\n")
+
+
+def ship(path: str, chosen: dict, widths: dict, tp: int) -> None:
+    """Write tuned.json with this run's winners over the shipped entries, each naming the GPU and commit timed.
+    `chosen`: per kernel, gemv by (N, K, swiglu, T bucket), the others by T; `widths`: heads or expert rows per
+    rank of the kernels keyed by width."""
+    doc = json.loads(TUNED.read_text())
+    commit = os.environ.get("LINGLS_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short=8", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    gpu = torch.cuda.get_device_name()
+    for kernel in (k for k in doc if k != "about" and chosen.get(k)):
+        won = (chosen[kernel] if kernel == "gemv" else
+               {(widths[kernel], 1 if t == 1 else 16): v for t, v in chosen[kernel].items()})
+        entries = {tuple(e["key"]): e for e in doc[kernel]}
+        for key, settings in won.items():
+            entries[key] = {"key": list(key), "settings": list(settings) if isinstance(settings, tuple) else settings,
+                            "gpu": gpu, "commit": commit, "shape": entries.get(key, {}).get("shape", f"TP={tp}")}
+        doc[kernel] = list(entries.values())
+    write_tuned(doc, Path(path))
+    print(f"tuned settings with this run's winners: {path} (copy over {TUNED} to ship them)")
+
+
 def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9),
-         stages: tuple[str, ...] = ("mla", "kda", "moe", "gemv"), tp: int = 4) -> int:
+         stages: tuple[str, ...] = ("mla", "kda", "moe", "gemv"), tp: int = 4, ship_to: str | None = None) -> int:
     t0 = time.time()
     DEADLINE[0] = t0 + budget_s
     torch.manual_seed(0)
@@ -390,6 +425,8 @@ def main(out: str, layers: int, budget_s: float, tokens: tuple[int, ...] = (1, 9
                                             chosen={k: {str(t): v for t, v in c.items()} for k, c in chosen.items()},
                                             configs_used={k: {str(t): v for t, v in c.items()}
                                                           for k, c in defaults.items()}))
+    if ship_to:
+        ship(ship_to, chosen, {"mla": heads, "kda": heads, "moe": expert_rows}, tp)
     print(f"total {time.time() - t0:.0f} s")
     print(json.dumps({"chosen": {k: {str(t): v for t, v in c.items()} for k, c in chosen.items()}}))
     # the shipped GEMV settings are the first candidate: what pinning the winners saves
@@ -411,6 +448,7 @@ if __name__ == "__main__":
     p.add_argument("tokens", nargs="?", default="1,9", help="T values, e.g. 1,9")
     p.add_argument("stages", nargs="?", default="mla,kda,moe,gemv")
     p.add_argument("--tp", type=int, default=4, help="tune rank 0's shard of a TP=N deployment (default 4)")
+    p.add_argument("--ship", metavar="PATH", help="write tuned.json with the winners to PATH")
     a = p.parse_args()
     sys.exit(main(a.out, a.layers, a.budget_s, tuple(int(t) for t in a.tokens.split(",")), tuple(a.stages.split(",")),
-                  a.tp))
+                  a.tp, a.ship))

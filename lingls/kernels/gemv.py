@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from lingls.kernels import jit, tl, triton
+from lingls.kernels import jit, tl, triton, tuned
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
@@ -281,59 +281,14 @@ def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: in
     return block_n, triton.cdiv(k, k_per), k_per
 
 
-# Launch settings measured best for a shape on the GPU, by (N, K, swiglu, T bucket: 1 for decode, 16 for verify
-# steps); shapes not listed take `_plan`'s choice. bench/tune_gpu.py times the candidates for the model's shapes.
-# At T=1 (the FMA path, each program's whole slice requested at once) every TP=4 rank shape is best with 8 rows
-# x 256-column tiles per program (the dense MLP's gate-up with split-K), timed under PDL
-# (bench/results/tune_t1_preload.json); the TP=2 rank shapes from `bench/tune_gpu.py --tp 2` (12 layers; at T=1
-# bench/results/tune_t1_tp2_preload.json, at T=16 bench/results/tune_tp2.log). The TP=4 verify shapes take the
-# descriptor path with K split so every SM gets programs: the GEMVs' device time per 42-layer T=9 step 742 -> 677
-# us, the step 4.399 -> 4.346 ms (bench/results/fused_step_shard42_tma.json); the settings fastest shape by shape
-# alone (fewer K ranges, bench/results/tune_gemv_tma_t9.json) made the step slower. Changed one shape at a time,
-# the KDA input projection unsplit (81 programs over all of K, no meeting) took the GEMVs 676 -> 665 us and the
-# step 11 us less on average over seven alternations in three calls (fused_step_shard42_gemvkda_ab.json and
-# the gemvkda sides of fused_step_shard42_lanes_ab.json, fused_step_shard42_dnids_ab.json); the output
-# projection unsplit did not move the step. Then the other four shapes took the tuner's choice among deeper
-# pipelines and 256-column K tiles (tune_gemv_tma_deep_t9.json): GEMVs 665 -> 600 us, and with the one-warp KDA
-# verify step the step 4.218-4.360 -> 4.154-4.260 ms over four alternations in two calls (alone, beside the
-# old KDA setting, it did not move the step: fused_step_shard42_kg_ab.json). The TP=2 verify shapes moved to the
-# descriptor path with the tuner's choice (tune_tp2_kda1warp_gemv_tma.json; in the step, with the KDA setting,
-# spec_flash_tp2_shard_t2_ab.json).
-# One row through a shape not in CONFIGS (a head over the lm_head's vocabulary shard or over a drafter's reduced
-# vocabulary, whose rows per rank the vocabulary list decides) takes the setting five tuned one-token shapes below
-# took (and 8 rows per program on the FMA path, the whole slice requested at once, as all of them), for K up to the
-# 3,072 the tuned shapes span (K / 256 tiles in flight per program). `_plan`'s default is the tensor-core path.
+# Launch settings measured best per shape (N, K, swiglu, T bucket: 1 for decode, 16 for verify steps), from
+# tuned.json (bench/tune_gpu.py times the candidates); shapes not listed take `_plan`'s choice. One row through a
+# shape not listed (a head over a vocabulary shard whose rows per rank a vocabulary list decides) takes the setting
+# every tuned one-token shape took, for K up to the 3,072 the tuned shapes span. `_plan`'s default is the
+# tensor-core path.
 ONE_ROW = dict(block_n=8, block_k=256, num_warps=4, num_stages=3, fma=True)
 ONE_ROW_MAX_K = 3072
-CONFIGS: dict[tuple[int, int, bool, int], dict] = {
-    (5128, 2560, False, 1): ONE_ROW,  # KDA q|k|v|f|g|b
-    (2560, 1024, False, 1): ONE_ROW,  # o_proj / dense
-    (2560, 1536, False, 1): ONE_ROW,  # dense MLP down
-    (1536, 2560, True, 1): dict(block_n=8, block_k=256, split_k=2, num_warps=4, num_stages=3, fma=True),  # gate-up
-    (2120, 2560, False, 1): ONE_ROW,  # MLA q | kv_a | gate
-    (2560, 1024, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-    (2560, 1536, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
-    (1536, 2560, True, 16): dict(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=3, tma=True),
-    (2120, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-    (5128, 2560, False, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, tma=True),
-    # TP=2
-    (10256, 2560, False, 1): ONE_ROW,
-    (2560, 2048, False, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
-    (2560, 3072, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
-    (3072, 2560, True, 1): dict(block_n=8, block_k=512, num_warps=8, num_stages=3, fma=True),
-    (3664, 2560, False, 1): dict(block_n=8, block_k=512, num_warps=4, num_stages=3, fma=True),
-    (10256, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-    (2560, 2048, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-    (2560, 3072, False, 16): dict(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3, tma=True),
-    (3072, 2560, True, 16): dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6, tma=True),
-    (3664, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-    # The lm_head's vocabulary shard over the DSpark draft round's 8-row block at TP=4 (the target's own head
-    # runs on cuBLAS, so this key is the drafter's alone). Untuned it took the register-tile path (with the
-    # block's q|k|v GEMVs, since fused with their norm and RoPE in `kernels.dspark`: 105 us of the round's
-    # 0.404 ms for 6 launches, bench/results/spec_flash_dspark.json before this entry); here the settings of
-    # the nearest tuned descriptor-path shape, the TP=2 KDA input projection (K = 2560, whole K per program).
-    (39296, 2560, False, 16): dict(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4, tma=True),
-}
+CONFIGS: dict[tuple[int, int, bool, int], dict] = tuned("gemv")
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,

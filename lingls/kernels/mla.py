@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lingls.kernels import by_width_and_tokens, jit, tl, triton
+from lingls.kernels import by_width, by_width_and_tokens, jit, tl, triton, tuned
 from lingls.kernels import reference as ref
 
 QUERY_BLOCK = 512  # queries per pass of the reference: a 2048-token prefill chunk at a 32k context and 16 heads
@@ -49,12 +49,8 @@ def mla_decode_reference(q_lat, q_rope, cache, positions, scale: float):
 
 
 # (num_splits, block_n, num_warps[, heads per program]) by heads per rank (8: TP=4, 16: TP=2), then by the step's
-# query count (the smallest key >= T applies; without the fourth entry `heads_per_program` decides). Chosen by
-# bench/tune_gpu.py on an H200 at an 8k context (its JSON lists every candidate's time; TP=2:
-# bench/results/tune_tp2.log). TP=4 at T=1 was re-timed in the 42-layer step (five settings, each in its own
-# process, two alternations): (128, 64, 8), one 64-row block per program at 8k, took the step 1.431 / 1.440 ->
-# 1.418 / 1.414 ms (bench/results/fused_step_shard42_mla_r64_*.json).
-CONFIGS = {8: {1: (128, 64, 8), 16: (32, 32, 4)}, 16: {1: (128, 64, 8), 16: (16, 32, 4)}}
+# query count (the smallest key >= T applies; without the fourth entry `heads_per_program` decides): tuned.json.
+CONFIGS = by_width(tuned("mla"))
 
 
 def config_for(t: int, heads: int = 8) -> tuple[int, ...]:

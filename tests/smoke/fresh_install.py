@@ -5,7 +5,8 @@ brings it), then, each under a time limit:
 1. `lingls complete FILE:LINE:COL` prints a completion and exits 0;
 2. `lingls --stdio` answers one inline completion (stdio_complete.py, a standard-library LSP client);
 3. `lingls serve --draft lookup` answers one /v1/completions request with text, and SIGTERM ends it, exit
-   status 0, with no process of it left.
+   status 0, with no process of it left;
+4. every `lingls bench WHAT --help` answers from the installed package (no file outside it is read).
 Any failure stops the stage with a line saying which step failed and why (and the command's own output).
 
     python3 tests/smoke/fresh_install.py [--venv DIR]
@@ -107,6 +108,15 @@ def check_stdio(venv: Path, work: Path) -> None:
     print(f"smoke:   completion: {done.stdout.strip()!r}")
 
 
+def check_bench_help(venv: Path, work: Path) -> None:
+    for what in ("step", "prefix", "lsp", "spec", "remote"):
+        done = run(f"lingls bench {what} --help", [venv / "bin" / "lingls", "bench", what, "--help"], timeout=120,
+                   env=clean_env(venv), cwd=work)
+        if "usage" not in done.stdout:
+            raise SmokeFailure(f"lingls bench {what} --help printed no usage\n{_tail(done.stdout + done.stderr)}")
+    print("smoke:   lingls bench step|prefix|lsp|spec|remote --help answer from the installed package")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             check_complete(venv, work)
             check_stdio(venv, work)
             check_serve(venv, work)
+            check_bench_help(venv, work)
         except SmokeFailure as e:
             print(f"\nSMOKE STAGE FAILED (a fresh `pip install .` does not work): {e}", file=sys.stderr)
             return 1
