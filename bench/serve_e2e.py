@@ -43,8 +43,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lingls.cli", "serve", "--model", args.model, "--port", str(port),
+def start_server(args, port: int, log: Path, launcher: list[str] | None = None) -> subprocess.Popen:
+    """`lingls serve` (through `launcher`, the command before `serve`: default python -m lingls.cli), ready."""
+    cmd = [*(launcher or [sys.executable, "-m", "lingls.cli"]), "serve", "--model", args.model, "--port", str(port),
            "--tp", str(args.tp), "--draft", args.draft]
     if args.draft_k is not None:
         cmd += ["--draft-k", str(args.draft_k)]

@@ -7,9 +7,12 @@ bf16 matmul peak and its weight bytes over the copy rate, both measured in the s
 and the time the host takes to issue the prefill. Then the graphed and eager paths' results on every prompt
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
-kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--profile N` adds
-the runtime's and the eager path's N largest ops and kernels of one cold prefill (device time: kernels inside a
-graph replay are listed by name).
+kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
+the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
+how the runtime splits it (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
+largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
+listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
+at the same sizes: `python -m bench.serve_ttft`.
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
@@ -30,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -199,15 +203,50 @@ def model_latency(a) -> int:
     return 0
 
 
+# what a prefill kernel is, by its name: (kind, pattern), the first match counts
+KERNEL_KINDS = (
+    ("experts: gate/up (grouped)", r"_grouped_gate_up_kernel"),
+    ("experts: down (grouped)", r"_grouped_down"),
+    ("experts: weighted sum", r"_combine_kernel"),
+    ("experts: routing and sort", r"_route_kernel|_count_kernel|_offsets_kernel|_scatter_kernel|_block_expert"),
+    ("KDA: fla state pass (chunk_gated_delta_rule_fwd_kernel_h)", r"delta_rule_fwd_kernel_h"),
+    ("KDA: fla, other kernels", r"chunk|kda|solve_tril|recompute_w_u|cumsum|fwd_o"),
+    ("KDA: prologue, conv state, gated norm", r"_prologue_kernel|_conv_state_kernel|_gated_norm_kernel"),
+    ("MLA: flash attention", r"flash|fmha|attention"),
+    ("dense GEMMs (cuBLAS)", r"gemm|nvjet|sm90_xmma|cutlass|cublas"),
+    ("residual add + RMSNorm", r"rms_norm"),
+    ("tail step: fused decode kernels", r"_gate_up_kernel|_down_kernel|_route_token|_router_kernel|_gemv|_mla_|kda_"),
+)
+
+
+def kernel_kinds(kernels) -> list[dict]:
+    """Device time of profiled kernels summed by `KERNEL_KINDS` (the rest as 'other'), largest first."""
+    import re
+
+    sums: dict[str, list] = {}
+    for e in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.name)), "other")
+        entry = sums.setdefault(kind, [0.0, 0])
+        entry[0] += e.device_time / 1e3
+        entry[1] += 1
+    return sorted(({"kind": k, "device_ms": ms, "kernels": n} for k, (ms, n) in sums.items()),
+                  key=lambda r: -r["device_ms"])
+
+
 def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> dict:
-    """Where a cold prefill's time goes: its `top` ops and kernels by device time (CUPTI via torch.profiler; the
-    kernels a graph replay runs are listed by name, with no host time of their own), each with its calls and the
-    host time spent in it (a prefill issued op by op can be bound by either), and the device time of all kernels."""
+    """Where a cold prefill's time goes: the prefill alone (its pieces, the head and the first token's choice,
+    no decode step), its `top` ops and kernels by device time (CUPTI via torch.profiler; the kernels a graph
+    replay runs are listed by name, with no host time of their own), each with its calls and the host time
+    spent in it (a prefill issued op by op can be bound by either), the device time of all kernels, and that
+    time by kind of kernel (`kernel_kinds`)."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.cache.reset()
+    _sync(runner)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        ttft_ms(runner, prompt)
+        runner.prefill(prompt, Sampling())
+        _sync(runner)
+    runner.cache.reset()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     rows = [dict(op=e.key[:90], device_ms=e.self_device_time_total / 1e3, host_ms=e.self_cpu_time_total / 1e3,
                  calls=e.count) for e in prof.key_averages()]
@@ -221,8 +260,71 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
         print(f"  {r['device_ms']:9.2f} ms device {r['host_ms']:9.2f} ms host {r['calls']:7d} x  {r['op']}")
     by_host = sorted(rows, key=lambda r: -r["host_ms"])[:10]
     print("  by host time: " + "; ".join(f"{r['op'][:40]} {r['host_ms']:.2f} ms x{r['calls']}" for r in by_host))
+    kinds = kernel_kinds(kernels)
+    print("  by kind: " + "; ".join(f"{k['kind']} {k['device_ms']:.2f} ms ({k['kernels']})" for k in kinds))
     return {"kernels": len(kernels), "kernel_ms": kernel_ms, "kernel_span_ms": span_ms, "top": rows[:top],
-            "top_by_host": by_host}
+            "top_by_host": by_host, "by_kind": kinds}
+
+
+
+# ---- the KDA state pass's split, measured on the GPU -----------------------------------------------------------
+def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
+    """How many runs the KDA state pass of a prefill of each size in `sizes` is split into
+    (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
+    (q, k L2-normalised, q scaled, gates in (lower bound, 0), beta in (0, 1)) and a random initial state; for
+    every run count (1: fla's chunk_kda unsplit) the time (CUDA events, median of `reps`) and the relative error
+    of the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`). The
+    fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the table by
+    token count for `prefill_kda_state.PARTS`, a row per size)."""
+    from lingls.kernels import prefill_kda_state as ks
+    from lingls.kernels import reference as ref
+    from lingls.model.ling import KimiDeltaAttention, _fla_chunk_kda
+
+    attn = next(layer.attention for layer in model.decoder_layers if isinstance(layer.attention, KimiDeltaAttention))
+    heads, d, lower = attn.heads, attn.d, attn.lower_bound
+    fla = _fla_chunk_kda()
+    if fla is None or not ks.available():
+        print("KDA split: fla-core 0.6.0 absent, the unsplit pass serves", flush=True)
+        return {max(sizes): 1}, []
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    table, rows = {}, []
+    for t in sizes:
+        rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+        q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
+        k = ref.l2_normalize(rnd(1, t, heads, d))
+        v = rnd(1, t, heads, d)
+        g = lower * torch.sigmoid(rnd(1, t, heads, d) - 4)  # mostly slow decay, as trained gates are
+        beta = torch.sigmoid(rnd(1, t, heads))
+        s0 = rnd(1, heads, d, d) * 0.05
+        with torch.inference_mode():
+            o_ref, s_ref = ref.kda_chunked(q, k, v, g, beta, s0)
+            options = []
+            for parts in (1, 2, 4, 8, 16):
+                if parts > 1 and parts > -(-t // ks.CHUNK) // 2:
+                    continue
+                if parts == 1:
+                    run = lambda: fla(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=s0,  # noqa: E731
+                                      output_final_state=True, use_qk_l2norm_in_kernel=False)
+                else:
+                    run = lambda parts=parts: ks.chunk_kda(q, k, v, g, beta, s0, parts)  # noqa: E731
+                try:
+                    o, s = run()
+                    options.append({"parts": parts, "ms": median_ms(run, reps, warm=2), "o_err": rel(o, o_ref),
+                                    "state_err": rel(s, s_ref)})
+                except Exception as e:  # a failed split is reported and not chosen
+                    options.append({"parts": parts, "error": repr(e)[:300]})
+        base = options[0]
+        ok = [o for o in options if "ms" in o and o["o_err"] <= 2 * base["o_err"] + 1e-4
+              and o["state_err"] <= 2 * base["state_err"] + 1e-4]
+        best = min(ok, key=lambda o: o["ms"])
+        table[t] = best["parts"]
+        rows.append({"tokens": t, "chosen_parts": best["parts"], "options": options})
+        print(f"KDA state pass at {t} tokens (one layer, {heads} heads): " + "; ".join(
+            f"{o['parts']} runs {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e})" if "ms" in o
+            else f"{o['parts']} runs failed: {o['error'][:80]}" for o in options) + f"; chosen {best['parts']}",
+            flush=True)
+    return table, rows
 
 
 # ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
@@ -281,11 +383,27 @@ def legacy_prefill_step(model):
     return step
 
 
-def _use(runner: ModelRunner, path: tuple) -> None:
-    """Put a (prefill step, chunk, prefill graphs?) path into the runner: its step, its chunk as piece size and
-    snapshot spacing, and whether a cold prompt's pieces replay graphs (the padded first piece, the short ones)."""
-    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path
-    runner.cache.every = path[1]
+class PrefillPath(NamedTuple):
+    """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
+    captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the KDA state
+    pass's runs (`prefill_kda_state.PARTS`) while it runs."""
+    runner: ModelRunner
+    step: object
+    chunk: int
+    graphs: bool
+    kda_parts: dict
+
+
+def _use(path: PrefillPath) -> ModelRunner:
+    """Put a path into its runner and its KDA state pass's runs into `prefill_kda_state`; returns the runner."""
+    from lingls.kernels import prefill_kda_state
+
+    runner = path.runner
+    runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
+    runner.cache.every = path.chunk
+    prefill_kda_state.PARTS = path.kda_parts
+    return runner
 
 
 def _torch_ops(step):
@@ -441,12 +559,17 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
+    from lingls.kernels import prefill_kda_state
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
+    kda_table, tuning = prefill_kda_state.PARTS, None
+    if a.tune:  # before the warm-up: its graphs are captured with the chosen runs
+        kda_table, tuning = tune_kda_split(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
+        prefill_kda_state.PARTS = kda_table
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     warmup_s = time.perf_counter() - t0
@@ -454,16 +577,23 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": (runner.prefill_step, a.chunk, runner.prefill_graphs)}
-    if runner.fused is not None:  # the runner's step swapped in: its tail as two pieces, each a weight stream
-        paths["two_tail_pieces"] = (_two_tail_pieces(runner), a.chunk, runner.prefill_graphs)
-    if runner.prefill_graphs:
-        paths["eager"] = (runner.prefill_step, a.chunk, False)
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table)}
+    if a.previous:  # the unsplit KDA state pass, graphed on a runner of its own (a graph bakes in its kernels)
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
+        previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
+        paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
+                                        prefill_kda_state.PREVIOUS)
+    if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
+        paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
+                                         kda_table)  # as two pieces, each a weight stream
+    if runner.prefill_graphs and "eager" not in a.skip:
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = (runner.prefill_step, chunk, False)
-    paths["eager_torch_ops"] = (_torch_ops(runner.prefill_step), a.chunk, False)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table)
+    if "eager_torch_ops" not in a.skip:
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table)
     if not a.no_baseline:
-        paths["before_issue_39"] = (legacy_prefill_step(model), 2048, False)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -474,13 +604,14 @@ def flash_prefill(a) -> int:
         row = {"tokens": t, "tflop": fl.prefill_flops(model, t) / 1e12,
                "distinct_experts_mean": sum(experts) / len(experts), **floor}
         for name, path in paths.items():
-            _use(runner, path)
-            runner.cache.reset()
-            ttft_ms(runner, prompts[t])  # first use of this size: allocations, kernels' first launches
-            ms, issued = _timed_cold(runner, prompts[t], a.reps)
+            r = _use(path)
+            r.cache.reset()
+            ttft_ms(r, prompts[t])  # first use of this size: allocations, kernels' first launches, a graph's capture
+            ms, issued = _timed_cold(r, prompts[t], a.reps)
             row[f"{name}_ms"], row[f"{name}_x_floor"], row[f"{name}_issue_ms"] = ms, ms / floor["floor_ms"], issued
-        _use(runner, paths["runtime"])
-        row["runtime_first_piece_graph_ms"] = _first_piece_graph_ms(runner, prompts[t])
+        for name in ("runtime", "previous"):
+            if name in paths:
+                row[f"{name}_first_piece_graph_ms"] = _first_piece_graph_ms(_use(paths[name]), prompts[t])
         print(f"{t:6d} tokens: " + ", ".join(f"{n} {row[n + '_ms']:.1f} ms (x{row[n + '_x_floor']:.1f}, "
                                                 f"issued in {row[n + '_issue_ms']:.1f})" for n in paths)
               + f"; floor {floor['floor_ms']:.1f} ms (FLOPs {floor['flop_ms']:.1f}, bytes {floor['byte_ms']:.1f}; "
@@ -491,18 +622,16 @@ def flash_prefill(a) -> int:
     checks = {}
     for t in sizes:  # every path against the eager one on the same prompt (same weights, same tokens)
         ref_name = "eager" if "eager" in paths else "runtime"
-        _use(runner, paths[ref_name])
-        ref = _prefill_result(runner, prompts[t])
+        ref = _prefill_result(_use(paths[ref_name]), prompts[t])
         checks[t] = {}
         for name in paths:
             if name != ref_name:
-                _use(runner, paths[name])
-                checks[t][f"{name}_vs_{ref_name}"] = _compare(_prefill_result(runner, prompts[t]), ref)
-        _use(runner, paths["runtime"])
-        checks[t]["padded_graph_vs_padded_eager"] = _padded_graph_exact(runner, prompts[t])
+                checks[t][f"{name}_vs_{ref_name}"] = _compare(_prefill_result(_use(paths[name]), prompts[t]), ref)
+        checks[t]["padded_graph_vs_padded_eager"] = _padded_graph_exact(_use(paths["runtime"]), prompts[t])
         print(f"{t:6d} tokens, results against {ref_name}: {json.dumps(checks[t])}", flush=True)
     # prefix reuse after the runtime's cold prefill of the largest prompt: the last token edited, then one appended
     prompt = prompts[max(sizes)]
+    _use(paths["runtime"])
     runner.cache.reset()
     ttft_ms(runner, prompt)
     edits, reused = [], []
@@ -515,13 +644,12 @@ def flash_prefill(a) -> int:
     ops = {}
     if a.profile:  # the runtime's path at each profiled size, the eager one (thousands of ops) at the first
         sizes_profiled = [int(x) for x in a.profile_tokens.split(",") if int(x) in prompts]
-        for i, t in enumerate(sizes_profiled):
-            for name in ("runtime", "eager") if i == 0 else ("runtime",):
+        for t in sizes_profiled:
+            for name in a.profile_paths.split(","):
                 if name in paths:
                     print(f"{name}: the {a.profile} largest ops and kernels of a cold {t}-token prefill")
-                    _use(runner, paths[name])
-                    ops[f"{name}_{t}"] = cold_prefill_profile(runner, prompts[t], a.profile)
-        _use(runner, paths["runtime"])
+                    ops[f"{name}_{t}"] = cold_prefill_profile(_use(paths[name]), prompts[t], a.profile)
+        _use(paths["runtime"])
     result = {"bench": "prefix", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla": fla_version(),
               "layers": a.layers, "tp": a.tp, "prefill_chunk": a.chunk, "reps": a.reps, "paths": list(paths),
               "warmup_s": warmup_s, "matmul_peak_tflops": peak, "copy_TBps": bw / 1e12, "cold": rows,
@@ -529,7 +657,9 @@ def flash_prefill(a) -> int:
               "edit_prompt_tokens": len(prompt), "edit_ttft_ms": edits,
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
-              "serve_ttft": "not measured (lingls serve runs a whole model; a TP=4 rank's shard alone is not servable)",
+              "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
+              **({"kda_split_tuning": tuning} if tuning else {}),
+              "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -572,8 +702,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/results/prefix.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one more cold prefill by each path: its N largest ops by device time")
-    p.add_argument("--profile-tokens", default="1536",
-                   help="the profiled prompts' lengths (of --sizes; a,b,...: the eager path at the first only)")
+    p.add_argument("--profile-tokens", default="1536", help="the profiled prompts' lengths (of --sizes; a,b,...)")
+    p.add_argument("--profile-paths", default="runtime", help="the paths profiled (a,b,...)")
+    p.add_argument("--tune", action="store_true",
+                   help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
+                        "run with the fastest that agrees with the torch form")
+    p.add_argument("--previous", action="store_true",
+                   help="also time the unsplit KDA state pass, graphed on a runner of its own (path previous)")
+    p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:
         import argparse as _argparse

@@ -4,10 +4,11 @@ The pairs are laid out by expert, each expert's run padded to a multiple of BLOC
 is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound and
 no count is read back. A program takes one BLOCK_M-row block (one expert's rows: it reads the block's expert
 from a table and leaves at once where the block lies past the last expert's run) and one column tile:
-- `_gate_up_kernel`: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a
-  column in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
-- `_down_kernel`: y = act Wd^T, written to the pair's own row (token-major, [N*k, H]), so the weighted sum over
-  a token's k experts is a plain reduction afterwards, in a fixed order;
+- `_grouped_gate_up_kernel`: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and
+  up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
+- `_grouped_down_kernel`: y = act Wd^T, written to the pair's own row (token-major, [N*k, H]), so the weighted
+  sum over a token's k experts is a plain reduction afterwards, in a fixed order;
+(named apart from the fused decode step's `_gate_up_kernel` and `_down_kernel`, so a profile tells them apart);
 - `_combine_kernel`: that reduction, sum_j w_j * y_j in fp32 rounded once, in one pass over y (torch's upcast,
   multiply and sum wrote and read fp32 copies of y: ~2 GB a layer at 8,192 tokens).
 Before them, two steps that were a few dozen small torch ops per layer (each a launch and a pass over memory):
@@ -192,7 +193,7 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @jit
-    def _gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
+    def _grouped_gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
                         H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
         b = tl.program_id(0)
@@ -228,7 +229,7 @@ if triton is not None:
                      mask=valid[:, None] & nmask[None, :])
 
     @jit
-    def _down_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
+    def _grouped_down_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                      INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      F32_DOT: tl.constexpr):
         b = tl.program_id(0)
@@ -283,12 +284,12 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     rows, block_expert = sort_pairs_triton(idx, n_exp, block_m)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = GATE_UP_CONFIG
-    _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
+    _grouped_gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
         x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter, LIMIT=float(limit),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = DOWN_CONFIG
-    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
+    _grouped_down_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
         act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingls.kernels import norm, prefill_kda, prefill_moe
+from lingls.kernels import norm, prefill_kda, prefill_kda_state, prefill_moe
 from lingls.kernels import reference as ref
 from lingls.kernels.mla import mla_decode
 from lingls.model.config import KDA, LingConfig
@@ -168,7 +168,11 @@ class KimiDeltaAttention(nn.Module):
                                                    self.dt_bias, valid, self.lower_bound)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
-        o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
+        parts = prefill_kda_state.parts_for(t) if _fla_chunk_kda() is not None and prefill_kda_state.available() else 1
+        if parts > 1:  # fla's chunked recurrence with its state pass split across the prompt
+            o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, parts)
+        else:
+            o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
         o = prefill_kda.gated_norm(o[0], self.g_proj(x), self.o_norm.weight, self.eps, x.dtype)
         return self.dense(o)[None], new_conv[None], state
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lingls.bench.prefix import legacy_prefill_step
-from lingls.kernels import prefill_moe
+from lingls.kernels import prefill_kda_state, prefill_moe
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.runner import ModelRunner, Sampling
 from tests.model.conftest import randomize, small_config
@@ -318,3 +318,46 @@ def test_an_attached_round_absorbs_every_piece_and_the_tail_stays_two_pieces():
     spec.cache.reset()
     spec.prefill(ids, Sampling())  # detached: the staged tail again, and nothing absorbed
     assert len(absorbed.pieces) == 3 and spec.chosen() == plain.chosen()
+
+
+@pytest.mark.parametrize("t, parts", [(8192, 8), (1000, 3), (300, 2), (130, 16)])
+def test_kda_state_pass_runs_cover_the_chunks_in_order(t, parts):
+    """The split state pass's runs: whole 64-token chunks, in order, covering the prompt once (the layout fla's
+    varlen kernels read: boundaries, first chunk of each run, each chunk's run and place in it)."""
+    n, cu, first, index = prefill_kda_state.runs(t, parts, "cpu")
+    chunks = -(-t // 64)
+    assert n <= parts and cu[0] == 0 and cu[-1] == t and first[-1] == chunks and len(index) == chunks
+    assert all(int(b) % 64 == 0 for b in cu[:-1])
+    for r in range(n):
+        lo, hi = int(cu[r]), int(cu[r + 1])
+        own = [c for c in range(chunks) if int(index[c, 0]) == r]
+        assert own == list(range(int(first[r]), int(first[r + 1]))) == list(range(lo // 64, -(-hi // 64)))
+        assert [int(index[c, 1]) for c in own] == list(range(len(own)))
+    assert prefill_kda_state.parts_for(t) <= max(1, chunks // 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
+                    reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
+@pytest.mark.parametrize("t, parts", [(1000, 3), (4096, 8)])
+def test_split_kda_state_pass_computes_what_fla_does(t, parts):
+    """fla's chunk_kda with its state pass in runs: the unsplit pass's function (to the merge's fp32 rounding),
+    and as close to the fp32 torch chunked form as fla's own (within twice its error)."""
+    from fla.ops.kda import chunk_kda
+
+    from lingls.kernels import reference as ref
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+    heads, d = 8, 128  # a TP=4 rank of Ling-3.0-flash (fla's tuning, by heads, serves the benchmark after)
+    q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
+    k = ref.l2_normalize(rnd(1, t, heads, d))
+    v, gate = rnd(1, t, heads, d), -5 * torch.sigmoid(rnd(1, t, heads, d) - 4)
+    beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
+    with torch.inference_mode():
+        o, s = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, parts)
+        o1, s1 = chunk_kda(q=q, k=k, v=v, g=gate, beta=beta, scale=1.0, initial_state=s0, output_final_state=True,
+                           use_qk_l2norm_in_kernel=False)
+        o_ref, s_ref = ref.kda_chunked(q, k, v, gate, beta, s0)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(o, o1) < 1e-2 and rel(s, s1) < 1e-2
+    assert rel(o, o_ref) < 2 * rel(o1, o_ref) + 1e-4 and rel(s, s_ref) < 2 * rel(s1, s_ref) + 1e-4
