@@ -72,7 +72,7 @@ def enable(use_fla: bool, limit: int = 3) -> bool:
     from lingls.model import ling
 
     ling._FLA.clear()
-    if use_fla and ling._fla_chunk_kda() is not None:
+    if use_fla and ling.fla_chunk_kda() is not None:
         bound_autotuning(limit)
         return True
     ling._FLA[:] = [None]  # delta_rule then takes the torch forms
@@ -103,7 +103,7 @@ def check_against_torch(device: str = "cuda", batch: int = 2, tokens: int = 512,
     for name in ("fla", "torch"):
         xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
         if name == "fla":
-            o, s = ling._fla_chunk_kda()(q=xs[0], k=xs[1], v=xs[2], g=xs[3], beta=xs[4], scale=1.0,
+            o, s = ling.fla_chunk_kda()(q=xs[0], k=xs[1], v=xs[2], g=xs[3], beta=xs[4], scale=1.0,
                                          initial_state=state, output_final_state=True,
                                          use_qk_l2norm_in_kernel=False)
         else:

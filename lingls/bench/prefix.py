@@ -278,11 +278,11 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
     token count for `prefill_kda_state.PARTS`, a row per size)."""
     from lingls.kernels import prefill_kda_state as ks
     from lingls.kernels import reference as ref
-    from lingls.model.ling import KimiDeltaAttention, _fla_chunk_kda
+    from lingls.model.ling import KimiDeltaAttention, fla_chunk_kda
 
     attn = next(layer.attention for layer in model.decoder_layers if isinstance(layer.attention, KimiDeltaAttention))
     heads, d, lower = attn.heads, attn.d, attn.lower_bound
-    fla = _fla_chunk_kda()
+    fla = fla_chunk_kda()
     if fla is None or not ks.available():
         print("KDA split: fla-core 0.6.0 absent, the unsplit pass serves", flush=True)
         return {max(sizes): 1}, []

@@ -37,7 +37,7 @@ _FLA: list = []
 def _fla():
     """fla-core's pieces this module calls, or None (absent, or not the 0.6.0 whose internals it follows)."""
     if not _FLA:
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # as `ling._fla_chunk_kda`: fla's tuning kept on disk
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # as `ling.fla_chunk_kda`: fla's tuning kept on disk
         try:
             import fla
             from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h

@@ -168,7 +168,7 @@ class KimiDeltaAttention(nn.Module):
                                                    self.dt_bias, valid, self.lower_bound)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
-        parts = prefill_kda_state.parts_for(t) if _fla_chunk_kda() is not None and prefill_kda_state.available() else 1
+        parts = prefill_kda_state.parts_for(t) if fla_chunk_kda() is not None and prefill_kda_state.available() else 1
         if parts > 1:  # fla's chunked recurrence with its state pass split across the prompt
             o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, parts)
         else:
@@ -181,9 +181,9 @@ def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
     """Dispatch the KDA recurrence: fla-core's chunk kernel on CUDA when installed, else the torch forms.
     `lower_bound`: the gate's bound when it is the safe (bounded) gate, so the chunked form needs no host read."""
     t = q.shape[1]
-    fla = q.is_cuda and t > MLA_ABSORBED_MAX_TOKENS and _fla_chunk_kda() is not None  # any piece a step of the
+    fla = q.is_cuda and t > MLA_ABSORBED_MAX_TOKENS and fla_chunk_kda() is not None  # any piece a step of the
     if fla:  # fused kernels does not take: fla's kernel at every length, where the recurrent form is a loop per token
-        o, s = _fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
+        o, s = fla_chunk_kda()(q=q, k=k, v=v.float(), g=g, beta=beta, scale=1.0, initial_state=state,
                                 output_final_state=True, use_qk_l2norm_in_kernel=False)
         return o, s
     if t >= CHUNKED_KDA_MIN_TOKENS:
@@ -194,7 +194,7 @@ def delta_rule(q, k, v, g, beta, state, lower_bound: float | None = None):
 _FLA = []
 
 
-def _fla_chunk_kda():
+def fla_chunk_kda():
     if not _FLA:
         # fla's kernels autotune on first use (92 s for chunk_kda on an H200); keep the timings on disk so
         # that happens once per machine, not once per server start (Triton reads this when fla is imported)

@@ -39,7 +39,7 @@ def test_fla_check_passes_an_exact_stand_in_and_fails_a_wrong_one(monkeypatch):
 def test_enable_false_leaves_the_torch_forms(monkeypatch):
     monkeypatch.setattr(ling, "_FLA", [])
     assert fla_kernels.enable(False) is False
-    assert ling._fla_chunk_kda() is None
+    assert ling.fla_chunk_kda() is None
 
 
 @pytest.mark.parametrize("mode", ["spm", "prefix"])
