@@ -29,11 +29,11 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import INTERPRET, counters, gemv_reference, mma, sm_count
-from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
+from lingls.kernels.gemv import gemv_reference
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
 from lingls.kernels.sampling import picked
+from lingls.kernels.shared import INTERPRET, NO_KEY, counters, key_index, key_value, make_key, mma, sm_count
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor

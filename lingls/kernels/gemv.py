@@ -22,13 +22,11 @@ Epilogues fused here because the model needs them right after a projection:
 - `swiglu`: W holds [gate rows; up rows] (2N x K, gate first, as the checkpoint's gate_up stacking), and
   y = swiglu(x Wg^T, x Wu^T) with Ling's optional clamp; gate and up of a column live in the same program.
 
-Triton's interpreter (CPU tests) computes bf16 `tl.dot` wrongly (Triton 3.6), so under TRITON_INTERPRET the
-operands are widened to fp32 first; on a GPU the MMA takes bf16 directly. Both give the exact bf16 products.
+The MMA, the arrival counters and the SM count are `kernels.shared`'s; the tile loads and products here are
+also the MoE experts' (`kernels.moe`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -36,25 +34,14 @@ from lingls.kernels import jit, tl, triton, tuned
 from lingls.kernels import reference as ref
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
+from lingls.kernels.shared import INTERPRET, counters, mma, sm_count
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Loop trip counts are compile-time constants in this package's kernels (shapes are fixed per captured graph):
 # Triton 3.6's interpreter cannot run a loop with a run-time bound under NumPy >= 2.4.
 MAX_T = 16  # rows handled by one MMA tile; decode (T=1) and verify (T<=16)
-
-
-@jit
-def mma(acc, a, b, F32_DOT: tl.constexpr):
-    """acc += a @ b with fp32 accumulation (see the module note on the interpreter). fp32 operands (models run
-    in fp32, as the tests' small ones) are multiplied in full fp32 precision, not rounded to TF32."""
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @jit
@@ -243,31 +230,6 @@ def _gemv_epilogue(acc, acc_up, out_ptr, res_ptr, rt, rn, T, N, stride_o, stride
     if HAS_RES:
         y += tl.load(res_ptr + rt[:, None] * stride_r + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rt[:, None] * stride_o + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters shared by this package's 'last program finishes' kernels.
-
-    Every kernel that uses them resets the ones it touched before it exits, so one buffer serves all kernels
-    issued on one stream, and graph replays find them at zero. Call each kernel once before capturing a graph
-    (the warm-up run allocates the buffer outside the capture). Not safe for kernels running concurrently on
-    two streams.
-    """
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill (a small stand-in under the interpreter, to exercise split-K)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _plan(n: int, k: int, device: torch.device, block_n: int | None, split_k: int | None, block_k: int):

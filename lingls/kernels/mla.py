@@ -69,9 +69,9 @@ def heads_per_program(t: int, h: int) -> int:
 
 
 if triton is not None:
-    from lingls.kernels.gemv import INTERPRET, counters, mma
     from lingls.kernels.pdl import mode as pdl_mode
     from lingls.kernels.pdl import wait_previous
+    from lingls.kernels.shared import INTERPRET, counters, mma
 
     @jit
     def _rotate(ptr, i, m, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, cos, sin):

@@ -51,21 +51,10 @@ import torch
 
 from lingls.kernels import by_width, by_width_and_tokens, jit, tl, triton, tuned
 from lingls.kernels import reference as ref
-from lingls.kernels.gemv import (
-    INTERPRET,
-    MAX_T,
-    accumulate,
-    counters,
-    fma_rows,
-    load_tiles,
-    load_w,
-    mma,
-    rows_after_wait,
-    swiglu_act,
-)
-from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
+from lingls.kernels.gemv import MAX_T, accumulate, fma_rows, load_tiles, load_w, rows_after_wait, swiglu_act
 from lingls.kernels.pdl import mode as pdl_mode
 from lingls.kernels.pdl import wait_previous
+from lingls.kernels.shared import INTERPRET, NO_KEY, counters, key_index, key_value, make_key, mma
 
 
 class MoEWeights(NamedTuple):

@@ -106,7 +106,7 @@ def sort_pairs_triton(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M)
 
 
 def _interpreting() -> bool:
-    from lingls.kernels.gemv import INTERPRET
+    from lingls.kernels.shared import INTERPRET
 
     return INTERPRET
 
@@ -277,7 +277,7 @@ COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
 
 def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M):
     """`moe_prefill_reference` by the two grouped kernels (any device Triton runs on; the interpreter on a CPU)."""
-    from lingls.kernels.gemv import INTERPRET
+    from lingls.kernels.shared import INTERPRET
 
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape

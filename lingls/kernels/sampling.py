@@ -13,7 +13,7 @@ token `runtime.sampling.sample` draws with top_p = 1, up to near-ties in fp32. N
 needs the whole distribution: pass `logits_out` to get the logits from the same pass and sample them there.
 
 `argmax_rows` is the greedy choice alone, for logits already in memory: one launch over [T, V] (the runtime's
-`sampling.argmax` on CUDA), with the same packed keys as the MoE routing (`kernels.keys`). Across vocab shards
+`sampling.argmax` on CUDA), with the same packed keys as the MoE routing (`kernels.shared`). Across vocab shards
 it writes each rank's (score, token) into a message that one all-reduce gathers and `pick_rows` decides
 (`runtime.sampling.argmax_shards`).
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from lingls.kernels import jit, tl, triton
-from lingls.kernels.gemv import INTERPRET, MAX_T, counters, mma
-from lingls.kernels.keys import NO_KEY, key_index, key_value, make_key
+from lingls.kernels.gemv import MAX_T
 from lingls.kernels.reference import uniform_hash
+from lingls.kernels.shared import INTERPRET, NO_KEY, counters, key_index, key_value, make_key, mma
 
 ARGMAX_BLOCK = 4096  # logits per program of `argmax_rows` (39 programs per row for Ling's 157,184 tokens)
 
