@@ -143,8 +143,10 @@ def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = Fa
 # A repeated line is one equal (ignoring indentation) to the previous non-blank line of the completion, or to
 # the line above the cursor when the completion starts on a blank line; lines without a letter or digit
 # (`)`, `}`, `#`, `"""`) may repeat: nested brackets close that way. A repeated block is a run of 2 to
-# MAX_LOOP_LINES non-blank lines (indentation included) that the completion already wrote, back to back or not:
-# ling-nano looped `if key in value:` / `value = value` under `else:`; a single line may recur (`return None`).
+# MAX_LOOP_LINES non-blank lines that the completion already wrote, back to back or not, at the same indentation
+# or shifted deeper by the same amount: ling-nano looped `if key in value:` / `value = value` under `else:`, and
+# `return f(` / `"name",` / `"""` one level deeper each time; the same lines shifted shallower are code going on
+# after a nested copy (a `try:` body repeated after it), and a single line may recur (`return None`).
 # What the completion kept must not end in the middle of what the loop cut: a last line left open by the cut
 # (ending in an open bracket or a comma: `return _parse_args(` before `_parse_args(self._parse_args(...`) goes too.
 MAX_LOOP_UNIT = 32
@@ -228,14 +230,19 @@ def repeated_line(text: str, site: Site, final: bool = True) -> int | None:
 
 def _repeated_block(written: list[tuple[int, str]]) -> int | None:
     """Where the block of 2..MAX_LOOP_LINES lines that ends with the last of `written` starts, if those lines
-    (one of them with a letter or digit) appeared before it, back to back; else None."""
+    (one of them with a letter or digit) appeared before it, back to back, at the same indentation or all
+    shifted deeper by one amount; else None."""
     lines = [w for _, w in written]
+    bodies = [w.strip() for w in lines]
+    indents = [len(w) - len(w.lstrip()) for w in lines]
     for n in range(2, min(MAX_LOOP_LINES, len(lines) // 2) + 1):
-        block = lines[-n:]
-        if not any(ch.isalnum() for line in block for ch in line):
+        if not any(ch.isalnum() for body in bodies[-n:] for ch in body):
             continue
-        if any(lines[i:i + n] == block for i in range(len(lines) - 2 * n + 1)):
-            return written[-n][0]
+        for i in range(len(lines) - 2 * n + 1):
+            if bodies[i:i + n] == bodies[-n:]:
+                shifts = {new - old for old, new in zip(indents[i:i + n], indents[-n:])}
+                if len(shifts) == 1 and shifts.pop() >= 0:
+                    return written[-n][0]
     return None
 
 

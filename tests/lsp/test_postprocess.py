@@ -169,3 +169,9 @@ def test_a_repeated_block_of_lines_stops_the_completion():
     assert done(legit, py("")) == legit
     calls = "\n    bar(\n        1,\n    ),\n    bar(\n        2,\n    ),\n)"  # lines recur, blocks do not
     assert done(calls, py("x = foo(")) == calls
+    # ling-nano after `def main():`: a block written again one level deeper each time (the `"""` lines too)
+    deeper = ('"""Run."""\n    return make(\n        "name",\n        """\n        return make(\n'
+              '            "name",\n            """\n')
+    assert done(deeper, py("    ")) == '"""Run."""\n    return make(\n        "name",\n        """'
+    shallower = "try:\n    load()\n    save()\nexcept OSError:\n    pass\nload()\nsave()"  # code going on
+    assert done(shallower, py("")) == shallower
