@@ -19,6 +19,9 @@ run_seconds=${RUN_SECONDS:-430}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/rapidfuzz-*.whl .whl/fla_core-*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+# lingls' prefill kernels are inference-only (no backward; the router's wants fp32 logits, autocast gives bf16):
+# the throughput bench, training, evaluation and distillation run the model's torch forms (training.train.torch_ops_only)
+export LINGLS_KERNELS=0
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT" /tmp/nano/results "$TRITON_CACHE_DIR"
 [ -n "${TRITON_CACHE_TGZ:-}" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$TRITON_CACHE_TGZ"

@@ -41,7 +41,7 @@ from training.fim import FimMix, build_examples, encode_examples
 from training.licenses import package_licenses
 from training.ngram import NGramModel
 from training.tokenizer import SPECIAL_TOKENS, save_tokenizer, special_ids, train_tokenizer
-from training.train import TrainSettings, mean_loss, train, windows_of
+from training.train import TrainSettings, mean_loss, torch_ops_only, train, windows_of
 
 CONFIG = Path(__file__).parent / "configs" / "ling-nano.json"
 SHIPPED = Path(__file__).resolve().parents[1] / "lingls" / "assets" / "ling-nano"  # the model to beat
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep DIR's trained model, tokenizer and training log; redo the data, evaluation and card")
     args = ap.parse_args(argv)
 
+    torch_ops_only()
     t_start = time.time()
     random.seed(args.seed)
     torch.manual_seed(args.seed)

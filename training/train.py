@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,6 +121,14 @@ class ExpertBalancer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def torch_ops_only() -> None:
+    """Make lingls.model run its torch forms on CUDA too (LINGLS_KERNELS=0), for training and for the evaluation
+    under autocast. Its prefill kernels (kernels/prefill_moe.py: the router's grouped top-k and the grouped
+    experts; kernels/prefill_kda.py) are inference-only Triton kernels: no backward (the router would get no
+    gradient), and the router's expects fp32 logits where autocast gives bf16 (a CompilationError on the GPU)."""
+    os.environ["LINGLS_KERNELS"] = "0"
 
 
 def lr_at(progress: float, s: TrainSettings) -> float:

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from training import fla_kernels
     from training.data import collect
     from training.fim import FimMix, build_examples, encode_examples
+    from training.train import torch_ops_only
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=EMBEDDED)
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fla", action="store_true",
                     help="run the target's KDA with fla-core's chunk_kda (autotuning bounded as in training)")
     args = ap.parse_args(argv)
+    torch_ops_only()  # the target runs under autocast: lingls' prefill kernels need fp32 router logits
     fla_kernels.enable(args.fla and args.device.startswith("cuda"))
 
     target = load_model(args.target, device=args.device, dtype=torch.float32)
