@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import socket
 import subprocess
 from pathlib import Path
 
@@ -103,3 +104,10 @@ def write_result(path: str | Path, record: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**record, "run": run_info()}, indent=1, default=str) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a server or a process group this benchmark starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -23,7 +23,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from bench.common import write_result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import free_port, write_result
 
 
 def start_server(args, port: int, log: Path, launcher: list[str] | None = None) -> subprocess.Popen:
@@ -74,6 +67,15 @@ def start_server(args, port: int, log: Path, launcher: list[str] | None = None) 
         time.sleep(0.5)
     proc.terminate()
     raise RuntimeError(f"lingls serve was not ready after {args.load_timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def one_run(port: int, prompt: str, new_tokens: int, timeout: float) -> dict:
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     rng = random.Random(0)
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     proc = start_server(args, port, out.with_suffix(".log"))
     result = {"bench": "serve_e2e", "model": args.model, "tp": args.tp, "draft": args.draft, "draft_k": args.draft_k,
@@ -161,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run), flush=True)
         result.update(server_metrics(port))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     for key in ("ttft_ms", "tpot_ms"):
         vals = [r[key] for r in result["runs"] if r[key] is not None]
         result[f"median_{key}"] = statistics.median(vals) if vals else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +32,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from bench.common import write_result
-from bench.serve_e2e import _free_port, one_run, server_metrics, start_server
+from bench.common import free_port, write_result
+from bench.serve_e2e import one_run, server_metrics, start_server, stop_server
 
 
 def rank_config(layers: int = 42, tp: int = 4, context: int = 16384):
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = lambda n: tok.decode([rng.randrange(vocab) for _ in range(n)])  # noqa: E731
         args.tp, args.draft, args.draft_k, args.simulate_accept, args.draft_vocab, args.device = 1, "none", None, \
             None, None, None
-        port = _free_port()
+        port = free_port()
         t0 = time.perf_counter()
         launcher = [sys.executable, "-m", "bench.serve_ttft", "--serve-with", args.kernels_from, "--"] \
             if args.kernels_from else None
@@ -116,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(ttfts)}; server counted {runs[0]['prompt_tokens']} prompt tokens)", flush=True)
             metrics = server_metrics(port)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     result = {"bench": "serve_ttft", "model": label, "layers": args.layers, "load_s": load_s, "runs": args.runs,
               "kernels_from": args.kernels_from,
               "new_tokens": args.new_tokens, "sizes": rows, **metrics, "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import write_result
+from bench.common import free_port, write_result
 
 HIDDEN = 2560
 N_PER_GRAPH = 200
@@ -47,12 +46,6 @@ LIMITS = {"coll": 120, "model": 250}  # seconds per phase (tp_session.sh gives t
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(phase: str, rank: int, world: int, port: int, args: dict, q) -> None:
     """One rank of one phase: every result goes to the parent at once (q), so a later hang keeps it."""
     import logging
@@ -80,7 +73,7 @@ def run_phase(phase: str, args: dict, limit: float, world: int) -> dict:
     Rank 0's rows land at the top level, rank r's under "rank{r}"."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(phase, r, world, port, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
