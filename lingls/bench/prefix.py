@@ -266,7 +266,6 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
             "top_by_host": by_host, "by_kind": kinds}
 
 
-
 # ---- the KDA state pass's split, measured on the GPU -----------------------------------------------------------
 def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
     """How many runs the KDA state pass of a prefill of each size in `sizes` is split into

@@ -172,7 +172,7 @@ if triton is not None:
                                   BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr,
                                   MAX_SPIN: tl.constexpr, USE_PDL: tl.constexpr):
         """Row `program_id` of x [T, N]: a = sum over ranks of x (rounded to x's dtype, as the plain all-reduce
-        leaves it), then `norm._add_rms_norm_row`: h = a + residual (rounded, written back to the residual),
+        leaves it), then `norm.add_rms_norm_row`: h = a + residual (rounded, written back to the residual),
         out = w * rms_norm(h). The same bits as the all-reduce followed by the norm kernel (same row code, same
         warps), in one launch: a whole row per program, so the norm's sum of squares never leaves the program.
         Flags, slots and epochs are those of `_one_shot_kernel`, on channel 1 of the receive buffer."""

@@ -10,7 +10,7 @@ list of tasks, built on the host once per shape by `build_schedule`:
   OPROJ      rows of the output projection
   ROUTER     rows of the router (the residual add + post-attention RMSNorm recomputed by every task)
   SHARED_GU  rows of the shared expert's gate and up, SwiGLU
-  ROUTE      sigmoid, expert bias, grouped top-k, renormalised, scaled (`moe._route_token`)
+  ROUTE      sigmoid, expert bias, grouped top-k, renormalised, scaled (`moe.route_token`)
   EXPERT_GU  rows of one routed expert's gate and up, SwiGLU
   DOWN       rows of the hidden state: shared and routed experts' down rows, the weighted sum, both residual adds
 
@@ -630,7 +630,7 @@ def _gate_up_task(gu_ptr, sgu_ptr, topk_i_ptr, act_ptr, h_ptr, a_ptr, nw_ptr, cn
 def _norm_task(h_ptr, a_ptr, w_ptr, h1_ptr, x_ptr, cnt_ptr, stamp_ptr, idx, c0, n0, gen, H, eps,
                HAS_A: tl.constexpr, H_PAD: tl.constexpr, TIMELINE: tl.constexpr):
     """NORM: x = RMSNorm(h) (tile 0), or h1 = h + a and x2 = RMSNorm(h1) (tile 1), in the norm kernel's
-    arithmetic (`norm._rms_norm_row`), once for all the GEMV tasks that read them."""
+    arithmetic (`norm.rms_norm_row`), once for all the GEMV tasks that read them."""
     offs = tl.arange(0, H_PAD)
     m = offs < H
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -748,7 +748,7 @@ def _route_task(logit_ptr, bias_ptr, topk_w_ptr, topk_i_ptr, wt_ptr, cnt_ptr, st
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                 EPG: tl.constexpr, EPG_PAD: tl.constexpr, E_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 TIMELINE: tl.constexpr):
-    """The grouped top-k of `moe._route_token` on the router's logits: topk_w / topk_i in selection order."""
+    """The grouped top-k of `moe.route_token` on the router's logits: topk_w / topk_i in selection order."""
     gbias, bias = load_bias(bias_ptr, E, G, G_PAD, EPG, EPG_PAD, E_PAD)
     _stamp(stamp_ptr, idx, 1, TIMELINE)
     _wait(cnt_ptr, c0, n0, gen)
