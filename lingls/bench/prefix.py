@@ -272,7 +272,8 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
     (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
     (q, k L2-normalised, q scaled, gates in (lower bound, 0), beta in (0, 1)) and a random initial state; for
     every run count (1: fla's chunk_kda unsplit) the time (CUDA events, median of `reps`) and the relative error
-    of the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`). The
+    of the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`) and against
+    the unsplit pass. The
     fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the table by
     token count for `prefill_kda_state.PARTS`, a row per size)."""
     from lingls.kernels import prefill_kda_state as ks
@@ -309,8 +310,11 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
                     run = lambda parts=parts: ks.chunk_kda(q, k, v, g, beta, s0, parts)  # noqa: E731
                 try:
                     o, s = run()
+                    if parts == 1:
+                        o1, s1 = o, s
                     options.append({"parts": parts, "ms": median_ms(run, reps, warm=2), "o_err": rel(o, o_ref),
-                                    "state_err": rel(s, s_ref)})
+                                    "state_err": rel(s, s_ref), "o_vs_unsplit": rel(o, o1),
+                                    "state_vs_unsplit": rel(s, s1)})
                 except Exception as e:  # a failed split is reported and not chosen
                     options.append({"parts": parts, "error": repr(e)[:300]})
         base = options[0]
