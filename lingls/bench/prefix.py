@@ -8,7 +8,8 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
+the KDA layer's previous kernels (the state pass unsplit, `prefill_kda_state.PREVIOUS`; the prologue and gated norm
+one token a program, `prefill_kda.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
 how the runtime splits it (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
@@ -389,23 +390,27 @@ def legacy_prefill_step(model):
 class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
-    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the KDA state
-    pass's runs (`prefill_kda_state.PARTS`) while it runs."""
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
+    pass's runs (`prefill_kda_state.PARTS`) and the KDA prologue's and gated norm's programs (`prefill_kda.BLOCK`)
+    while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     kda_parts: dict
+    kda_block: tuple
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner and its KDA state pass's runs into `prefill_kda_state`; returns the runner."""
-    from lingls.kernels import prefill_kda_state
+    """Put a path into its runner and its KDA settings into `prefill_kda_state` and `prefill_kda`; returns the
+    runner."""
+    from lingls.kernels import prefill_kda, prefill_kda_state
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
     prefill_kda_state.PARTS = path.kda_parts
+    prefill_kda.BLOCK = path.kda_block
     return runner
 
 
@@ -562,7 +567,7 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda_state
+    from lingls.kernels import prefill_kda, prefill_kda_state
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
@@ -580,23 +585,24 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table)}
-    if a.previous:  # the unsplit KDA state pass, graphed on a runner of its own (a graph bakes in its kernels)
+    kda = (kda_table, prefill_kda.BLOCK)
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, *kda)}
+    if a.previous:  # the previous KDA kernels, graphed on a runner of its own (a graph bakes in its kernels)
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        prefill_kda_state.PREVIOUS)
+                                        prefill_kda_state.PREVIOUS, prefill_kda.PREVIOUS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
-                                         kda_table)  # as two pieces, each a weight stream
+                                         *kda)  # as two pieces, each a weight stream
     if runner.prefill_graphs and "eager" not in a.skip:
-        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table)
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, *kda)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, *kda)
     if "eager_torch_ops" not in a.skip:
-        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table)
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, *kda)
     if not a.no_baseline:
-        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, *kda)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -661,6 +667,7 @@ def flash_prefill(a) -> int:
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
               "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
+              "kda_block": list(prefill_kda.BLOCK), "previous_kda_block": list(prefill_kda.PREVIOUS),
               **({"kda_split_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
@@ -711,7 +718,8 @@ def main(argv: list[str]) -> int:
                    help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
                         "run with the fastest that agrees with the torch form")
     p.add_argument("--previous", action="store_true",
-                   help="also time the unsplit KDA state pass, graphed on a runner of its own (path previous)")
+                   help="also time the previous KDA kernels (state pass unsplit, one token a prologue program), "
+                        "graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

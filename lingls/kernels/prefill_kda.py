@@ -11,6 +11,10 @@ the prompt's end, and after the recurrence the gated RMSNorm of its output. Here
 - `gated_norm`: RMSNorm of each head's output times sigmoid(gate), rounded once to the activation dtype.
 Each rounds where the torch form rounds (the convolution's and SiLU's outputs to the activation dtype), so the
 results agree to the last bit of those roundings. `KimiDeltaAttention.forward` is the reference.
+
+A program of `prologue` and `gated_norm` takes one head of `BLOCK[0]` tokens (`BLOCK[1]` warps). One token a
+program (`PREVIOUS`, the first form) re-read the conv weights, dt_bias and the gate constants for every token: as
+many bytes as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank.
 """
 
 from __future__ import annotations
@@ -19,46 +23,58 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 
+# (tokens of one head per program, warps) of `prologue` and `gated_norm`; PREVIOUS: the first form, one token a
+# program (`lingls bench prefix --previous` times it beside this one)
+BLOCK = (16, 4)
+PREVIOUS = (1, 1)
+
 if triton is not None:
     @jit
-    def _conv_silu(x_ptr, sx, state_ptr, w_ptr, t, cols, K: tl.constexpr, D: tl.constexpr):
-        """silu(depthwise causal conv) of token t at channels `cols`, rounded as torch rounds (the conv output
-        and the SiLU output to x's dtype); returned in fp32. state [C, K-1]: the inputs before token 0."""
-        acc = tl.zeros((D,), tl.float32)
+    def _conv_silu(x_ptr, sx, state_ptr, w_ptr, t, tmask, cols, K: tl.constexpr, BT: tl.constexpr,
+                   D: tl.constexpr):
+        """silu(depthwise causal conv) of tokens t [BT] at channels `cols` [D], rounded as torch rounds (the conv
+        output and the SiLU output to x's dtype); returned in fp32 [BT, D]. state [C, K-1]: the inputs before
+        token 0."""
+        acc = tl.zeros((BT, D), tl.float32)
         for k in tl.static_range(K):
             src = t - (K - 1) + k  # ext[t + k] of the torch form: state columns first, then the inputs
-            if src >= 0:
-                v = tl.load(x_ptr + src.to(tl.int64) * sx + cols)
-            else:
-                v = tl.load(state_ptr + cols * (K - 1) + (src + K - 1))
-            acc += tl.load(w_ptr + cols * K + k).to(tl.float32) * v.to(tl.float32)
+            from_x = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * sx + cols[None, :],
+                             mask=(tmask & (src >= 0))[:, None], other=0.0)
+            from_state = tl.load(state_ptr + cols[None, :] * (K - 1) + tl.maximum(src + K - 1, 0)[:, None],
+                                 mask=(tmask & (src < 0))[:, None], other=0.0)
+            v = tl.where((src >= 0)[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+            acc += tl.load(w_ptr + cols * K + k).to(tl.float32)[None, :] * v
         y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
         return (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32)
 
     @jit
     def _prologue_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sx, sb, state_ptr, w_ptr, a_log_ptr, dt_bias_ptr,
-                         valid_ptr, q_out, k_out, v_out, g_out, beta_out, scale, lower_bound,
-                         H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, HAS_VALID: tl.constexpr):
-        t = tl.program_id(0)
+                         valid_ptr, q_out, k_out, v_out, g_out, beta_out, T, scale, lower_bound,
+                         H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, HAS_VALID: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         h = tl.program_id(1)
+        tmask = t < T
         C: tl.constexpr = H * D
         cols = h * D + tl.arange(0, D)
-        out = t.to(tl.int64) * C + cols
-        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, cols, K, D)
-        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, cols, K, D)
-        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, cols, K, D)
-        tl.store(q_out + out, q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale)
-        tl.store(k_out + out, k / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
-        tl.store(v_out + out, v)
-        x = tl.load(f_ptr + t.to(tl.int64) * sx + cols).to(tl.float32) + tl.load(dt_bias_ptr + cols)
+        out = t.to(tl.int64)[:, None] * C + cols[None, :]
+        m = tmask[:, None]
+        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, tmask, cols, K, BLOCK_T, D)
+        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, tmask, cols, K, BLOCK_T, D)
+        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, tmask, cols, K, BLOCK_T, D)
+        tl.store(q_out + out, q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale, mask=m)
+        tl.store(k_out + out, k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None], mask=m)
+        tl.store(v_out + out, v, mask=m)
+        x = tl.load(f_ptr + t.to(tl.int64)[:, None] * sx + cols[None, :], mask=m, other=0.0).to(tl.float32) \
+            + tl.load(dt_bias_ptr + cols)[None, :]
         g = lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + h)) * x)  # the safe (bounded) gate
-        beta = tl.sigmoid(tl.load(b_ptr + t.to(tl.int64) * sb + h).to(tl.float32))
+        beta = tl.sigmoid(tl.load(b_ptr + t.to(tl.int64) * sb + h, mask=tmask, other=0.0).to(tl.float32))
         if HAS_VALID:
-            keep = tl.load(valid_ptr + t).to(tl.float32)
-            g = g * keep
+            keep = tl.load(valid_ptr + t, mask=tmask, other=0).to(tl.float32)
+            g = g * keep[:, None]
             beta = beta * keep
-        tl.store(g_out + out, g)
-        tl.store(beta_out + t * H + h, beta)
+        tl.store(g_out + out, g, mask=m)
+        tl.store(beta_out + t * H + h, beta, mask=tmask)
 
     @jit
     def _state_rows(x_ptr, sx, state_ptr, new_ptr, end, cols, m, K: tl.constexpr):
@@ -82,15 +98,17 @@ if triton is not None:
         _state_rows(v_ptr, sx, state_ptr + 2 * C * (K - 1), new_ptr + 2 * C * (K - 1), end, cols, m, K)
 
     @jit
-    def _gated_norm_kernel(o_ptr, gate_ptr, sg, w_ptr, out_ptr, eps, H: tl.constexpr, D: tl.constexpr):
-        t = tl.program_id(0)
+    def _gated_norm_kernel(o_ptr, gate_ptr, sg, w_ptr, out_ptr, T, eps, H: tl.constexpr, D: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         h = tl.program_id(1)
+        m = (t < T)[:, None]
         d = tl.arange(0, D)
-        o = tl.load(o_ptr + t.to(tl.int64) * H * D + h * D + d).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(w_ptr + d).to(tl.float32)
-        gate = tl.sigmoid(tl.load(gate_ptr + t.to(tl.int64) * sg + h * D + d).to(tl.float32))
-        tl.store(out_ptr + t.to(tl.int64) * H * D + h * D + d, (o * gate).to(out_ptr.dtype.element_ty))
-
+        rows = t.to(tl.int64)[:, None]
+        o = tl.load(o_ptr + rows * H * D + h * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o, 1) / D + eps)[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]
+        gate = tl.sigmoid(tl.load(gate_ptr + rows * sg + h * D + d[None, :], mask=m, other=0.0).to(tl.float32))
+        tl.store(out_ptr + rows * H * D + h * D + d[None, :], (o * gate).to(out_ptr.dtype.element_ty), mask=m)
 
 def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bound: float):
     """q, k, v, f: [T, H*D] projections (rows of one stride); b: [T, H]; conv_state: [3, C, K-1] (q, k, v);
@@ -103,10 +121,12 @@ def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bou
         raise ValueError("q, k, v and f must share one row stride with contiguous columns")
     outs = [torch.empty(t, h, d, dtype=torch.float32, device=q.device) for _ in range(4)]
     beta = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    _prologue_kernel[(t, h)](q, k, v, f, b, q.stride(0), b.stride(0), conv_state.contiguous(), conv_w.contiguous(),
-                             a_log.float().contiguous(), dt_bias.float().contiguous(),
-                             valid if valid is not None else q, *outs, beta, float(d ** -0.5), float(lower_bound),
-                             H=h, D=d, K=conv_w.shape[-1], HAS_VALID=valid is not None, num_warps=1)
+    tokens, warps = BLOCK
+    _prologue_kernel[(triton.cdiv(t, tokens), h)](
+        q, k, v, f, b, q.stride(0), b.stride(0), conv_state.contiguous(), conv_w.contiguous(),
+        a_log.float().contiguous(), dt_bias.float().contiguous(), valid if valid is not None else q, *outs, beta, t,
+        float(d ** -0.5), float(lower_bound), H=h, D=d, K=conv_w.shape[-1], HAS_VALID=valid is not None,
+        BLOCK_T=tokens, num_warps=warps)
     return (*outs, beta)
 
 
@@ -124,5 +144,7 @@ def gated_norm(o, gate, weight, eps: float, dtype):
     """RMSNorm over each head's D channels of o [T, H, D], times sigmoid(gate [T, H*D]), as [T, H*D] in dtype."""
     t, h, d = o.shape
     out = torch.empty(t, h * d, dtype=dtype, device=o.device)
-    _gated_norm_kernel[(t, h)](o.contiguous(), gate, gate.stride(0), weight, out, float(eps), H=h, D=d, num_warps=1)
+    tokens, warps = BLOCK
+    _gated_norm_kernel[(triton.cdiv(t, tokens), h)](o.contiguous(), gate, gate.stride(0), weight, out, t, float(eps),
+                                                    H=h, D=d, BLOCK_T=tokens, num_warps=warps)
     return out

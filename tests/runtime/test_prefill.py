@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lingls.bench.prefix import legacy_prefill_step
-from lingls.kernels import prefill_kda_state, prefill_moe
+from lingls.kernels import prefill_kda, prefill_kda_state, prefill_moe
 from lingls.model.ling import LingForCausalLM
 from lingls.runtime.runner import ModelRunner, Sampling
 from tests.model.conftest import randomize, small_config
@@ -170,18 +170,21 @@ def test_sort_pairs_kernels_lay_out_the_pairs_as_the_torch_form():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("padded", [False, True])
-def test_kda_prefill_kernels_equal_the_torch_form(padded, monkeypatch):
+@pytest.mark.parametrize("block", [prefill_kda.BLOCK, prefill_kda.PREVIOUS])
+def test_kda_prefill_kernels_equal_the_torch_form(padded, block, monkeypatch):
     """The KDA layer of a prefill through `prefill_kda` (convolutions, norms, gate, beta, new conv state, gated
-    output norm) == the torch form, from a non-zero state, with and without padded tokens at the end."""
+    output norm) == the torch form, from a non-zero state, with and without padded tokens at the end, at both
+    programs' sizes (tokens a program; 37 tokens: a last block only partly filled)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(prefill_kda, "BLOCK", block)
     model = build(num_hidden_layers=2).to(dev)
     attn = model.model.layers[0].attention
     g = torch.Generator().manual_seed(8)
-    t, c = 40, attn.heads * attn.d
+    t, c = 37, attn.heads * attn.d
     x = torch.randn(t, 32, generator=g).to(dev)
     conv_state = torch.randn(1, 3, c, 3, generator=g).to(dev)
     state = (torch.randn(1, attn.heads, attn.d, attn.d, generator=g) * 0.1).to(dev)
-    valid = (torch.arange(t) < 33).to(dev) if padded else None
+    valid = (torch.arange(t) < 30).to(dev) if padded else None
     from lingls.model import ling
 
     monkeypatch.setattr(ling, "_FLA", [None])  # the recurrence in torch on both sides: the kernels are the subject
