@@ -8,8 +8,7 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the KDA layer's previous kernels (the state pass unsplit, `prefill_kda_state.PREVIOUS`; the prologue and gated norm
-one token a program, `prefill_kda.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
+the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
 how the runtime splits it (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
@@ -271,15 +270,17 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
 def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
     """How many runs the KDA state pass of a prefill of each size in `sizes` is split into
     (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
-    (q, k L2-normalised, q scaled, gates in (lower bound, 0), beta in (0, 1)) and a random initial state; for
-    every run count (1: fla's chunk_kda unsplit) the time (CUDA events, median of `reps`) and the relative error
-    of the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`) and against
-    the unsplit pass. The
-    fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the table by
-    token count for `prefill_kda_state.PARTS`, a row per size)."""
+    (q, k L2-normalised, q scaled, beta in (0, 1), `slow_gates`) and a random initial state; for every run count
+    (1: fla's chunk_kda unsplit) the time of one layer's recurrence as a CUDA graph replay, as it runs inside a
+    prefill graph (CUDA events, median of `reps`: timed eagerly, fla's host work between its launches hid the
+    device time, and the split's extra launches cost more host time than device time), and the relative error of
+    the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`) and against the
+    unsplit pass. The fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the
+    table by token count for `prefill_kda_state.PARTS`, a row per size)."""
     from lingls.kernels import prefill_kda_state as ks
     from lingls.kernels import reference as ref
     from lingls.model.ling import KimiDeltaAttention, fla_chunk_kda
+    from lingls.runtime.graphs import capture
 
     attn = next(layer.attention for layer in model.decoder_layers if isinstance(layer.attention, KimiDeltaAttention))
     heads, d, lower = attn.heads, attn.d, attn.lower_bound
@@ -295,7 +296,7 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
         q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
         k = ref.l2_normalize(rnd(1, t, heads, d))
         v = rnd(1, t, heads, d)
-        g = lower * torch.sigmoid(rnd(1, t, heads, d) - 4)  # mostly slow decay, as trained gates are
+        g = slow_gates(rnd(1, t, heads, d), lower)
         beta = torch.sigmoid(rnd(1, t, heads))
         s0 = rnd(1, heads, d, d) * 0.05
         with torch.inference_mode():
@@ -310,12 +311,14 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
                 else:
                     run = lambda parts=parts: ks.chunk_kda(q, k, v, g, beta, s0, parts)  # noqa: E731
                 try:
-                    o, s = run()
+                    o, s = run()  # eagerly first: fla's and the split's kernels tune before the capture
                     if parts == 1:
                         o1, s1 = o, s
-                    options.append({"parts": parts, "ms": median_ms(run, reps, warm=2), "o_err": rel(o, o_ref),
-                                    "state_err": rel(s, s_ref), "o_vs_unsplit": rel(o, o1),
+                    graph, _ = capture(run, [])
+                    options.append({"parts": parts, "ms": median_ms(graph.replay, reps, warm=2),
+                                    "o_err": rel(o, o_ref), "state_err": rel(s, s_ref), "o_vs_unsplit": rel(o, o1),
                                     "state_vs_unsplit": rel(s, s1)})
+                    del graph
                 except Exception as e:  # a failed split is reported and not chosen
                     options.append({"parts": parts, "error": repr(e)[:300]})
         base = options[0]
@@ -324,11 +327,22 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
         best = min(ok, key=lambda o: o["ms"])
         table[t] = best["parts"]
         rows.append({"tokens": t, "chosen_parts": best["parts"], "options": options})
-        print(f"KDA state pass at {t} tokens (one layer, {heads} heads): " + "; ".join(
-            f"{o['parts']} runs {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e})" if "ms" in o
+        print(f"KDA state pass at {t} tokens (one layer, {heads} heads, graph replays): " + "; ".join(
+            f"{o['parts']} runs {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e}; against the "
+            f"unsplit o {o['o_vs_unsplit']:.1e}, state {o['state_vs_unsplit']:.1e})" if "ms" in o
             else f"{o['parts']} runs failed: {o['error'][:80]}" for o in options) + f"; chosen {best['parts']}",
             flush=True)
     return table, rows
+
+
+def slow_gates(x: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """KDA gates (log decay per token and channel, in [lower_bound, 0)) from standard normal x, log-normal in
+    size: a 64-token chunk keeps a median 0.65 of the state, a tenth of them above 0.97 and a tenth below 0.004, so
+    parts of a state carry across many chunks, as a trained layer's long-memory channels carry them. (Gates of
+    lower_bound * sigmoid(x - 4), ~-0.09 a token, forget a state within a chunk or two: every split then gave the
+    unsplit pass's bits in the eighteenth session's tuning, its runs starting from states that no longer mattered,
+    so a wrong merge would have gone unseen.)"""
+    return torch.clamp(-torch.exp(2 * x - 5), min=lower_bound)
 
 
 # ---- the flash-shape cold prefill: the runtime's path beside the one before issue 39 -------------------------
@@ -390,27 +404,23 @@ def legacy_prefill_step(model):
 class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
-    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
-    pass's runs (`prefill_kda_state.PARTS`) and the KDA prologue's and gated norm's programs (`prefill_kda.BLOCK`)
-    while it runs."""
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the KDA state
+    pass's runs (`prefill_kda_state.PARTS`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     kda_parts: dict
-    kda_block: tuple
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner and its KDA settings into `prefill_kda_state` and `prefill_kda`; returns the
-    runner."""
-    from lingls.kernels import prefill_kda, prefill_kda_state
+    """Put a path into its runner and its KDA state pass's runs into `prefill_kda_state`; returns the runner."""
+    from lingls.kernels import prefill_kda_state
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
     prefill_kda_state.PARTS = path.kda_parts
-    prefill_kda.BLOCK = path.kda_block
     return runner
 
 
@@ -567,7 +577,7 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda, prefill_kda_state
+    from lingls.kernels import prefill_kda_state
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
@@ -585,24 +595,23 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    kda = (kda_table, prefill_kda.BLOCK)
-    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, *kda)}
-    if a.previous:  # the previous KDA kernels, graphed on a runner of its own (a graph bakes in its kernels)
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table)}
+    if a.previous:  # the unsplit KDA state pass, graphed on a runner of its own (a graph bakes in its kernels)
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        prefill_kda_state.PREVIOUS, prefill_kda.PREVIOUS)
+                                        prefill_kda_state.PREVIOUS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
-                                         *kda)  # as two pieces, each a weight stream
+                                         kda_table)  # as two pieces, each a weight stream
     if runner.prefill_graphs and "eager" not in a.skip:
-        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, *kda)
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, *kda)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table)
     if "eager_torch_ops" not in a.skip:
-        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, *kda)
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table)
     if not a.no_baseline:
-        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, *kda)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -667,7 +676,6 @@ def flash_prefill(a) -> int:
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
               "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
-              "kda_block": list(prefill_kda.BLOCK), "previous_kda_block": list(prefill_kda.PREVIOUS),
               **({"kda_split_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
@@ -718,8 +726,7 @@ def main(argv: list[str]) -> int:
                    help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
                         "run with the fastest that agrees with the torch form")
     p.add_argument("--previous", action="store_true",
-                   help="also time the previous KDA kernels (state pass unsplit, one token a prologue program), "
-                        "graphed on a runner of its own (path previous)")
+                   help="also time the unsplit KDA state pass, graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

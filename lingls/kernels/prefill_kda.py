@@ -13,8 +13,8 @@ Each rounds where the torch form rounds (the convolution's and SiLU's outputs to
 results agree to the last bit of those roundings. `KimiDeltaAttention.forward` is the reference.
 
 A program of `prologue` and `gated_norm` takes one head of `BLOCK[0]` tokens (`BLOCK[1]` warps). One token a
-program (`PREVIOUS`, the first form) re-read the conv weights, dt_bias and the gate constants for every token: as
-many bytes as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank.
+program (the first form) re-read the conv weights, dt_bias and the gate constants for every token: as many bytes
+as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 
-# (tokens of one head per program, warps) of `prologue` and `gated_norm`; PREVIOUS: the first form, one token a
-# program (`lingls bench prefix --previous` times it beside this one)
-BLOCK = (16, 4)
-PREVIOUS = (1, 1)
+BLOCK = (16, 4)  # (tokens of one head per program, warps) of `prologue` and `gated_norm`
 
 if triton is not None:
     @jit

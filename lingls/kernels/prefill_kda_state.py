@@ -28,7 +28,8 @@ from lingls.kernels import by_tokens
 
 CHUNK = 64  # fla's KDA chunk size
 # runs of the state pass by prompt tokens (`by_tokens`: the smallest key >= T); 1: fla's chunk_kda unsplit.
-# Unsplit until a GPU run measures the split (`lingls bench prefix --tune --previous`): it has not run on one yet
+# Unsplit: the one GPU run so far (nineteenth session) timed the split only eagerly, where the host's launches hid
+# the device time, and never inside a prefill graph (`lingls bench prefix --tune --previous` now times graph replays)
 PARTS: dict[int, int] = {8192: 1}
 PREVIOUS: dict[int, int] = {8192: 1}  # the unsplit pass everywhere (`lingls bench prefix --previous` times it)
 _FLA: list = []
