@@ -4,7 +4,7 @@ Per KDA layer a prefill step projects q, k, v, f, g and b (GEMMs), then, in torc
 launches over [T, heads * 128] rows: three causal convolutions with SiLU (concatenating the conv state in
 front of each input), the L2 norms of q and k, the decay gate, beta, the padding mask, the conv states taken at
 the prompt's end, and after the recurrence the gated RMSNorm of its output. Here:
-- `prologue`: one program per (token, head): the three convolutions (taps before the first token read the
+- `prologue`: one program per head and block of tokens: the three convolutions (taps before the first token read the
   conv state), SiLU, q and k normalised (q scaled by d^-0.5), the gate g (per channel) and beta (per head),
   both zero at padded tokens (`valid`), as the recurrence takes them (fp32);
 - `conv_states`: the K-1 inputs before position `end` of each of q, k and v (the new conv state);
@@ -14,7 +14,10 @@ results agree to the last bit of those roundings. `KimiDeltaAttention.forward` i
 
 A program of `prologue` and `gated_norm` takes one head of `BLOCK[0]` tokens (`BLOCK[1]` warps). One token a
 program (the first form) re-read the conv weights, dt_bias and the gate constants for every token: as many bytes
-as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank.
+as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank. A cold 8,192-token
+prefill on an H200 (`lingls bench prefix --profile`): these three kernels 5.00 ms over 35 layers with 16 tokens a
+program, 9.76 ms with one (the same kernel; the first form's one-token kernel was profiled at 7.17 ms in another
+run), the norms' sums over a row the only roundings that moved.
 """
 
 from __future__ import annotations
