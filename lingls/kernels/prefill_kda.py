@@ -17,7 +17,7 @@ program (the first form) re-read the conv weights, dt_bias and the gate constant
 as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank. A cold 8,192-token
 prefill on an H200 (`lingls bench prefix --profile`): these three kernels 5.00 ms over 35 layers with 16 tokens a
 program, 9.76 ms with one (the same kernel; the first form's one-token kernel was profiled at 7.17 ms in another
-run), the norms' sums over a row the only roundings that moved.
+run).
 """
 
 from __future__ import annotations
