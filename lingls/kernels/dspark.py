@@ -12,8 +12,9 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   kernel: programs (kv head, key range) write partial softmax sums, a second launch merges them, so all SMs
   stream the cache (one program per head would leave most of them idle at 8 heads).
 - `markov_choose`: one slot's choice: logits row + markov_w2 @ markov_w1[prev] over this rank's vocabulary
-  shard, reduced to the greedy token in the same launch (packed keys, last program to arrive decides; under
-  tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor,
+  shard, reduced to the greedy token in the same launch (packed keys folded by an atomic max, the last program
+  to arrive decides; under tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on
+  the device (the anchor,
   the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
   here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
   host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
@@ -45,6 +46,10 @@ ATTEND_BLOCK_N = 64  # keys per tile
 # program takes 71,680 bytes of shared memory and 116 registers per thread, so two reside together.
 ATTEND_PROGRAMS_PER_SM = 2
 MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
+# 96 registers per thread: 5 programs of 4 warps per SM, so the TP=4 shard's 614 programs run in one wave (ptxas
+# chose 108 without the cap: 4 per SM, two waves; 96 spills nothing at the TP=4 shapes, checked by the sm_90
+# compile test)
+MARKOV_MAX_REGISTERS = 96
 _LOG2E = 1.4426950408889634
 
 
@@ -338,18 +343,16 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
 
 # ---- Markov-corrected choice -----------------------------------------------------------------------------------
 @jit
-def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
-                          rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
-                          RANKS: tl.constexpr, PREV_MSG: tl.constexpr):
+def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, best_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
+                          rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, RANKS: tl.constexpr,
+                          PREV_MSG: tl.constexpr):
     """Program block: logits[blk] + markov_w2[blk] @ markov_w1[prev] (each rounded to the logits' dtype, as the
-    torch form adds them), its best packed key into part; the last program to arrive writes the token to out
-    (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`). prev: a token [1], or with
-    PREV_MSG the previous slot's summed exchange message, whose token program 0 also writes to prev_out.
-    The markov_w2 tile is requested first (it depends on nothing) and kept in L2 (evict_last): the round's B
-    choices read the same shard one after another. One H200, TP=4 shard (spec_flash_dspark_markov_ab.json in
-    bench/results): the round 0.356-0.357 ms as here, 0.358-0.359 launched with PDL (the tile requested before
-    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes (two
-    waves of programs, 3 per SM at 166 registers per thread, then the last arrival's reduction)."""
+    torch form adds them), its best packed key folded into the cell best by an atomic max (the max of keys does
+    not depend on the order of arrival); the last program to arrive takes the cell (resetting it to NO_KEY for
+    the next launch) and writes the token to out (RANKS == 1) or the exchange message [2, RANKS, 1]
+    (`sampling.argmax_rows`). prev: a token [1], or with PREV_MSG the previous slot's summed exchange message,
+    whose token program 0 also writes to prev_out. The markov_w2 tile is requested first (it depends on
+    nothing) and kept in L2 (evict_last: the round's B choices read the same shard one after another)."""
     blk = tl.program_id(0)
     k = tl.arange(0, R)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -365,14 +368,10 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_pt
     dt = logits_ptr.dtype.element_ty
     bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1).to(dt).to(tl.float32)
     x = (tl.load(logits_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias).to(dt).to(tl.float32)
-    best = tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0)
-    tl.store(part_ptr + blk, best)
-    tl.debug_barrier()
+    tl.atomic_max(best_ptr, tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0), sem="acq_rel")
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == NB - 1:
-        j = tl.arange(0, NB_PAD)
-        keys = tl.load(part_ptr + j, mask=j < NB, other=NO_KEY, cache_modifier=".cg")
-        key = tl.max(keys, axis=0)
+        key = tl.atomic_xchg(best_ptr, NO_KEY, sem="acq_rel")
         token = key_index(key, 2 ** 31).to(tl.int64) + offset
         if RANKS == 1:
             tl.store(out_ptr, token)
@@ -382,6 +381,20 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_pt
             tl.store(out_ptr + slot, tl.where(mine, key_value(key), 0.0))
             tl.store(out_ptr + RANKS + slot, tl.where(mine, token.to(tl.float32), 0.0))
         tl.atomic_xchg(cnt_ptr, 0)
+
+
+_BEST: dict[torch.device, torch.Tensor] = {}
+
+
+def best_cell(device: torch.device) -> torch.Tensor:
+    """The int64 cell `_markov_choose_kernel` folds its programs' keys into: NO_KEY between launches (the last
+    program of every launch resets it), so graph replays need no memset. Allocated on first use (the warm-up
+    run, outside any graph capture); one per device, for launches on one stream, as `shared.counters`."""
+    cell = _BEST.get(device)
+    if cell is None:
+        cell = _BEST[device] = torch.full((1,), int(getattr(NO_KEY, "value", NO_KEY)), dtype=torch.int64,
+                                            device=device)
+    return cell
 
 
 def markov_corrected_reference(logits_row, prev, w1, w2) -> torch.Tensor:
@@ -410,8 +423,8 @@ def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: 
     if out is None:
         out = torch.empty((2, ranks, 1) if ranks > 1 else (1,), dtype=torch.float32 if ranks > 1 else torch.int64,
                           device=logits_row.device)
-    part = torch.empty(nb, dtype=torch.int64, device=logits_row.device)
-    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out,
-                                 prev_out if prev_msg else out, v, rank * v, rank, R=r, BLOCK=block, NB=nb,
-                                 NB_PAD=triton.next_power_of_2(nb), RANKS=ranks, PREV_MSG=prev_msg, num_warps=4)
+    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, best_cell(logits_row.device),
+                                 counters(logits_row.device, 1), out, prev_out if prev_msg else out, v, rank * v, rank,
+                                 R=r, BLOCK=block, NB=nb, RANKS=ranks, PREV_MSG=prev_msg, num_warps=4,
+                                 maxnreg=MARKOV_MAX_REGISTERS)
     return out

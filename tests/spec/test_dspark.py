@@ -548,11 +548,11 @@ def test_the_round_kernels_compile_for_h200_without_spills():
         build(dspark._merge_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16"),
               dict(B=8, H=8, G=1, D=128, ROWS=16, SPLITS=33, SPLITS_PAD=64), 1)
         build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*i64", w1_ptr="*bf16",
-              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", prev_out_ptr="*i64", offset="i64"),
-              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=1, PREV_MSG=False), 4)
+              w2_ptr="*bf16", best_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", prev_out_ptr="*i64", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, RANKS=1, PREV_MSG=False), 4, maxnreg=dspark.MARKOV_MAX_REGISTERS)
         build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*fp32", w1_ptr="*bf16",
-              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*fp32", prev_out_ptr="*i64", offset="i64"),
-              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=4, PREV_MSG=True), 4)
+              w2_ptr="*bf16", best_ptr="*i64", cnt_ptr="*i32", out_ptr="*fp32", prev_out_ptr="*i64", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, RANKS=4, PREV_MSG=True), 4, maxnreg=dspark.MARKOV_MAX_REGISTERS)
     """)
     assert len(lines) == 8
     # the rope kernels' stack is libdevice's sin/cos range reduction for large angles, not spilled registers
