@@ -48,6 +48,9 @@ ATTEND_PROGRAMS_PER_SM = 2
 # The attention launched with PDL requests its cache rows into L2 before it waits for the q|k|v kernel
 # (`_attend_kernel`'s PREFETCH)
 ATTEND_PREFETCH = True
+# The attention's programs, their keys done, request into L2 the weights of the kernels after it (`block_attend`'s
+# then: the layer's o_proj, gate|up and down)
+ATTEND_PREFETCH_THEN = True
 MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
 # 96 registers per thread: 5 programs of 4 warps per SM, so the TP=4 shard's 614 programs run in one wave (ptxas
 # chose 108 without the cap: 4 per SM, two waves; 96 spills nothing at the TP=4 shapes, checked by the sm_90
@@ -78,6 +81,14 @@ def _prefetch_w(w_ptr, n0, k0, K, K_PER, ROWS: tl.constexpr, LINES: tl.constexpr
     rows = n0 + tl.arange(0, ROWS)
     ok = (cols < K) & (cols < k0 + K_PER)
     prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], (rows >= 0)[:, None] & ok[None, :])
+
+
+@jit
+def _prefetch_share(ptr, lines, program, PER: tl.constexpr):
+    """`prefetch_l2` of lines [program * PER, (program + 1) * PER) (below `lines`) of the buffer at ptr."""
+    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
+    i = program * PER + tl.arange(0, PER)
+    prefetch_l2(ptr + i.to(tl.int64) * PER_LINE, i < lines)
 
 
 @jit
@@ -288,10 +299,12 @@ def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads:
 
 # ---- block attention -------------------------------------------------------------------------------------------
 @jit
-def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2,
+def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2, then0_ptr, then0_lines,
+                   then1_ptr, then1_lines, then2_ptr, then2_lines,
                    B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_N: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, F32_DOT: tl.constexpr):
+                   PREFETCH: tl.constexpr, THEN0: tl.constexpr, THEN1: tl.constexpr, THEN2: tl.constexpr,
+                   F32_DOT: tl.constexpr):
     """Program (kv head g, split): its G query heads x B slots (row r = head_in_group * B + slot, padded to
     ROWS >= 16 for the MMA) against keys [split * TILES * BLOCK_N, +TILES * BLOCK_N) below pos + B; the
     partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32).
@@ -300,7 +313,11 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
     rows of its range and of the split SPLITS / 2 after it (the programs of the first half are the ones that
     find room beside the q|k|v kernel's programs and start early), below pos + B: the cache streams while the
     projection runs, where it waited for the projection's end. The block's own rows, which that kernel is
-    writing, may be among them: L2 is where those writes land, so a line fetched early is not stale."""
+    writing, may be among them: L2 is where those writes land, so a line fetched early is not stale.
+
+    THEN0..2 > 0: once its keys are done, the program asks L2 for its share (that many 128-byte lines, a power
+    of two) of up to three weights the kernels after it read (then*_ptr, then*_lines lines in all): the layer's
+    o_proj, gate|up and down, which then stream from L2 while the merge and the GEMVs before them run."""
     g = tl.program_id(0)
     sp = tl.program_id(1)
     KVH: tl.constexpr = H // G
@@ -335,6 +352,13 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
     tl.store(po_ptr + (part + r)[:, None] * D + d[None, :], acc)
     tl.store(pml_ptr + part * 2 + r, m_i)
     tl.store(pml_ptr + part * 2 + ROWS + r, l_i)
+    program = sp * KVH + g
+    if THEN0:
+        _prefetch_share(then0_ptr, then0_lines, program, THEN0)
+    if THEN1:
+        _prefetch_share(then1_ptr, then1_lines, program, THEN1)
+    if THEN2:
+        _prefetch_share(then2_ptr, then2_lines, program, THEN2)
 
 
 @jit
@@ -358,10 +382,10 @@ def _merge_kernel(po_ptr, pml_ptr, o_ptr, B: tl.constexpr, H: tl.constexpr, G: t
     tl.store(o_ptr + slot * H * D + head * D + d, o.to(o_ptr.dtype.element_ty))
 
 
-def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
+def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int, then: tuple = ()) -> torch.Tensor:
     """The definition: queries q [B, H, D] against cache rows [0, kv_len) of cache_k / cache_v [S, KVH, D], each
     query seeing the rows below pos + B (GQA: query head h reads kv head h // (H / KVH)); softmax scale
-    1/sqrt(D). Returns [B, H * D] in q's dtype."""
+    1/sqrt(D). Returns [B, H * D] in q's dtype. then: the kernel's prefetch hint, nothing here."""
     b, h, _ = q.shape
     kvh = cache_k.shape[1]
     keys, vals = cache_k[:kv_len].transpose(0, 1), cache_v[:kv_len].transpose(0, 1)
@@ -380,10 +404,12 @@ def attend_plan(kv_len: int, kv_heads: int, device: torch.device) -> tuple[int, 
     return triton.cdiv(tiles, per), per
 
 
-def block_attend(q, cache_k, cache_v, pos, kv_len: int, pdl: bool = False) -> torch.Tensor:
+def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: bool = False) -> torch.Tensor:
     """Two launches (`_attend_kernel`, `_merge_kernel`); arguments as the reference. kv_len: the rows the
-    program grid covers (static per captured graph), at least pos + B. pdl: the attention launched with
-    programmatic dependent launch, its cache rows requested before it waits (ATTEND_PREFETCH)."""
+    program grid covers (static per captured graph), at least pos + B. then: up to three weights the kernels
+    after this one read, requested into L2 by the attention's programs when their keys are done (with
+    ATTEND_PREFETCH_THEN). pdl: the attention launched with programmatic dependent launch, its cache rows
+    requested before it waits (ATTEND_PREFETCH)."""
     b, h, d = q.shape
     kvh = cache_k.shape[1]
     g = h // kvh
@@ -393,12 +419,17 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, pdl: bool = False) -> to
     po = torch.empty(splits * kvh * rows * d, dtype=torch.float32, device=q.device)
     pml = torch.empty(splits * kvh * 2 * rows, dtype=torch.float32, device=q.device)
     launch = {"launch_pdl": True} if pdl and q.is_cuda else {}
-    _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d),
-                                  B=b, H=h, G=g, D=d, ROWS=rows,
-                                  BLOCK_N=ATTEND_BLOCK_N, TILES=tiles, SPLITS=splits,
+    assert len(then) <= 3 and all(w.is_contiguous() for w in then)
+    then = list(then) if q.is_cuda and ATTEND_PREFETCH_THEN and not INTERPRET else []
+    lines = [triton.cdiv(w.numel() * w.element_size(), 128) for w in then]
+    per = [triton.next_power_of_2(triton.cdiv(n, kvh * splits)) for n in lines]
+    args = [x for w, n in zip(then, lines) for x in (w, n)] + [po, 0] * (3 - len(then))
+    _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d), *args,
+                                  B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles, SPLITS=splits,
                                   USE_PDL=pdl_mode(bool(launch), "attend", b),
-                                  PREFETCH=bool(launch) and ATTEND_PREFETCH and not INTERPRET, F32_DOT=INTERPRET,
-                                  num_warps=4, **launch)
+                                  PREFETCH=bool(launch) and ATTEND_PREFETCH and not INTERPRET,
+                                  THEN0=(per + [0, 0, 0])[0], THEN1=(per + [0, 0, 0])[1], THEN2=(per + [0, 0, 0])[2],
+                                  F32_DOT=INTERPRET, num_warps=4, **launch)
     o = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, h)](po, pml, o, B=b, H=h, G=g, D=d, ROWS=rows, SPLITS=splits,
                           SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=1)
