@@ -14,10 +14,13 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
 - `markov_choose`: one slot's choice: logits row + markov_w2 @ markov_w1[prev] over this rank's vocabulary
   shard, reduced to the greedy token in the same launch (packed keys folded by an atomic max, the last program
   to arrive decides; under tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on
-  the device (the anchor,
-  the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
-  here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
-  host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
+  the device (the anchor, the previous slot's choice, or under tensor parallelism the previous slot's
+  all-reduced message, decided here and its token written to the drafts), so the B choices are B launches
+  (+ one pick under TP) and no host read. Each launch asks L2 to keep its markov_w2 tile for the next slot
+  (evict_last).
+Streams requested ahead (`prefetch_l2`, GPU only): the q|k|v kernel and the attention, launched with
+programmatic dependent launch, ask L2 for their weights / cache rows before they wait for the kernel before
+them; the attention's programs, done, ask for the layer's o_proj, gate|up and down weights.
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
 masked.
 """
