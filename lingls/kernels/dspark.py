@@ -18,9 +18,8 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   all-reduced message, decided here and its token written to the drafts), so the B choices are B launches
   (+ one pick under TP) and no host read. Each launch asks L2 to keep its markov_w2 tile for the next slot
   (evict_last).
-Streams requested ahead (`prefetch_l2`, GPU only): the q|k|v kernel and the attention, launched with
-programmatic dependent launch, ask L2 for their weights / cache rows before they wait for the kernel before
-them; the attention's programs, done, ask for the layer's o_proj, gate|up and down weights.
+Streams requested ahead (`prefetch_l2`, GPU only): the attention's programs, their keys done, ask L2 for the
+layer's o_proj, gate|up and down weights.
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
 masked.
 """
@@ -48,9 +47,9 @@ ATTEND_BLOCK_N = 64  # keys per tile
 # 33.6 MB at 8k context, 120 programs: bench/results/spec_flash_dspark.json before this); at the TP=4 shapes a
 # program takes 71,680 bytes of shared memory and 116 registers per thread, so two reside together.
 ATTEND_PROGRAMS_PER_SM = 2
-# The attention launched with PDL requests its cache rows into L2 before it waits for the q|k|v kernel
-# (`_attend_kernel`'s PREFETCH)
-ATTEND_PREFETCH = True
+# The attention launched with programmatic dependent launch (its programs start as the q|k|v kernel's pass its
+# wait, then wait for its end): `block_attend`'s pdl
+ATTEND_PDL = True
 # The attention's programs, their keys done, request into L2 the weights of the kernels after it (`block_attend`'s
 # then: the layer's o_proj, gate|up and down)
 ATTEND_PREFETCH_THEN = True
@@ -69,21 +68,13 @@ def _pow2(n: int) -> bool:
 @jit
 def prefetch_l2(ptrs, mask):
     """Ask L2 for the lines of `ptrs` (`prefetch.global.L2`: nothing comes back to the program, nothing waits).
-    For a kernel launched with programmatic dependent launch: the bytes it will read, requested while the
-    kernel before it still runs. GPU only (inline PTX): the interpreter's launches pass PREFETCH=False."""
+    GPU only (inline PTX): the interpreter's launches never reach it. Requested before a kernel waits for
+    the one before it (programmatic dependent launch), the attention's cache rows and the q|k|v kernel's weights
+    made the round slower on the H200 (0.374 -> 0.361 ms without the first, -> 0.368 without the second: the
+    sweep in bench/results/spec_flash_dspark_prefetch.json, after a profile), so only the weights a layer reads
+    after its attention are requested, by the attention's programs once their keys are done."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                               "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
-def _prefetch_w(w_ptr, n0, k0, K, K_PER, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """`prefetch_l2` of W's rows [n0, n0 + ROWS) x columns [k0, k0 + K_PER) (below K): LINES 128-byte lines
-    per row, a power of two covering K_PER."""
-    PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-    cols = k0 + tl.arange(0, LINES) * PER_LINE
-    rows = n0 + tl.arange(0, ROWS)
-    ok = (cols < K) & (cols < k0 + K_PER)
-    prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], (rows >= 0)[:, None] & ok[None, :])
 
 
 @jit
@@ -92,23 +83,6 @@ def _prefetch_share(ptr, lines, program, PER: tl.constexpr):
     PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
     i = program * PER + tl.arange(0, PER)
     prefetch_l2(ptr + i.to(tl.int64) * PER_LINE, i < lines)
-
-
-@jit
-def _prefetch_keys(k_ptr, v_ptr, g, sp, limit, s_kv, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-                   SPLITS: tl.constexpr):
-    """`prefetch_l2` of kv head g's key and value rows below limit in split sp's range and, for the first half
-    of the splits, in the range of split sp + SPLITS / 2."""
-    HALF: tl.constexpr = (SPLITS + 1) // 2
-    LINES: tl.constexpr = (D * k_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024  # 128-byte lines a row
-    cols = tl.arange(0, LINES) * (D // LINES)
-    for part in tl.static_range(2):
-        for t in tl.static_range(TILES):
-            rows = ((sp + part * HALF) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = ((rows < limit) & ((part == 0) | (sp < HALF)))[:, None] & (cols >= 0)[None, :]
-            offs = rows[:, None] * s_kv + g * D + cols[None, :]
-            prefetch_l2(k_ptr + offs, ok)
-            prefetch_l2(v_ptr + offs, ok)
 
 
 # ---- q/k norm + rope + cache write ------------------------------------------------------------------------------
@@ -188,30 +162,24 @@ def block_qk_rope(qkv, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads: i
 
 # ---- q|k|v GEMV + q/k norm + rope + cache write ----------------------------------------------------------------
 QKV_BLOCK_K = 128  # K columns per descriptor load
-# Launched with PDL, the q|k|v kernel requests its W tiles into L2 before it waits (`_qkv_rope_kernel`'s PREFETCH)
-QKV_PREFETCH = True
 
 
 @jit
-def _qkv_rope_kernel(x_desc, w_desc, w_ptr, qn_ptr, kn_ptr, freq_ptr, pos_ptr, q_ptr, ck_ptr, cv_ptr, part_ptr,
-                     cnt_ptr, T, K, K_PER, s_cache, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+def _qkv_rope_kernel(x_desc, w_desc, qn_ptr, kn_ptr, freq_ptr, pos_ptr, q_ptr, ck_ptr, cv_ptr, part_ptr, cnt_ptr,
+                     T, K_PER, s_cache, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                      BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
-                     PREFETCH_LINES: tl.constexpr, F32_DOT: tl.constexpr):
+                     F32_DOT: tl.constexpr):
     """Program (head, K range): W's rows of one head (query heads, then key heads, then value heads) times x's
     rows over the K range, as `gemv`'s descriptor path (W's [D, BLOCK_K] and x's [16, BLOCK_K] tiles through the
     tensor memory accelerator, the product W x^T), its fp32 partial [16, D] to part; the last program of the
     head to arrive sums the partials (in split order), rounds them to the activations' dtype as the GEMV's
     output would be, and finishes the head as `_qk_rope_kernel` does: a query head normed, rotated, to q; a key
-    head to the cache's key rows pos + row; a value head copied to the value rows. PREFETCH_LINES > 0 (launched
-    with PDL): the program's W tiles requested into L2 (w_ptr: W's rows, K apart; that many 128-byte lines per
-    row, a power of two covering K_PER) before it waits for the kernel that writes x."""
+    head to the cache's key rows pos + row; a value head copied to the value rows."""
     head = tl.program_id(0)
     sp = tl.program_id(1)
     HEADS: tl.constexpr = H + 2 * KVH
     HALF: tl.constexpr = D // 2
     acc = tl.zeros((D, 16), tl.float32)
-    if PREFETCH_LINES:
-        _prefetch_w(w_ptr, head * D, sp * K_PER, K, K_PER, D, PREFETCH_LINES)
     wait_previous(USE_PDL)
     for it in range(K_ITERS):
         kk = sp * K_PER + it * BLOCK_K
@@ -289,14 +257,11 @@ def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads:
     q = torch.empty(t, max(heads, 1), d, dtype=x.dtype, device=x.device)
     part = torch.empty(split * heads_all * 16 * d, dtype=torch.float32, device=x.device)
     launch = {"launch_pdl": True} if pdl and x.is_cuda else {}
-    prefetch = bool(launch) and QKV_PREFETCH and not INTERPRET and w.stride(0) == k
-    lines = triton.next_power_of_2(triton.cdiv(k_per * w.element_size(), 128)) if prefetch else 0
     _qkv_rope_kernel[(heads_all, split)](
-        TensorDescriptor.from_tensor(x, [16, block_k]), TensorDescriptor.from_tensor(w, [d, block_k]), w, q_norm,
-        k_norm, inv_freq, pos, q, cache_k, cache_v, part, counters(x.device, heads_all), t, k, k_per,
-        cache_k.stride(0), float(eps), H=heads, KVH=kv_heads, D=d, BLOCK_K=block_k, K_ITERS=k_per // block_k,
-        SPLIT=split, USE_PDL=pdl_mode(bool(launch), "qkv_rope", t), PREFETCH_LINES=lines, F32_DOT=INTERPRET,
-        num_warps=4, num_stages=4, **launch)
+        TensorDescriptor.from_tensor(x, [16, block_k]), TensorDescriptor.from_tensor(w, [d, block_k]), q_norm, k_norm,
+        inv_freq, pos, q, cache_k, cache_v, part, counters(x.device, heads_all), t, k_per, cache_k.stride(0),
+        float(eps), H=heads, KVH=kv_heads, D=d, BLOCK_K=block_k, K_ITERS=k_per // block_k, SPLIT=split,
+        USE_PDL=pdl_mode(bool(launch), "qkv_rope", t), F32_DOT=INTERPRET, num_warps=4, num_stages=4, **launch)
     return q[:, :heads]
 
 
@@ -305,18 +270,11 @@ def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads:
 def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2, then0_ptr, then0_lines,
                    then1_ptr, then1_lines, then2_ptr, then2_lines,
                    B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, THEN0: tl.constexpr, THEN1: tl.constexpr, THEN2: tl.constexpr,
-                   F32_DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr, THEN0: tl.constexpr,
+                   THEN1: tl.constexpr, THEN2: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (kv head g, split): its G query heads x B slots (row r = head_in_group * B + slot, padded to
     ROWS >= 16 for the MMA) against keys [split * TILES * BLOCK_N, +TILES * BLOCK_N) below pos + B; the
     partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32).
-
-    PREFETCH (launched with PDL): before waiting for the q|k|v kernel, a program asks L2 for the key and value
-    rows of its range and of the split SPLITS / 2 after it (the programs of the first half are the ones that
-    find room beside the q|k|v kernel's programs and start early), below pos + B: the cache streams while the
-    projection runs, where it waited for the projection's end. The block's own rows, which that kernel is
-    writing, may be among them: L2 is where those writes land, so a line fetched early is not stale.
 
     THEN0..2 > 0: once its keys are done, the program asks L2 for its share (that many 128-byte lines, a power
     of two) of up to three weights the kernels after it read (then*_ptr, then*_lines lines in all): the layer's
@@ -326,14 +284,12 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
     KVH: tl.constexpr = H // G
     r = tl.arange(0, ROWS)
     d = tl.arange(0, D)
-    limit = tl.load(pos_ptr) + B  # pos: the round's input, written before this graph began
-    if PREFETCH:
-        _prefetch_keys(k_ptr, v_ptr, g, sp, limit, s_kv, D, BLOCK_N, TILES, SPLITS)
     wait_previous(USE_PDL)
     live = r < G * B
     head = g * G + r // B
     slot = r % B
     q = tl.load(q_ptr + (slot * H + head)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    limit = tl.load(pos_ptr) + B
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
@@ -411,8 +367,7 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: b
     """Two launches (`_attend_kernel`, `_merge_kernel`); arguments as the reference. kv_len: the rows the
     program grid covers (static per captured graph), at least pos + B. then: up to three weights the kernels
     after this one read, requested into L2 by the attention's programs when their keys are done (with
-    ATTEND_PREFETCH_THEN). pdl: the attention launched with programmatic dependent launch, its cache rows
-    requested before it waits (ATTEND_PREFETCH)."""
+    ATTEND_PREFETCH_THEN). pdl: the attention launched with programmatic dependent launch (with ATTEND_PDL)."""
     b, h, d = q.shape
     kvh = cache_k.shape[1]
     g = h // kvh
@@ -421,17 +376,15 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: b
     splits, tiles = attend_plan(kv_len, kvh, q.device)
     po = torch.empty(splits * kvh * rows * d, dtype=torch.float32, device=q.device)
     pml = torch.empty(splits * kvh * 2 * rows, dtype=torch.float32, device=q.device)
-    launch = {"launch_pdl": True} if pdl and q.is_cuda else {}
+    launch = {"launch_pdl": True} if pdl and ATTEND_PDL and q.is_cuda else {}
     assert len(then) <= 3 and all(w.is_contiguous() for w in then)
     then = list(then) if q.is_cuda and ATTEND_PREFETCH_THEN and not INTERPRET else []
     lines = [triton.cdiv(w.numel() * w.element_size(), 128) for w in then]
     per = [triton.next_power_of_2(triton.cdiv(n, kvh * splits)) for n in lines]
     args = [x for w, n in zip(then, lines) for x in (w, n)] + [po, 0] * (3 - len(then))
     _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d), *args,
-                                  B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles, SPLITS=splits,
-                                  USE_PDL=pdl_mode(bool(launch), "attend", b),
-                                  PREFETCH=bool(launch) and ATTEND_PREFETCH and not INTERPRET,
-                                  THEN0=(per + [0, 0, 0])[0], THEN1=(per + [0, 0, 0])[1], THEN2=(per + [0, 0, 0])[2],
+                                  B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles,
+                                  USE_PDL=pdl_mode(bool(launch), "attend", b), THEN0=(per + [0, 0, 0])[0], THEN1=(per + [0, 0, 0])[1], THEN2=(per + [0, 0, 0])[2],
                                   F32_DOT=INTERPRET, num_warps=4, **launch)
     o = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, h)](po, pml, o, B=b, H=h, G=g, D=d, ROWS=rows, SPLITS=splits,
