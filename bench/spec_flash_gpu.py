@@ -196,8 +196,7 @@ def rounds_at(spec: Speculator, a: int, rounds: int, context: int) -> dict:
             "forced_count_honoured": all(n == a for n in ns), "rounds": rounds}
 
 
-SWEEPABLE = ("ATTEND_PROGRAMS_PER_SM", "ATTEND_BLOCK_N", "ATTEND_PDL", "ATTEND_PREFETCH_THEN", "MARKOV_TILE",
-             "MARKOV_MAX_REGISTERS")
+SWEEPABLE = ("ATTEND_PROGRAMS_PER_SM", "ATTEND_BLOCK_N", "ATTEND_PREFETCH_THEN", "MARKOV_TILE")
 
 
 def parse_sweep(text: str) -> dict[str, list]:

@@ -12,12 +12,11 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   kernel: programs (kv head, key range) write partial softmax sums, a second launch merges them, so all SMs
   stream the cache (one program per head would leave most of them idle at 8 heads).
 - `markov_choose`: one slot's choice: logits row + markov_w2 @ markov_w1[prev] over this rank's vocabulary
-  shard, reduced to the greedy token in the same launch (packed keys folded by an atomic max, the last program
-  to arrive decides; under tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on
-  the device (the anchor, the previous slot's choice, or under tensor parallelism the previous slot's
-  all-reduced message, decided here and its token written to the drafts), so the B choices are B launches
-  (+ one pick under TP) and no host read. Each launch asks L2 to keep its markov_w2 tile for the next slot
-  (evict_last).
+  shard, reduced to the greedy token in the same launch (packed keys, last program to arrive decides; under
+  tensor parallelism it writes `argmax_rows`' exchange message instead), prev read on the device (the anchor,
+  the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
+  here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
+  host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
 Streams requested ahead (`prefetch_l2`, GPU only): the attention's programs, their keys done, ask L2 for the
 layer's o_proj, gate|up and down weights.
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
@@ -47,17 +46,10 @@ ATTEND_BLOCK_N = 64  # keys per tile
 # 33.6 MB at 8k context, 120 programs: bench/results/spec_flash_dspark.json before this); at the TP=4 shapes a
 # program takes 71,680 bytes of shared memory and 116 registers per thread, so two reside together.
 ATTEND_PROGRAMS_PER_SM = 2
-# The attention launched with programmatic dependent launch (its programs start as the q|k|v kernel's pass its
-# wait, then wait for its end): `block_attend`'s pdl
-ATTEND_PDL = True
 # The attention's programs, their keys done, request into L2 the weights of the kernels after it (`block_attend`'s
 # then: the layer's o_proj, gate|up and down)
 ATTEND_PREFETCH_THEN = True
 MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
-# 96 registers per thread: 5 programs of 4 warps per SM, so the TP=4 shard's 614 programs run in one wave (ptxas
-# chose 108 without the cap: 4 per SM, two waves; 96 spills nothing at the TP=4 shapes, checked by the sm_90
-# compile test)
-MARKOV_MAX_REGISTERS = 96
 _LOG2E = 1.4426950408889634
 
 
@@ -68,11 +60,14 @@ def _pow2(n: int) -> bool:
 @jit
 def prefetch_l2(ptrs, mask):
     """Ask L2 for the lines of `ptrs` (`prefetch.global.L2`: nothing comes back to the program, nothing waits).
-    GPU only (inline PTX): the interpreter's launches never reach it. Requested before a kernel waits for
-    the one before it (programmatic dependent launch), the attention's cache rows and the q|k|v kernel's weights
-    made the round slower on the H200 (0.374 -> 0.361 ms without the first, -> 0.368 without the second: the
-    sweep in bench/results/spec_flash_dspark_prefetch.json, after a profile), so only the weights a layer reads
-    after its attention are requested, by the attention's programs once their keys are done."""
+    GPU only (inline PTX): the interpreter's launches never reach it.
+
+    One H200, TP=4 shard, the draft round with one setting changed (bench/spec_flash_gpu.py --dspark-sweep):
+    the attention's programs asking, their keys done, for the layer's o_proj, gate|up and down weights took the
+    round from 0.363 to 0.360 ms (spec_flash_dspark_sweep.json; 0.378 -> 0.374 in
+    spec_flash_dspark_prefetch.json, timed after a profile). Asked for before a kernel's PDL wait, the
+    attention's cache rows and the q|k|v kernel's weights made it slower (0.374 ms with both, 0.361 without the
+    first, 0.368 without the second: spec_flash_dspark_prefetch.json)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                               "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -270,8 +265,8 @@ def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads:
 def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2, then0_ptr, then0_lines,
                    then1_ptr, then1_lines, then2_ptr, then2_lines,
                    B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr, THEN0: tl.constexpr,
-                   THEN1: tl.constexpr, THEN2: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, THEN0: tl.constexpr, THEN1: tl.constexpr,
+                   THEN2: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (kv head g, split): its G query heads x B slots (row r = head_in_group * B + slot, padded to
     ROWS >= 16 for the MMA) against keys [split * TILES * BLOCK_N, +TILES * BLOCK_N) below pos + B; the
     partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32).
@@ -284,7 +279,6 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
     KVH: tl.constexpr = H // G
     r = tl.arange(0, ROWS)
     d = tl.arange(0, D)
-    wait_previous(USE_PDL)
     live = r < G * B
     head = g * G + r // B
     slot = r % B
@@ -363,11 +357,11 @@ def attend_plan(kv_len: int, kv_heads: int, device: torch.device) -> tuple[int, 
     return triton.cdiv(tiles, per), per
 
 
-def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: bool = False) -> torch.Tensor:
+def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = ()) -> torch.Tensor:
     """Two launches (`_attend_kernel`, `_merge_kernel`); arguments as the reference. kv_len: the rows the
     program grid covers (static per captured graph), at least pos + B. then: up to three weights the kernels
     after this one read, requested into L2 by the attention's programs when their keys are done (with
-    ATTEND_PREFETCH_THEN). pdl: the attention launched with programmatic dependent launch (with ATTEND_PDL)."""
+    ATTEND_PREFETCH_THEN)."""
     b, h, d = q.shape
     kvh = cache_k.shape[1]
     g = h // kvh
@@ -376,7 +370,6 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: b
     splits, tiles = attend_plan(kv_len, kvh, q.device)
     po = torch.empty(splits * kvh * rows * d, dtype=torch.float32, device=q.device)
     pml = torch.empty(splits * kvh * 2 * rows, dtype=torch.float32, device=q.device)
-    launch = {"launch_pdl": True} if pdl and ATTEND_PDL and q.is_cuda else {}
     assert len(then) <= 3 and all(w.is_contiguous() for w in then)
     then = list(then) if q.is_cuda and ATTEND_PREFETCH_THEN and not INTERPRET else []
     lines = [triton.cdiv(w.numel() * w.element_size(), 128) for w in then]
@@ -384,8 +377,8 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: b
     args = [x for w, n in zip(then, lines) for x in (w, n)] + [po, 0] * (3 - len(then))
     _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d), *args,
                                   B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles,
-                                  USE_PDL=pdl_mode(bool(launch), "attend", b), THEN0=(per + [0, 0, 0])[0], THEN1=(per + [0, 0, 0])[1], THEN2=(per + [0, 0, 0])[2],
-                                  F32_DOT=INTERPRET, num_warps=4, **launch)
+                                  THEN0=(per + [0] * 3)[0], THEN1=(per + [0] * 3)[1], THEN2=(per + [0] * 3)[2],
+                                  F32_DOT=INTERPRET, num_warps=4)
     o = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, h)](po, pml, o, B=b, H=h, G=g, D=d, ROWS=rows, SPLITS=splits,
                           SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=1)
@@ -394,16 +387,22 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = (), pdl: b
 
 # ---- Markov-corrected choice -----------------------------------------------------------------------------------
 @jit
-def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, best_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
-                          rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, RANKS: tl.constexpr,
-                          PREV_MSG: tl.constexpr):
+def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_ptr, out_ptr, prev_out_ptr, V, offset,
+                          rank, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr,
+                          RANKS: tl.constexpr, PREV_MSG: tl.constexpr):
     """Program block: logits[blk] + markov_w2[blk] @ markov_w1[prev] (each rounded to the logits' dtype, as the
-    torch form adds them), its best packed key folded into the cell best by an atomic max (the max of keys does
-    not depend on the order of arrival); the last program to arrive takes the cell (resetting it to NO_KEY for
-    the next launch) and writes the token to out (RANKS == 1) or the exchange message [2, RANKS, 1]
-    (`sampling.argmax_rows`). prev: a token [1], or with PREV_MSG the previous slot's summed exchange message,
-    whose token program 0 also writes to prev_out. The markov_w2 tile is requested first (it depends on
-    nothing) and kept in L2 (evict_last: the round's B choices read the same shard one after another)."""
+    torch form adds them), its best packed key into part; the last program to arrive writes the token to out
+    (RANKS == 1) or the exchange message [2, RANKS, 1] (`sampling.argmax_rows`). prev: a token [1], or with
+    PREV_MSG the previous slot's summed exchange message, whose token program 0 also writes to prev_out.
+    The markov_w2 tile is requested first (it depends on nothing) and kept in L2 (evict_last): the round's B
+    choices read the same shard one after another. One H200, TP=4 shard (spec_flash_dspark_markov_ab.json in
+    bench/results): the round 0.356-0.357 ms as here, 0.358-0.359 launched with PDL (the tile requested before
+    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes. At
+    the TP=4 shapes ptxas gives it 96 registers per thread (the sm_90 compile test): 5 programs per SM, the
+    614 in one wave. Folding the programs' keys into one int64 cell by atomic max instead of the last arrival's
+    614-key reduction made the round slower (0.361-0.362 against 0.354-0.356 ms with the attention's weight
+    requests and the attention under PDL, which the same run's sweep puts at -3 and +1 us:
+    spec_flash_dspark_sweep.json and spec_flash_dspark_base.json in bench/results)."""
     blk = tl.program_id(0)
     k = tl.arange(0, R)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -419,10 +418,14 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, best_ptr, cnt_pt
     dt = logits_ptr.dtype.element_ty
     bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1).to(dt).to(tl.float32)
     x = (tl.load(logits_ptr + offs, mask=m, other=0.0).to(tl.float32) + bias).to(dt).to(tl.float32)
-    tl.atomic_max(best_ptr, tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0), sem="acq_rel")
+    best = tl.max(tl.where(m, make_key(x, offs, 2 ** 31), NO_KEY), axis=0)
+    tl.store(part_ptr + blk, best)
+    tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == NB - 1:
-        key = tl.atomic_xchg(best_ptr, NO_KEY, sem="acq_rel")
+        j = tl.arange(0, NB_PAD)
+        keys = tl.load(part_ptr + j, mask=j < NB, other=NO_KEY, cache_modifier=".cg")
+        key = tl.max(keys, axis=0)
         token = key_index(key, 2 ** 31).to(tl.int64) + offset
         if RANKS == 1:
             tl.store(out_ptr, token)
@@ -432,20 +435,6 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, best_ptr, cnt_pt
             tl.store(out_ptr + slot, tl.where(mine, key_value(key), 0.0))
             tl.store(out_ptr + RANKS + slot, tl.where(mine, token.to(tl.float32), 0.0))
         tl.atomic_xchg(cnt_ptr, 0)
-
-
-_BEST: dict[torch.device, torch.Tensor] = {}
-
-
-def best_cell(device: torch.device) -> torch.Tensor:
-    """The int64 cell `_markov_choose_kernel` folds its programs' keys into: NO_KEY between launches (the last
-    program of every launch resets it), so graph replays need no memset. Allocated on first use (the warm-up
-    run, outside any graph capture); one per device, for launches on one stream, as `shared.counters`."""
-    cell = _BEST.get(device)
-    if cell is None:
-        cell = _BEST[device] = torch.full((1,), int(getattr(NO_KEY, "value", NO_KEY)), dtype=torch.int64,
-                                            device=device)
-    return cell
 
 
 def markov_corrected_reference(logits_row, prev, w1, w2) -> torch.Tensor:
@@ -474,8 +463,8 @@ def markov_choose(logits_row, prev, w1, w2, rank: int = 0, ranks: int = 1, out: 
     if out is None:
         out = torch.empty((2, ranks, 1) if ranks > 1 else (1,), dtype=torch.float32 if ranks > 1 else torch.int64,
                           device=logits_row.device)
-    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, best_cell(logits_row.device),
-                                 counters(logits_row.device, 1), out, prev_out if prev_msg else out, v, rank * v, rank,
-                                 R=r, BLOCK=block, NB=nb, RANKS=ranks, PREV_MSG=prev_msg, num_warps=4,
-                                 maxnreg=MARKOV_MAX_REGISTERS)
+    part = torch.empty(nb, dtype=torch.int64, device=logits_row.device)
+    _markov_choose_kernel[(nb,)](logits_row, prev, w1, w2, part, counters(logits_row.device, 1), out,
+                                 prev_out if prev_msg else out, v, rank * v, rank, R=r, BLOCK=block, NB=nb,
+                                 NB_PAD=triton.next_power_of_2(nb), RANKS=ranks, PREV_MSG=prev_msg, num_warps=4)
     return out

@@ -76,7 +76,6 @@ def test_markov_choices_write_the_drafts(poisoned, ranks, k):
     got = DSparkRuntime._choose_on_device(me, logits[:, lo:lo + shard].contiguous(), cur)
     assert got.data_ptr() == drafts.data_ptr() and got.tolist() == want.tolist()
     assert (drafts[k:] == -1).all()  # nothing past the K drafts written
-    assert dspark.best_cell(drafts.device).item() == dspark.NO_KEY  # reset by every launch's last program
     assert len(sent) == (k if ranks > 1 else 0)
 
 

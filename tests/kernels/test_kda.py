@@ -215,7 +215,7 @@ import os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def build(fn, types, consts, num_warps=4, pdl=False, divisible=(), maxnreg=None):
+def build(fn, types, consts, num_warps=4, pdl=False, divisible=()):
     # as the JIT specializes a launch: pointers (torch's allocations are 16-byte aligned) and the integer
     # arguments named in `divisible` (sizes and strides that are multiples of 16 at the model's shapes) get
     # tt.divisibility 16, without which loads stay scalar and loops unpipelined
@@ -225,7 +225,7 @@ def build(fn, types, consts, num_warps=4, pdl=False, divisible=(), maxnreg=None)
     div = [n for n in fn.arg_names if sig[n].startswith("*") or n in divisible]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps, launch_pdl=pdl, maxnreg=maxnreg))
+                       options=dict(num_warps=num_warps, launch_pdl=pdl))
     path = tempfile.mktemp(suffix=".cubin")
     open(path, "wb").write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -544,16 +544,16 @@ def test_the_round_kernels_compile_for_h200_without_spills():
                   F32_DOT=False), 4, True, divisible=("K_PER", "s_cache"))
         build(dspark._attend_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64",
               po_ptr="*fp32", pml_ptr="*fp32", scale_log2="fp32", then0_ptr="*bf16", then1_ptr="*bf16",
-              then2_ptr="*bf16"), dict(B=8, H=8, G=1, D=128, ROWS=16, BLOCK_N=64, TILES=4, USE_PDL=1, THEN0=256,
-              THEN1=512, THEN2=256, F32_DOT=False), 4, True, divisible=("s_kv",))
+              then2_ptr="*bf16"), dict(B=8, H=8, G=1, D=128, ROWS=16, BLOCK_N=64, TILES=4, THEN0=256, THEN1=512,
+              THEN2=256, F32_DOT=False), 4, divisible=("s_kv",))
         build(dspark._merge_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16"),
               dict(B=8, H=8, G=1, D=128, ROWS=16, SPLITS=33, SPLITS_PAD=64), 1)
         build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*i64", w1_ptr="*bf16",
-              w2_ptr="*bf16", best_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", prev_out_ptr="*i64", offset="i64"),
-              dict(R=256, BLOCK=64, NB=614, RANKS=1, PREV_MSG=False), 4, maxnreg=dspark.MARKOV_MAX_REGISTERS)
+              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", prev_out_ptr="*i64", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=1, PREV_MSG=False), 4)
         build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*fp32", w1_ptr="*bf16",
-              w2_ptr="*bf16", best_ptr="*i64", cnt_ptr="*i32", out_ptr="*fp32", prev_out_ptr="*i64", offset="i64"),
-              dict(R=256, BLOCK=64, NB=614, RANKS=4, PREV_MSG=True), 4, maxnreg=dspark.MARKOV_MAX_REGISTERS)
+              w2_ptr="*bf16", part_ptr="*i64", cnt_ptr="*i32", out_ptr="*fp32", prev_out_ptr="*i64", offset="i64"),
+              dict(R=256, BLOCK=64, NB=614, NB_PAD=1024, RANKS=4, PREV_MSG=True), 4)
     """)
     assert len(lines) == 8
     # the rope kernels' stack is libdevice's sin/cos range reduction for large angles, not spilled registers

@@ -401,7 +401,7 @@ class _DSparkOps:
         self.embed_rms_norm = (partial(norm.fused_embed_rms_norm, pdl=True) if kernels
                                else norm.embed_rms_norm_reference)
         self.qkv_rope = _rows_qkv_rope if kernels else dspark.block_qkv_rope_reference
-        self.attend = partial(dspark.block_attend, pdl=True) if kernels else dspark.block_attend_reference
+        self.attend = dspark.block_attend if kernels else dspark.block_attend_reference
 
 
 def _rows_linear(x, w, swiglu: bool = False, limit: float = 0.0):
