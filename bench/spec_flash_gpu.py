@@ -34,6 +34,8 @@ phase (the bare K+1-token step with its head, the draft graph, the verify graph)
 of their own (the target forward, staged or not; the verify without the drafter's absorption of the verified rows), to
 name what a round spends beyond the bare step. Times taken after a profile in the same process run slower
 (the trace probe, docs/kernel-log.md), so compare times from runs without --profile.
+--dspark-sweep times, after the rows, the DSpark draft round with one launch setting of lingls.kernels.dspark changed at
+a time (SWEEPABLE), beside the shipped settings, in the same process (a fresh round and graphs per setting).
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
     python3 -m bench.spec_flash_gpu --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
