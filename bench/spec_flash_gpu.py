@@ -34,6 +34,8 @@ phase (the bare K+1-token step with its head, the draft graph, the verify graph)
 of their own (the target forward, staged or not; the verify without the drafter's absorption of the verified rows), to
 name what a round spends beyond the bare step. Times taken after a profile in the same process run slower
 (the trace probe, docs/kernel-log.md), so compare times from runs without --profile.
+--dspark-sweep times, after the rows, the DSpark draft round with one launch setting of lingls.kernels.dspark changed at
+a time (SWEEPABLE), beside the shipped settings, in the same process (a fresh round and graphs per setting).
 --tiny runs the same code on CPU at tiny shapes (no graphs; gloo ranks when --tp > 1), to check the script.
 
     python3 -m bench.spec_flash_gpu --stub --out $OUT/spec_flash.json      # one H200: TP=4 rank-0 shard
@@ -194,6 +196,49 @@ def rounds_at(spec: Speculator, a: int, rounds: int, context: int) -> dict:
     return {"k": k, "a": a, "draft_ms": draft, "verify_ms": verify, "round_ms": round_ms,
             "tpot_ms": round_ms / (a + 1), "loop_round_ms": loop_ms, "loop_tpot_ms": loop_ms / (a + 1),
             "forced_count_honoured": all(n == a for n in ns), "rounds": rounds}
+
+
+SWEEPABLE = ("ATTEND_PROGRAMS_PER_SM", "ATTEND_BLOCK_N", "ATTEND_PREFETCH_THEN", "MARKOV_TILE")
+
+
+def parse_sweep(text: str) -> dict[str, list]:
+    """--dspark-sweep "NAME=v1,v2;NAME2=v3": launch settings of `lingls.kernels.dspark` (SWEEPABLE) to time one at
+    a time ("none": no value, e.g. no register cap)."""
+    out = {}
+    for part in filter(None, text.split(";")):
+        name, _, values = part.partition("=")
+        if name not in SWEEPABLE or not values:
+            raise ValueError(f"--dspark-sweep {part!r}: NAME=v1,v2 with NAME one of {', '.join(SWEEPABLE)}")
+        out[name] = [None if v == "none" else int(v) for v in values.split(",")]
+    return out
+
+
+def sweep_dspark(runner: ModelRunner, model, dspark, k: int, a: int, sweep: dict, rounds: int, context: int) -> list:
+    """The DSpark round's draft time (median ms over `rounds` rounds at forced acceptance a) with each setting
+    of `sweep` changed alone from the shipped ones, the shipped ones first: a fresh Speculator per setting, so
+    its graphs are captured with that setting's launches."""
+    from lingls.kernels import dspark as kernels
+
+    shipped = {name: getattr(kernels, name) for name in sweep}
+    rows = []
+    for name, value in [(None, None)] + [(n, v) for n, vs in sweep.items() for v in vs]:
+        if name is not None:
+            setattr(kernels, name, value)
+        try:
+            spec = make_spec("dspark", runner, model, k, None, dspark)
+            with torch.inference_mode():
+                rounds_at(spec, 0, 2, context)  # captures the graphs
+                row = rounds_at(spec, a, rounds, context)
+            rows.append({"setting": "shipped" if name is None else f"{name}={value}", "draft_ms": row["draft_ms"],
+                         "round_ms": row["round_ms"]})
+        except Exception as e:  # a setting the kernels refuse (shared memory, a shape) is a row, not the end
+            rows.append({"setting": f"{name}={value}", "error": repr(e)})
+        finally:
+            spec = None
+            runner.attach(None)
+            if name is not None:
+                setattr(kernels, name, shipped[name])
+    return rows
 
 
 def profile_round(spec: Speculator, k: int, context: int, reps: int = 5, top: int = 25) -> dict:
@@ -436,6 +481,17 @@ def run_rank(args, par: Parallel, device: torch.device) -> dict:
         runner.attach(None)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.dspark_sweep and dspark is not None and not out_of_time():
+        try:
+            res["dspark_sweep"] = sweep_dspark(runner, model, dspark, dspark.config.block_size, args.profile_a,
+                                               args.dspark_sweep, args.rounds, args.context)
+            for row in res["dspark_sweep"]:
+                say(f"dspark sweep {row['setting']}: " + (f"draft {row['draft_ms']:.3f} ms" if "draft_ms" in row
+                                                          else row["error"]))
+        except Exception as e:
+            res["errors"]["dspark_sweep"] = repr(e)
+            say("dspark sweep failed:", traceback.format_exc())
+        save()
     for d in ("dspark", "dspark-ref"):
         mine = [r["draft_ms"] for r in res["rows"] if r["drafter"] == d]
         if mine:
@@ -575,11 +631,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--configs", metavar="TUNE.json", help="kernel launch settings chosen by bench/tune_gpu.py")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="also run each K with an N-id draft head (--draft-vocab; 0: the whole lm_head only)")
+    p.add_argument("--dspark-sweep", default="", metavar="NAME=v1,v2;...",
+                   help="after the rows, the DSpark draft round (K = block size, a = --profile-a) with each of these "
+                        f"launch settings of lingls.kernels.dspark changed alone ({', '.join(SWEEPABLE)}; 'none': "
+                        "no value), beside the shipped ones")
     p.add_argument("--out", default="bench/results/spec_flash.json")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",")]
     args.drafters = args.drafters.split(",")
     args.profile_drafters = args.profile_drafters.split(",")
+    try:
+        args.dspark_sweep = parse_sweep(args.dspark_sweep)
+    except ValueError as e:
+        p.error(str(e))
     if set(args.drafters) - {"mtp", "dspark", "dspark-ref"}:
         p.error(f"--drafters {','.join(args.drafters)}: choose among mtp, dspark, dspark-ref")
     args.tp = args.tp or (1 if args.tiny else 4)

@@ -17,6 +17,8 @@ choices. Its projections are the package's skinny GEMMs (`gemv`) and its norms `
   the previous slot's choice, or under tensor parallelism the previous slot's all-reduced message, decided
   here and its token written to the drafts), so the B choices are B launches (+ one pick under TP) and no
   host read. Each launch asks L2 to keep its markov_w2 tile for the next slot (evict_last).
+Streams requested ahead (`prefetch_l2`, GPU only): the attention's programs, their keys done, ask L2 for the
+layer's o_proj, gate|up and down weights.
 Loop trip counts are compile-time constants (`gemv`'s note on the interpreter); key ranges past pos + B are
 masked.
 """
@@ -44,12 +46,38 @@ ATTEND_BLOCK_N = 64  # keys per tile
 # 33.6 MB at 8k context, 120 programs: bench/results/spec_flash_dspark.json before this); at the TP=4 shapes a
 # program takes 71,680 bytes of shared memory and 116 registers per thread, so two reside together.
 ATTEND_PROGRAMS_PER_SM = 2
+# The attention's programs, their keys done, request into L2 the weights of the kernels after it (`block_attend`'s
+# then: the layer's o_proj, gate|up and down)
+ATTEND_PREFETCH_THEN = True
 MARKOV_TILE = 16384  # markov_w2 elements per program of `markov_choose` (64 rows at rank 256)
 _LOG2E = 1.4426950408889634
 
 
 def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
+
+
+@jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the lines of `ptrs` (`prefetch.global.L2`: nothing comes back to the program, nothing waits).
+    GPU only (inline PTX): the interpreter's launches never reach it.
+
+    One H200, TP=4 shard, the draft round with one setting changed (bench/spec_flash_gpu.py --dspark-sweep):
+    the attention's programs asking, their keys done, for the layer's o_proj, gate|up and down weights took the
+    round from 0.363 to 0.360 ms (spec_flash_dspark_sweep.json; 0.378 -> 0.374 in
+    spec_flash_dspark_prefetch.json, timed after a profile). Asked for before a kernel's PDL wait, the
+    attention's cache rows and the q|k|v kernel's weights made it slower (0.374 ms with both, 0.361 without the
+    first, 0.368 without the second: spec_flash_dspark_prefetch.json)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
+def _prefetch_share(ptr, lines, program, PER: tl.constexpr):
+    """`prefetch_l2` of lines [program * PER, (program + 1) * PER) (below `lines`) of the buffer at ptr."""
+    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
+    i = program * PER + tl.arange(0, PER)
+    prefetch_l2(ptr + i.to(tl.int64) * PER_LINE, i < lines)
 
 
 # ---- q/k norm + rope + cache write ------------------------------------------------------------------------------
@@ -234,12 +262,18 @@ def block_qkv_rope(x, w, q_norm, k_norm, inv_freq, pos, cache_k, cache_v, heads:
 
 # ---- block attention -------------------------------------------------------------------------------------------
 @jit
-def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2,
+def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_log2, then0_ptr, then0_lines,
+                   then1_ptr, then1_lines, then2_ptr, then2_lines,
                    B: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, THEN0: tl.constexpr, THEN1: tl.constexpr,
+                   THEN2: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (kv head g, split): its G query heads x B slots (row r = head_in_group * B + slot, padded to
     ROWS >= 16 for the MMA) against keys [split * TILES * BLOCK_N, +TILES * BLOCK_N) below pos + B; the
-    partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32)."""
+    partial output, running max and sum to po [split, g, ROWS, D] and pml [split, g, 2, ROWS] (fp32).
+
+    THEN0..2 > 0: once its keys are done, the program asks L2 for its share (that many 128-byte lines, a power
+    of two) of up to three weights the kernels after it read (then*_ptr, then*_lines lines in all): the layer's
+    o_proj, gate|up and down, which then stream from L2 while the merge and the GEMVs before them run."""
     g = tl.program_id(0)
     sp = tl.program_id(1)
     KVH: tl.constexpr = H // G
@@ -271,6 +305,13 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pml_ptr, s_kv, scale_lo
     tl.store(po_ptr + (part + r)[:, None] * D + d[None, :], acc)
     tl.store(pml_ptr + part * 2 + r, m_i)
     tl.store(pml_ptr + part * 2 + ROWS + r, l_i)
+    program = sp * KVH + g
+    if THEN0:
+        _prefetch_share(then0_ptr, then0_lines, program, THEN0)
+    if THEN1:
+        _prefetch_share(then1_ptr, then1_lines, program, THEN1)
+    if THEN2:
+        _prefetch_share(then2_ptr, then2_lines, program, THEN2)
 
 
 @jit
@@ -294,10 +335,10 @@ def _merge_kernel(po_ptr, pml_ptr, o_ptr, B: tl.constexpr, H: tl.constexpr, G: t
     tl.store(o_ptr + slot * H * D + head * D + d, o.to(o_ptr.dtype.element_ty))
 
 
-def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
+def block_attend_reference(q, cache_k, cache_v, pos, kv_len: int, then: tuple = ()) -> torch.Tensor:
     """The definition: queries q [B, H, D] against cache rows [0, kv_len) of cache_k / cache_v [S, KVH, D], each
     query seeing the rows below pos + B (GQA: query head h reads kv head h // (H / KVH)); softmax scale
-    1/sqrt(D). Returns [B, H * D] in q's dtype."""
+    1/sqrt(D). Returns [B, H * D] in q's dtype. then: the kernel's prefetch hint, nothing here."""
     b, h, _ = q.shape
     kvh = cache_k.shape[1]
     keys, vals = cache_k[:kv_len].transpose(0, 1), cache_v[:kv_len].transpose(0, 1)
@@ -316,9 +357,11 @@ def attend_plan(kv_len: int, kv_heads: int, device: torch.device) -> tuple[int, 
     return triton.cdiv(tiles, per), per
 
 
-def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
+def block_attend(q, cache_k, cache_v, pos, kv_len: int, then: tuple = ()) -> torch.Tensor:
     """Two launches (`_attend_kernel`, `_merge_kernel`); arguments as the reference. kv_len: the rows the
-    program grid covers (static per captured graph), at least pos + B."""
+    program grid covers (static per captured graph), at least pos + B. then: up to three weights the kernels
+    after this one read, requested into L2 by the attention's programs when their keys are done (with
+    ATTEND_PREFETCH_THEN)."""
     b, h, d = q.shape
     kvh = cache_k.shape[1]
     g = h // kvh
@@ -327,8 +370,14 @@ def block_attend(q, cache_k, cache_v, pos, kv_len: int) -> torch.Tensor:
     splits, tiles = attend_plan(kv_len, kvh, q.device)
     po = torch.empty(splits * kvh * rows * d, dtype=torch.float32, device=q.device)
     pml = torch.empty(splits * kvh * 2 * rows, dtype=torch.float32, device=q.device)
-    _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d),
+    assert len(then) <= 3 and all(w.is_contiguous() for w in then)
+    then = list(then) if q.is_cuda and ATTEND_PREFETCH_THEN and not INTERPRET else []
+    lines = [triton.cdiv(w.numel() * w.element_size(), 128) for w in then]
+    per = [triton.next_power_of_2(triton.cdiv(n, kvh * splits)) for n in lines]
+    args = [x for w, n in zip(then, lines) for x in (w, n)] + [po, 0] * (3 - len(then))
+    _attend_kernel[(kvh, splits)](q, cache_k, cache_v, pos, po, pml, cache_k.stride(0), _LOG2E / math.sqrt(d), *args,
                                   B=b, H=h, G=g, D=d, ROWS=rows, BLOCK_N=ATTEND_BLOCK_N, TILES=tiles,
+                                  THEN0=(per + [0] * 3)[0], THEN1=(per + [0] * 3)[1], THEN2=(per + [0] * 3)[2],
                                   F32_DOT=INTERPRET, num_warps=4)
     o = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, h)](po, pml, o, B=b, H=h, G=g, D=d, ROWS=rows, SPLITS=splits,
@@ -348,8 +397,12 @@ def _markov_choose_kernel(logits_ptr, prev_ptr, w1_ptr, w2_ptr, part_ptr, cnt_pt
     The markov_w2 tile is requested first (it depends on nothing) and kept in L2 (evict_last): the round's B
     choices read the same shard one after another. One H200, TP=4 shard (spec_flash_dspark_markov_ab.json in
     bench/results): the round 0.356-0.357 ms as here, 0.358-0.359 launched with PDL (the tile requested before
-    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes (two
-    waves of programs, 3 per SM at 166 registers per thread, then the last arrival's reduction)."""
+    the wait), 0.360-0.361 without evict_last: a launch takes ~8 us either way, latency rather than bytes. At
+    the TP=4 shapes ptxas gives it 96 registers per thread (the sm_90 compile test): 5 programs per SM, the
+    614 in one wave. Folding the programs' keys into one int64 cell by atomic max instead of the last arrival's
+    614-key reduction made the round slower (0.361-0.362 against 0.354-0.356 ms with the attention's weight
+    requests and the attention under PDL, which the same run's sweep puts at -3 and +1 us:
+    spec_flash_dspark_sweep.json and spec_flash_dspark_base.json in bench/results)."""
     blk = tl.program_id(0)
     k = tl.arange(0, R)
     offs = blk * BLOCK + tl.arange(0, BLOCK)

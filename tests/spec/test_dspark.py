@@ -543,8 +543,9 @@ def test_the_round_kernels_compile_for_h200_without_spills():
                   eps="fp32"), dict(H=heads, KVH=8, D=128, BLOCK_K=128, K_ITERS=4, SPLIT=split, USE_PDL=1,
                   F32_DOT=False), 4, True, divisible=("K_PER", "s_cache"))
         build(dspark._attend_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64",
-              po_ptr="*fp32", pml_ptr="*fp32", scale_log2="fp32"),
-              dict(B=8, H=8, G=1, D=128, ROWS=16, BLOCK_N=64, TILES=4, F32_DOT=False), 4, divisible=("s_kv",))
+              po_ptr="*fp32", pml_ptr="*fp32", scale_log2="fp32", then0_ptr="*bf16", then1_ptr="*bf16",
+              then2_ptr="*bf16"), dict(B=8, H=8, G=1, D=128, ROWS=16, BLOCK_N=64, TILES=4, THEN0=256, THEN1=512,
+              THEN2=256, F32_DOT=False), 4, divisible=("s_kv",))
         build(dspark._merge_kernel, dict(po_ptr="*fp32", pml_ptr="*fp32", o_ptr="*bf16"),
               dict(B=8, H=8, G=1, D=128, ROWS=16, SPLITS=33, SPLITS_PAD=64), 1)
         build(dspark._markov_choose_kernel, dict(logits_ptr="*bf16", prev_ptr="*i64", w1_ptr="*bf16",

@@ -332,7 +332,8 @@ class DSparkRuntime(Drafter):
             attn = layer.self_attn
             q = ops.qkv_rope(x, self.qkv[i], attn.q_norm.weight, attn.k_norm.weight, self.inv_freq, pos,
                              self.ctx_k[i], self.ctx_v[i], self.heads, self.kv_heads, eps)
-            o = ops.attend(q, self.ctx_k[i], self.ctx_v[i], pos, kv)
+            o = ops.attend(q, self.ctx_k[i], self.ctx_v[i], pos, kv,
+                           (attn.o_proj.weight, self.gate_up[i], layer.mlp.down_proj.weight))
             x, h = self._reduce_add_norm(ops.linear(o, attn.o_proj.weight), h, layer.post_attention_layernorm.weight)
             m = ops.linear(ops.linear(x, self.gate_up[i], swiglu=True, limit=layer.mlp.limit),
                            layer.mlp.down_proj.weight)
