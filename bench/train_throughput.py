@@ -1,17 +1,22 @@
-"""ling-nano training throughput on the GPU, by KDA kernel and batch size, and the choice training runs with.
+"""ling-nano training throughput on the GPU: the old training step against the new, in one run, and the choice
+training runs with.
 
 The training step of `training.train` (forward, next-token + MTP loss, backward, AdamW) on random tokens,
-batch x 2048, timed over a few steps after warm-up, with TF32 for the fp32 matmuls left under autocast, for:
-- `scan`: lingls' torch chunked KDA with the parallel-scan state carry (`lingls.kernels.reference`; the chunk
-  loop before it measured 67k tokens/s against 208k for the scan at batch 32 on an H200);
-- `fla`: fla-core's Triton chunk_kda (forward and backward), when it imports and first matches the torch form
-  on fresh random inputs (`training.fla_kernels.check_against_torch`), its autotuning bounded
-  (`training.fla_kernels.bound_autotuning`; the first fla row's time includes compiling, reported apart).
-Writes JSON (rows, the fla check, the choice); prints tokens/s, model FLOPs utilisation
-(training.train.model_flops_per_token against the GPU's dense bf16 peak) and peak memory, and last the batch size
-and kernel with the most tokens/s ("32 fla").
+batch x 2048, timed over a few steps after warm-up, with TF32 for the fp32 matmuls left under autocast, in forms:
+- `eager` (the step before 2026-12-03's nineteenth session): every op eager, the heads' logits materialised and
+  upcast to fp32 for `F.cross_entropy`;
+- `fused_ce`: eager layers, both heads through `training.linear_ce` (row chunks, no logits kept);
+- `compiled`: that, with every layer's attention, MLP and norms torch.compiled (`training.train.compile_for_training`;
+  the first step's time includes compiling, reported as first_step_s);
+each with fla-core's Triton chunk_kda once it matches the torch form on fresh random inputs
+(`training.fla_kernels.check_against_torch`, autotuning bounded), else lingls' torch scan (`kda` says which).
+One step of the first and the last form is also profiled (torch.profiler): the top CUDA kernels by time and the
+share of the step the GPU was busy.
+Writes JSON (rows, profiles, the fla check, the choice); prints tokens/s, model FLOPs utilisation
+(training.train.model_flops_per_token against the GPU's dense bf16 peak) and peak memory, and last the choice
+with the most tokens/s ("32 fla compiled").
 
-    python -m bench.train_throughput OUT.json [BATCH ...]
+    python -m bench.train_throughput OUT.json [BATCH ...]    # BATCHes for the compiled form (default 32)
 """
 from __future__ import annotations
 
@@ -24,48 +29,87 @@ import torch
 from bench.common import write_result
 from lingls.model import LingConfig, LingForCausalLM
 from training import fla_kernels
-from training.train import PEAK_BF16_FLOPS, losses, model_flops_per_token
+from training.train import PEAK_BF16_FLOPS, compile_for_training, losses, model_flops_per_token
 
 CONFIG = Path(__file__).resolve().parents[1] / "training" / "configs" / "ling-nano.json"
 
 
-def measure(batch: int, kda: str, steps: int = 3, warmup: int = 2) -> dict:
-    """One training-step variant: kda "scan" (torch) or "fla"."""
+FORMS = {"eager": dict(compiled=False, fused_ce=False), "fused_ce": dict(compiled=False, fused_ce=True),
+         "compiled": dict(compiled=True, fused_ce=True)}
+
+
+def profile_step(step, steps: int = 2) -> dict:
+    """Profile `steps` calls of step(): the top CUDA kernels by GPU time (ms per step) and the GPU-busy share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # ms per step
+    return {"step_ms_profiled": round(wall * 1e3, 2), "gpu_busy_ms": round(busy, 2),
+            "gpu_idle_share": round(max(0.0, 1 - busy / (wall * 1e3)), 3),
+            "kernel_launches_per_step": sum(e.count for e in kernels) // steps,
+            "top_kernels": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3 / steps, 3),
+                             "calls": e.count // steps} for e in kernels[:15]]}
+
+
+def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, profiled: bool = False) -> dict:
+    """One training-step variant: kda "scan" (torch) or "fla"; form one of FORMS."""
     torch.backends.cuda.matmul.allow_tf32 = True
     fla_kernels.enable(kda == "fla")
+    compiled, fused_ce = FORMS[form]["compiled"], FORMS[form]["fused_ce"]
     try:
         cfg = LingConfig.from_json(CONFIG)
         model = LingForCausalLM(cfg).cuda()
         model.init_weights(0.02)
+        if compiled:
+            torch._dynamo.reset()  # each batch size compiles static shapes, as a training process would (its cache)
+            compile_for_training(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
         x = torch.randint(5, cfg.vocab_size, (batch, 2049), device="cuda")
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(warmup + steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        last = {}
+
+        def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                main, mtp = losses(model, x)
+                main, mtp = losses(model, x, fused_ce=fused_ce)
                 loss = main + 0.3 * mtp
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            last["loss"] = main
+
+        times = []
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         step_s = sorted(times[warmup:])[steps // 2]
         tps = batch * 2048 / step_s
         peak = PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(), 0.0)
-        return dict(batch=batch, kda=kda, tf32=True, step_ms=step_s * 1e3, tokens_per_s=tps,
-                    mfu=model_flops_per_token(model, 2048) * tps / peak if peak else None,
-                    first_step_s=times[0], peak_gb=torch.cuda.max_memory_allocated() / 1e9, loss=float(main))
+        row = dict(batch=batch, kda=kda, form=form, tf32=True, step_ms=step_s * 1e3, tokens_per_s=tps,
+                   mfu=model_flops_per_token(model, 2048) * tps / peak if peak else None,
+                   first_step_s=times[0], peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                   loss=float(last["loss"]))
+        if profiled:
+            row["profile"] = profile_step(step)
+        return row
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def main(out: str, batches: list[int]) -> int:
     rows, check = [], None
-    variants = [(batches[0], "scan")]
     t0 = time.perf_counter()
+    kda = "scan"
     if fla_kernels.enable(True):
         try:
             check = fla_kernels.check_against_torch()
@@ -73,26 +117,32 @@ def main(out: str, batches: list[int]) -> int:
             check = {"ok": False, "error": repr(e)[:300]}
         check["seconds_with_first_compile"] = round(time.perf_counter() - t0, 1)
         print({"fla_check": check}, flush=True)
-        if check["ok"]:
-            variants += [(b, "fla") for b in batches]
-    for batch, kda in variants:
+        kda = "fla" if check["ok"] else "scan"
+    variants = [(batches[0], "eager", True), (batches[0], "fused_ce", False), (batches[0], "compiled", True)]
+    variants += [(b, "compiled", False) for b in batches[1:]]
+    for batch, form, profiled in variants:
         try:
-            rows.append(measure(batch, kda))
+            rows.append(measure(batch, kda, form, profiled=profiled))
         except Exception as e:  # noqa: BLE001 - a failed variant (out of memory) is reported, the others still run
-            rows.append(dict(batch=batch, kda=kda, error=repr(e)[:300]))
+            rows.append(dict(batch=batch, kda=kda, form=form, error=repr(e)[:300]))
         torch.cuda.empty_cache()
-        print(rows[-1], flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+        if "profile" in rows[-1]:
+            prof = rows[-1]["profile"]
+            print({k: v for k, v in prof.items() if k != "top_kernels"}, flush=True)
+            for k in prof["top_kernels"]:
+                print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['name']}", flush=True)
     # a larger batch means fewer optimizer steps in the same time: worth it only when clearly faster
     ok = [r for r in rows if "tokens_per_s" in r]
-    best = ok[0] if ok else {"batch": batches[0], "kda": "scan", "tokens_per_s": 0}
+    best = ok[0] if ok else {"batch": batches[0], "kda": kda, "form": "eager", "tokens_per_s": 0}
     for r in ok[1:]:
         bigger = r["batch"] > best["batch"]
         if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
             best = r
-    choice = {"batch": best["batch"], "kda": best["kda"]}
+    choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"]}
     write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows,
                            fla_check=check, choice=choice))
-    print(best["batch"], best["kda"])
+    print(best["batch"], best["kda"], best["form"])
     return 0
 
 

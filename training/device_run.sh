@@ -13,22 +13,31 @@
 #   $OUT/triton-cache.tgz: carry it back as TRITON_CACHE_TGZ=... and fla's kernels need no compiling next time.
 #   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run and trains on from it (--resume); with
 #   --eval-only among the arguments, unpacks it as this run's own directory and only evaluates (and distils).
+#   TorchInductor's cache (the compiled layers) comes back as $OUT/inductor-cache.tgz: INDUCTOR_CACHE_TGZ=...
+#   CHOICE=path/to/train_throughput.json (optional) takes an earlier run's choice (batch, kernel, compiled
+#   layers) instead of running the throughput benchmark again.
 set -uo pipefail
 t0=$(date +%s)
 run_seconds=${RUN_SECONDS:-430}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/rapidfuzz-*.whl .whl/fla_core-*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 # lingls' prefill kernels are inference-only (no backward; the router's wants fp32 logits, autocast gives bf16):
 # the throughput bench, training, evaluation and distillation run the model's torch forms (training.train.torch_ops_only)
 export LINGLS_KERNELS=0
 OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT" /tmp/nano/results "$TRITON_CACHE_DIR"
+mkdir -p "$OUT" /tmp/nano/results "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
 [ -n "${TRITON_CACHE_TGZ:-}" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$TRITON_CACHE_TGZ"
+[ -n "${INDUCTOR_CACHE_TGZ:-}" ] && tar -C "$TORCHINDUCTOR_CACHE_DIR" -xzf "$INDUCTOR_CACHE_TGZ"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, rapidfuzz, fla; print('torch', torch.__version__, 'rapidfuzz', rapidfuzz.__version__, 'fla', fla.__version__)"
 choice=/tmp/nano/results/train_throughput.json
-timeout 180 python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
+if [ -n "${CHOICE:-}" ]; then
+    cp "$CHOICE" "$choice"
+else
+    timeout "${BENCH_SECONDS:-240}" python3 -m bench.train_throughput "$choice" ${BATCHES:-32 64} >"$OUT/bench.txt" 2>&1 &
+fi
 extra=()
 into=/tmp/prev
 case " $* " in *" --eval-only "*) into=/tmp/nano ;; esac  # evaluate the carried run's model, no training
@@ -50,7 +59,10 @@ if [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
 fi
 echo "reproduce exit $status, $(( $(date +%s) - t0 ))s"
 tar -C /tmp/nano -cf - . | split -b 15m - "$OUT/nano.tar.part-"
-tar -C "$TRITON_CACHE_DIR" -czf "$OUT/triton-cache.tgz" . && [ "$(stat -c %s "$OUT/triton-cache.tgz")" -lt 16000000 ] \
-    || rm -f "$OUT/triton-cache.tgz"
+for cache in triton:"$TRITON_CACHE_DIR" inductor:"$TORCHINDUCTOR_CACHE_DIR"; do
+    tgz="$OUT/${cache%%:*}-cache.tgz"
+    tar -C "${cache#*:}" -czf "$tgz" . && [ "$(stat -c %s "$tgz")" -lt 16000000 ] || rm -f "$tgz"
+done
+cp -f "$choice" "$OUT/train_throughput.json" 2>/dev/null
 ls -la "$OUT"
 exit "$status"

@@ -29,6 +29,7 @@ from rapidfuzz import fuzz
 
 from lingls.engine.healing import Candidates, heal, strip_tail
 from lingls.lsp.postprocess import PYTHON, Site, clean, is_degenerate
+from lingls.lsp.prompt import MAX_SUFFIX_LINES
 from training.baselines import first_line
 from training.fim import SPECIAL_ID
 from training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
@@ -207,13 +208,29 @@ class ModelCompleter:
         """(prompt ids, healed tail text)."""
         pre = self.tok.encode(prefix, add_special_tokens=False).ids[-self.prefix_tokens - 1:] if prefix else []
         pre, tail = heal(pre, self.texts, set(), None) if len(pre) > 1 else (pre, "")
-        suf = self.tok.encode(suffix, add_special_tokens=False).ids[: self.suffix_tokens] if suffix else []
+        suf = self.tok.encode(self.suffix_window(suffix), add_special_tokens=False).ids if suffix else []
         p, s, m = SPECIAL_ID[FIM_PREFIX], SPECIAL_ID[FIM_SUFFIX], SPECIAL_ID[FIM_MIDDLE]
         if self.mode == "psm":
             return [p, *pre, s, *suf, m], tail
         if self.mode == "spm":
             return [s, *suf, p, *pre, m], tail
         return pre, tail
+
+    def suffix_window(self, suffix: str) -> str:
+        """The suffix's first whole lines, as many as fit suffix_tokens (at most MAX_SUFFIX_LINES), the way
+        lingls.lsp.prompt windows it: a suffix cut inside a line (at a token count) is unlike both what lingls
+        sends and what training showed (examples are whole lines, fim.chunk_text)."""
+        end, used = 0, 0
+        for _ in range(MAX_SUFFIX_LINES):
+            if end >= len(suffix):
+                break
+            nl = suffix.find("\n", end)
+            stop = len(suffix) if nl < 0 else nl + 1
+            cost = len(self.tok.encode(suffix[end:stop], add_special_tokens=False).ids)
+            if used + cost > self.suffix_tokens:
+                break
+            used, end = used + cost, stop
+        return suffix[:end]
 
     @torch.no_grad()
     def complete_all(self, cases: list[Case]) -> list[str]:

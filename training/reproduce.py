@@ -166,17 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
     t = mark("ngram", t)
 
-    batch_size, kda = args.batch_size, "scan"
+    batch_size, kda, compiled = args.batch_size, "scan", False
     if args.kernel_choice is not None:
         choice = wait_for_choice(args.kernel_choice, args.kernel_wait)
         batch_size, kda = choice.get("batch", batch_size), choice.get("kda", kda)
+        compiled = choice.get("compile", False) and args.device.startswith("cuda")
         t = mark("kernel_choice_wait", t)
     fla = fla_kernels.enable(kda == "fla" and args.device.startswith("cuda"))
-    print(f"training batch {batch_size}, KDA kernel: {'fla-core chunk_kda' if fla else 'torch scan'}", flush=True)
+    print(f"training batch {batch_size}, KDA kernel: {'fla-core chunk_kda' if fla else 'torch scan'}, "
+          f"layers {'compiled' if compiled else 'eager'}", flush=True)
     train_seconds = args.train_seconds
     if args.finish_by is not None:
         train_seconds = max(10.0, min(train_seconds, args.finish_by - args.after_train - time.time()))
-    settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr)
+    settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr,
+                             compile=compiled)
     compare = None
     if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         model, summary = train(cfg, stream, heldout_stream, settings, res_dir / "train_log.jsonl", device=args.device,
                                init=init, resume=resume)
         summary["kda_kernel"] = "fla-core chunk_kda" if fla else "torch chunked (parallel-scan carry)"
+        summary["layers"] = "torch.compile (training.train.compile_for_training)" if compiled else "eager"
         (res_dir / "train_state.json").write_text(json.dumps(summary["state"], indent=1) + "\n")
         (res_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         t = mark("train", t)

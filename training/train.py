@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lingls.model import LingConfig, LingForCausalLM
+from lingls.model import LingConfig, LingForCausalLM, ling
+from lingls.model.ling import MoE
+from training.linear_ce import linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class TrainSettings:
     log_every: int = 10
     seed: int = 1234
     tf32: bool = True  # TF32 for the fp32 matmuls left under autocast (the chunked KDA's): bench/train_throughput.py
+    compile: bool = False  # compile_for_training (CUDA): bench/train_throughput.py measures both
 
 
 class PackedStream:
@@ -143,35 +146,69 @@ def lr_at(progress: float, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * x)))
 
 
-def losses(model: LingForCausalLM, x: torch.Tensor, with_mtp: bool = True):
-    """x: [B, T+1] ids -> (next-token loss, MTP loss or None)."""
+def losses(model: LingForCausalLM, x: torch.Tensor, with_mtp: bool = True, fused_ce: bool = True):
+    """x: [B, T+1] ids -> (next-token loss, MTP loss or None).
+
+    fused_ce: both heads' cross-entropy through `training.linear_ce` (row chunks, no logits kept); False is the
+    eager form it replaces (lm_head logits, upcast to fp32, F.cross_entropy), kept as the benchmark's baseline."""
     inp, tgt = x[:, :-1], x[:, 1:]
     h = model.hidden(inp)
-    logits = model.head(h)
-    main = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+    normed = model.model.norm(h)
+    weight = model.lm_head.weight
+    if fused_ce:
+        main = linear_cross_entropy(normed.flatten(0, 1), weight, tgt.flatten())
+    else:
+        main = F.cross_entropy(model.head(h, normed).float().flatten(0, 1), tgt.flatten())
     if not with_mtp or not model.config.num_nextn_predict_layers:
         return main, None
-    # MTP at position t sees h_t and token t+1 and predicts token t+2
-    mtp = model.mtp_logits(h[:, :-1], inp[:, 1:])
-    mtp_loss = F.cross_entropy(mtp[:, :-1].float().flatten(0, 1), x[:, 2:-1].flatten())
+    # MTP at position t sees h_t and token t+1 and predicts token t+2 (LingForCausalLM.mtp_logits, its head apart)
+    layer = model.mtp_layers[0]
+    m = layer.mix(model.model.word_embeddings(inp[:, 1:]), normed[:, :-1])
+    m = layer.final_layernorm(model._layer_full(layer, m, torch.arange(m.shape[1], device=x.device)))[:, :-1]
+    if fused_ce:
+        mtp_loss = linear_cross_entropy(m.flatten(0, 1), weight, x[:, 2:-1].flatten())
+    else:
+        mtp_loss = F.cross_entropy(model.lm_head(m).float().flatten(0, 1), x[:, 2:-1].flatten())
     return main, mtp_loss
+
+
+_EAGER_DELTA_RULE = torch.compiler.disable(ling.delta_rule)
+
+
+def compile_for_training(model: LingForCausalLM, backend: str = "inductor") -> None:
+    """torch.compile every layer's attention, MLP (the experts, the shared expert) and norms, so their many small
+    elementwise ops (fp32 gates, norms, SwiGLU, the dense experts' weighting) fuse; the KDA recurrence between
+    (fla-core's Triton chunk_kda, or lingls' torch forms) runs as it is, outside the compiled graphs, and so do
+    the routers (their forward hooks count expert load for the balancer) and the loss."""
+    if ling.delta_rule is not _EAGER_DELTA_RULE:  # KimiDeltaAttention.forward looks it up at each call
+        ling.delta_rule = _EAGER_DELTA_RULE
+    for layer in model.model.layers:
+        mods = [layer.attention, layer.input_layernorm, layer.post_attention_layernorm]
+        if isinstance(layer.mlp, MoE):
+            mods += [layer.mlp.experts] + ([layer.mlp.shared_experts] if layer.mlp.shared_experts else [])
+        else:
+            mods.append(layer.mlp)
+        for m in mods:
+            m.compile(backend=backend)
 
 
 @torch.no_grad()
 def mean_loss(model: LingForCausalLM, windows: torch.Tensor, batch: int, device: str, bf16: bool = True,
               with_mtp: bool = False) -> tuple[float, float | None]:
-    """Mean next-token loss (and MTP loss) in nats/token over [N, T+1] windows."""
+    """Mean next-token loss (and MTP loss) in nats/token over [N, T+1] windows. A model compiled by
+    `compile_for_training` runs eagerly here: a no-grad graph for a short probe is not worth its compile time."""
     was_training = model.training
     model.eval()
     total, total_mtp, n = 0.0, 0.0, 0
-    for i in range(0, len(windows), batch):
-        x = windows[i:i + batch].to(device).long()
-        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16,
-                            enabled=bf16 and device.startswith("cuda")):
-            main, mtp = losses(model, x, with_mtp=with_mtp)
-        total += main.item() * x.shape[0]
-        total_mtp += mtp.item() * x.shape[0] if mtp is not None else 0.0
-        n += x.shape[0]
+    with torch.compiler.set_stance("force_eager"):
+        for i in range(0, len(windows), batch):
+            x = windows[i:i + batch].to(device).long()
+            with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16,
+                                enabled=bf16 and device.startswith("cuda")):
+                main, mtp = losses(model, x, with_mtp=with_mtp)
+            total += main.item() * x.shape[0]
+            total_mtp += mtp.item() * x.shape[0] if mtp is not None else 0.0
+            n += x.shape[0]
     model.train(was_training)
     return total / max(n, 1), (total_mtp / max(n, 1) if with_mtp else None)
 
@@ -220,6 +257,8 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
     else:
         model = init.to(device=device, dtype=torch.float32)
     model.train()
+    if s.compile:
+        compile_for_training(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

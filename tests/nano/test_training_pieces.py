@@ -188,3 +188,27 @@ def test_balancer_moves_bias_towards_the_idle_experts():
     bal.update()
     assert torch.all((router.expert_bias > 0) == (counts < counts.mean()))
     bal.remove()
+
+
+def test_the_evaluation_windows_the_suffix_in_whole_lines_as_lingls_does(tokenizer):
+    from lingls.engine.protocol import FimTemplate
+    from lingls.lsp.prompt import MAX_SUFFIX_LINES, TokenCounter, build_prompt
+    from training.evaluate import ModelCompleter
+
+    completer = ModelCompleter(None, tokenizer, "cpu", "spm", suffix_tokens=40)
+    suffix = "x, y):\n" + "".join(f"    total_{i} = compute(value_{i})\n" for i in range(30))
+    window = completer.suffix_window(suffix)
+    assert suffix.startswith(window) and window.endswith("\n") and window.count("\n") >= 2
+    cost = lambda text: sum(len(tokenizer.encode(x).ids) for x in text.splitlines(keepends=True))  # noqa: E731
+    next_line = suffix[len(window):].split("\n")[0] + "\n"
+    assert cost(window) <= 40 < cost(window + next_line)
+    assert completer.suffix_window("a_line_far_longer_than_the_budget " * 20 + "\nnext\n") == ""
+    short = "".join(f"{i}\n" for i in range(MAX_SUFFIX_LINES + 10))
+    assert ModelCompleter(None, tokenizer, "cpu", "spm", suffix_tokens=10_000).suffix_window(short).count("\n") \
+        == MAX_SUFFIX_LINES
+    # the window lingls sends for the same cursor and suffix budget
+    text = "def f(a, " + suffix
+    counter = TokenCounter(lambda s: len(tokenizer.encode(s).ids))
+    prompt = build_prompt(text, len("def f(a, "), fim=FimTemplate(order="spm"), counter=counter, budget=200)
+    assert prompt.parts.suffix == ModelCompleter(None, tokenizer, "cpu", "spm", suffix_tokens=200 // 5).suffix_window(
+        suffix)

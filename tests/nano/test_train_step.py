@@ -1,0 +1,89 @@
+"""The training step's faster forms against the eager ones they replace, on CPU: the chunked linear
+cross-entropy (training.linear_ce) and the compiled layers (training.train.compile_for_training, traced through
+torch.compile with the aot_eager backend: the same graphs inductor compiles on the GPU, run by torch's kernels)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingls.model import LingConfig, LingForCausalLM, ling
+from training.linear_ce import linear_cross_entropy
+from training.train import ExpertBalancer, compile_for_training, losses
+
+CFG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
+           layer_group_size=3, first_k_dense_replace=1, intermediate_size=64, moe_intermediate_size=16,
+           num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1)
+
+
+def model(seed: int = 0) -> LingForCausalLM:
+    m = LingForCausalLM(LingConfig.from_dict(CFG))
+    m.init_weights(0.2, generator=torch.Generator().manual_seed(seed))
+    return m
+
+
+def grads(m: LingForCausalLM) -> dict:
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("rows,chunk", [(1, 4), (37, 8), (64, 64), (50, 1000)])
+def test_linear_cross_entropy_is_cross_entropy_of_the_logits(rows, chunk):
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 24, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (rows,), generator=g)
+    got = linear_cross_entropy(h, w, t, chunk_rows=chunk)
+    (3 * got).backward()
+    got_h, got_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    want = F.cross_entropy(F.linear(h, w), t)
+    (3 * want).backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_h, h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_w, w.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=chunk), want, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_losses_equal_the_eager_heads():
+    m = model()
+    x = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(1))
+    got = losses(m, x, fused_ce=True)
+    sum(got[0:1] + (0.3 * got[1],)).backward()
+    got_g = grads(m)
+    m.zero_grad(set_to_none=True)
+    want = losses(m, x, fused_ce=False)
+    sum(want[0:1] + (0.3 * want[1],)).backward()
+    # the eager MTP head, as the model computes it for inference
+    h = m.hidden(x[:, :-1])
+    mtp = m.mtp_logits(h[:, :-1], x[:, 1:-1])
+    torch.testing.assert_close(want[1], F.cross_entropy(mtp[:, :-1].flatten(0, 1), x[:, 2:-1].flatten()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    want_g = grads(m)
+    assert got_g.keys() == want_g.keys()
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_compiled_layers_train_as_the_eager_ones(monkeypatch):
+    monkeypatch.setattr(ling, "delta_rule", ling.delta_rule)  # compile_for_training swaps it: restored after
+    monkeypatch.setattr(ling.Experts, "forward", ling.Experts._dense)  # the experts' form on CUDA
+    torch._dynamo.reset()
+    eager, compiled = model(), model()
+    compile_for_training(compiled, backend="aot_eager")
+    x = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for name, m in (("eager", eager), ("compiled", compiled)):
+        bal = ExpertBalancer(m, rate=0.01)
+        main, mtp = losses(m, x)
+        (main + 0.3 * mtp).backward()
+        out[name] = (main.detach(), mtp.detach(), grads(m), [c.clone() for c in bal.counts])
+        bal.remove()
+    (em, et, eg, ec), (cm, ct, cg, cc) = out["eager"], out["compiled"]
+    torch.testing.assert_close(cm, em, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ct, et, rtol=1e-5, atol=1e-6)
+    for n in eg:
+        torch.testing.assert_close(cg[n], eg[n], rtol=1e-4, atol=1e-5, msg=n)
+    assert all(torch.equal(a, b) for a, b in zip(cc, ec)) and sum(c.sum() for c in ec) > 0
+    torch._dynamo.reset()

@@ -1,0 +1,66 @@
+"""Mean cross-entropy of `h @ weight.T` against targets, computed in row chunks without keeping the logits.
+
+The training step's eager form (`lm_head(h)`, `.float()`, `F.cross_entropy`) materialises the logits twice per
+head (bf16, then fp32: [batch x 2048, 8192], 1 GB + 2 GB at batch 32) and keeps them for the backward, and the
+model has two heads (next token, MTP). Here each chunk of rows computes its logits in fp32, their log-sum-exp,
+the loss and, at once, the gradients with respect to h and weight (softmax minus one-hot, over the row count);
+only those gradients are kept. The backward then only scales them by the incoming gradient. The same function
+as `F.cross_entropy(F.linear(h, weight).float(), targets)` (tests/nano/test_training_pieces.py checks values and
+both gradients against it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ROWS = 8192  # 8192 x 8192-token logits in fp32: 268 MB per chunk
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a @ b: for bf16 operands (CUDA autocast) one GEMM with fp32 output, without rounding to bf16 between."""
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_rows):
+        n = h.shape[0]
+        w = weight.to(h.dtype) if h.is_cuda else weight
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, n, chunk_rows):
+            hc, tc = h[s:s + chunk_rows], targets[s:s + chunk_rows]
+            logits = _product(hc, w.t())
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, tc[:, None], torch.full_like(lse[:, None], -1.0))
+            g = g.div_(n).to(h.dtype)
+            grad_h[s:s + chunk_rows] = g @ w
+            grad_w += _product(g.t(), hc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype), None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """Mean over the N rows of cross_entropy(h @ weight.T, targets). h: [N, hidden] (under CUDA autocast: bf16
+    operands, fp32 logits), weight: [vocab, hidden], targets: [N] int64."""
+    if h.is_cuda and torch.is_autocast_enabled("cuda"):
+        h = h.to(torch.get_autocast_dtype("cuda"))
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, targets, chunk_rows)
+    w = weight.to(h.dtype) if h.is_cuda else weight  # no gradient wanted (an evaluation): the loss alone
+    total = sum(F.cross_entropy(_product(h[s:s + chunk_rows], w.t()), targets[s:s + chunk_rows], reduction="sum")
+                for s in range(0, h.shape[0], chunk_rows))
+    return total / h.shape[0]
