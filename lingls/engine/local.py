@@ -305,7 +305,7 @@ class LocalEngine:
         from lingls.runtime.runner import Sampling
 
         req, tok, runner = job.request, self.tokenizer, self.runner
-        ids = job.prompt_ids if job.prompt_ids is not None else tok.encode(req.prompt)
+        ids = job.prompt_ids if job.prompt_ids is not None else tok.encode_prompt(req.prompt)
         if not ids:
             raise EngineError("empty prompt: nothing to complete")
         max_new = max(0, req.max_tokens)
