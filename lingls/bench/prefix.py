@@ -109,6 +109,24 @@ def engine_ms(model_dir: Path, device: str, prompts: list[str], max_new: int = 4
     return asyncio.run(run())
 
 
+def tokenise_ms(model_dir: Path, prompts: list[str]) -> tuple[list[float], list[float]]:
+    """(ms of Tokenizer.encode, ms of Tokenizer.encode_prompt) for each of `prompts` in turn (after the first, a
+    warm-up), each on a tokenizer of its own; the two must give the same ids."""
+    from lingls.engine.tokenizer import Tokenizer
+
+    whole_tok, pieces_tok = Tokenizer(model_dir), Tokenizer(model_dir)
+    whole, pieces = [], []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        ids = whole_tok.encode(prompt)
+        t1 = time.perf_counter()
+        if pieces_tok.encode_prompt(prompt) != ids:
+            raise AssertionError("Tokenizer.encode_prompt differs from Tokenizer.encode")
+        whole.append((t1 - t0) * 1e3)
+        pieces.append((time.perf_counter() - t1) * 1e3)
+    return whole[1:], pieces[1:]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -160,11 +178,12 @@ def model_latency(a) -> int:
         lines_ms.append(total)
         written.append(n)
         reused.append(runner.cache.stats.tokens_saved - saved)
+    window = tok.decode(context)
+    whole_ms, pieces_ms = tokenise_ms(model_dir, [window + line.strip()[:k] for k in range(a.keystrokes + 1)])
     engine = None
     if device == "cpu" and not a.model_step:  # the same keystrokes through the engine the language server runs
         if a.threads:
             os.environ["LINGLS_THREADS"] = str(a.threads)
-        window = tok.decode(context)
         engine = engine_ms(model_dir, device,
                            [window] + [window + line.strip()[:k] for k in range(1, a.keystrokes + 1)])
     load_after = os.getloadavg()
@@ -178,6 +197,8 @@ def model_latency(a) -> int:
               "line_p50_ms": statistics.median(lines_ms), "line_p95_ms": percentile(lines_ms, 0.95),
               "line_cpu_ms": lines_cpu, "line_cpu_p50_ms": statistics.median(lines_cpu),
               "line_tokens": written, "tokens_reused": reused,
+              "tokenise_whole_ms": whole_ms, "tokenise_whole_p50_ms": statistics.median(whole_ms),
+              "tokenise_pieces_ms": pieces_ms, "tokenise_pieces_p50_ms": statistics.median(pieces_ms),
               **({"engine_first_text_ms": engine[0], "engine_first_text_p50_ms": statistics.median(engine[0]),
                   "engine_line_ms": engine[1], "engine_line_p50_ms": statistics.median(engine[1]),
                   "engine_line_p95_ms": percentile(engine[1], 0.95)} if engine else {}),
@@ -195,6 +216,8 @@ def model_latency(a) -> int:
     print(f"one-line completion ({statistics.median(written):.0f} tokens median): p50 {result['line_p50_ms']:.1f} ms, "
           f"p95 {result['line_p95_ms']:.1f} ms (target <= 150); CPU time of the line p50 "
           f"{result['line_cpu_p50_ms']:.1f} ms")
+    print(f"tokenising the prompt after each keystroke: p50 {result['tokenise_whole_p50_ms']:.2f} ms whole, "
+          f"{result['tokenise_pieces_p50_ms']:.2f} ms by pieces (Tokenizer.encode_prompt, what LocalEngine runs)")
     if engine:
         print(f"through LocalEngine.stream (tokenising, healing, stop at the newline): first text p50 "
               f"{result['engine_first_text_p50_ms']:.1f} ms, whole line p50 {result['engine_line_p50_ms']:.1f} ms, "

@@ -22,6 +22,6 @@ def test_model_mode_writes_runner_and_engine_latencies(tmp_path, capsys):
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     assert result["step"] == "cpu_step" and result["threads"] == 1
-    assert len(result["edit_ttft_ms"]) == len(result["engine_line_ms"]) == 3
+    assert len(result["edit_ttft_ms"]) == len(result["engine_line_ms"]) == len(result["tokenise_pieces_ms"]) == 3
     assert min(result["tokens_reused"]) > 0  # each keystroke reused the prompt before the line
     assert "through LocalEngine.stream" in capsys.readouterr().out
