@@ -389,6 +389,7 @@ DOWN_CONFIG = (128, 64, 4, 3)
 DOWN_BY_EXPERT = (128, 4, 2)
 DOWN_BY_EXPERT_MAX_INTER = 256
 COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
+MAX_GRID_Y = 65535
 
 
 def down_chunks(inter: int) -> tuple[int, int]:
@@ -414,12 +415,13 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = GATE_UP_CONFIG
     columns = triton.cdiv(inter, bn)
-    _grouped_gate_up_kernel[(columns, blocks) if by_expert else (blocks, columns)](
+    columns_first = by_expert and blocks <= MAX_GRID_Y  # a grid's second dimension holds at most 65,535
+    _grouped_gate_up_kernel[(columns, blocks) if columns_first else (blocks, columns)](
         x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter, LIMIT=float(limit),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, COLUMNS_FIRST=by_expert, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, COLUMNS_FIRST=columns_first, num_warps=warps,
         num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER:
+    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER and n_exp <= MAX_GRID_Y:
         bn, warps, stages = DOWN_BY_EXPERT
         bk, chunks = down_chunks(inter)
         _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](
