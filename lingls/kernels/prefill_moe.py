@@ -3,10 +3,10 @@
 The pairs are laid out by expert, each expert's run padded to a multiple of BLOCK_M rows, in a buffer whose size
 is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound (or
 by the expert count) and no count is read back.
-- `_grouped_gate_up_kernel`: a program takes one BLOCK_M-row block (one expert's rows: it reads the block's
-  expert from a table and leaves at once where the block lies past the last expert's run) and one column tile:
-  act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a column in the same
-  program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
+- `_grouped_gate_up_by_expert_kernel`: a program takes one expert and one column tile of INTER and walks the
+  expert's run 128 rows (two blocks) at a time: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by
+  token, gate and up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional
+  clamp in the epilogue;
 - `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H: it loads that tile of
   the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in shared memory
   while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
@@ -33,17 +33,22 @@ Why these shapes (`FORM = "by_expert"`; `"by_block"` is the form before, kept fo
 blocks x 20 tiles = ~26,000 programs of a 3-step K loop (K = 192), each reading its expert's [128, 192] weight tile
 (48 KB) and its block's act rows (24 KB) for 3 MFLOP: every block re-read its expert's weights (~1.3 GB a layer
 through L2 for 0.5 GB of weights) and every block's act rows were read by 20 programs ~1,500 programs apart in
-launch order (between them ~57 MB of weight tiles and act rows passed through a 50 MB L2). Its bytes to HBM were near gate/up's although it holds half of
-their weights and FLOPs: weights 0.50 GB + y 0.34 GB written (then read by the weighted sum) + act re-reads. Now
+launch order (between them ~57 MB of weight tiles and act rows passed through a 50 MB L2). Its bytes to HBM were
+near gate/up's although it holds half of their weights and FLOPs: weights 0.50 GB + y 0.34 GB written (then read
+by the weighted sum) + act re-reads. Now
 a program per (column tile, expert), the tiles of an expert adjacent in launch order: the weights are read once
 (0.50 GB), the act rows of an expert by 20 programs running at the same time (from HBM once), and each program
 has 2-3 iterations over rows with its weight tile resident (sm_90: ~104 KB of shared memory, two programs an SM).
-The gate/up kernel's column tiles (3 of 64 at INTER 192) are now the grid's first dimension
-(`COLUMNS_FIRST`): the 3 programs of a block run together and gather the block's 64 x rows (5 KB each, random
-tokens) once from HBM, where the block form launched every block of column tile 0 before any of tile 1 and read
-those rows again after ~1,300 programs' weights had streamed through L2 (up to ~1 GB of x a layer at 8,192 tokens
-where x itself is 42 MB). These are counts of bytes, not measurements: `lingls bench prefix --previous` times the
-two forms in place.
+The gate/up kernel's tiles were a block of 64 rows by 64 columns of gate and of up, K = 2,560 in 64-wide steps: 24
+KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.7 GB a layer at 8,192 tokens in ~0.44 ms (~8.5 TB/s, an
+L2's rate rather than HBM's, by count); each block re-read its expert's weight tiles, and the programs of a
+block's 3 column tiles ran ~1,500 programs apart (its 64 gathered x rows, 5 KB each, read again after the weights
+of ~1,300 blocks had streamed through L2). Now a program per (column tile, expert), the column tiles of an
+expert adjacent in launch order, its run in tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the weights
+read half as often (a run of 2-3 blocks takes 1-2 tiles; rows past its end are masked and their x never read),
+~2.5 GB a layer by the same count. The block form's kernels (`_grouped_gate_up_kernel`, `_grouped_down_kernel`)
+remain for wider experts (down: INTER > 256) and for the comparison. These are counts of bytes, not measurements:
+`lingls bench prefix --previous` times the two forms in place.
 """
 
 from __future__ import annotations
@@ -224,47 +229,76 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @jit
+    def _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, live, n, TOP_K: tl.constexpr, H: tl.constexpr,
+                      INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      F32_DOT: tl.constexpr):
+        """act rows m (`live`: inside the expert's run; padding pairs are -1) = swiglu of the gathered x rows times
+        one column tile of the expert's gate and up weights (w_e), K = H in BLOCK_K steps."""
+        pair = tl.load(rows_ptr + m, mask=live, other=-1)
+        valid = pair >= 0
+        token = tl.where(valid, pair, 0) // TOP_K
+        nmask = n < INTER
+        kk = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((m.shape[0], BLOCK_N), tl.float32)
+        acc_u = tl.zeros((m.shape[0], BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = (k0 + kk) < H
+            xt = tl.load(x_ptr + token[:, None].to(tl.int64) * H + k0 + kk[None, :],
+                         mask=valid[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(w_e + n[:, None] * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            wu = tl.load(w_e + (INTER + n[:, None]) * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                         other=0.0)
+            acc_g = _dot(acc_g, xt, tl.trans(wg), F32_DOT)
+            acc_u = _dot(acc_u, xt, tl.trans(wu), F32_DOT)
+        g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference's GEMM output
+        u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded as torch's
+        if LIMIT > 0:
+            s = tl.minimum(s, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        tl.store(act_ptr + m[:, None].to(tl.int64) * INTER + n[None, :], (s * u).to(act_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+    @jit
     def _grouped_gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
                         H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
-                        COLUMNS_FIRST: tl.constexpr = False):
-        """COLUMNS_FIRST: the grid is (column tiles, blocks), so a block's column tiles run one after another
-        (launch order follows the first dimension) and share its gathered x rows in L2."""
-        if COLUMNS_FIRST:
-            nt = tl.program_id(0)
-            b = tl.program_id(1)
-        else:
-            b = tl.program_id(0)
-            nt = tl.program_id(1)
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+        b = tl.program_id(0)
+        nt = tl.program_id(1)
         e = tl.load(bexp_ptr + b)
         if e < E:
             m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(rows_ptr + m)
-            valid = pair >= 0
-            token = tl.where(valid, pair, 0) // TOP_K
-            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = n < INTER
-            kk = tl.arange(0, BLOCK_K)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            w_e = w_ptr + e.to(tl.int64) * (2 * INTER * H)
-            for k0 in range(0, H, BLOCK_K):
-                kmask = (k0 + kk) < H
-                xt = tl.load(x_ptr + token[:, None].to(tl.int64) * H + k0 + kk[None, :],
-                             mask=valid[:, None] & kmask[None, :], other=0.0)
-                wg = tl.load(w_e + n[:, None] * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                wu = tl.load(w_e + (INTER + n[:, None]) * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
-                             other=0.0)
-                acc_g = _dot(acc_g, xt, tl.trans(wg), F32_DOT)
-                acc_u = _dot(acc_u, xt, tl.trans(wu), F32_DOT)
-            g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference's GEMM output
-            u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded as torch's
-            if LIMIT > 0:
-                s = tl.minimum(s, LIMIT)
-                u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-            tl.store(act_ptr + m[:, None].to(tl.int64) * INTER + n[None, :], (s * u).to(act_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            _gate_up_rows(x_ptr, w_ptr + e.to(tl.int64) * (2 * INTER * H), rows_ptr, act_ptr, m, m >= 0,
+                          nt * BLOCK_N + tl.arange(0, BLOCK_N), TOP_K, H, INTER, LIMIT, BLOCK_N, BLOCK_K, F32_DOT)
+
+    @jit
+    def _grouped_gate_up_by_expert_kernel(x_ptr, w_ptr, rows_ptr, start_ptr, end_ptr, act_ptr, TOP_K: tl.constexpr,
+                                          H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr,
+                                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                          F32_DOT: tl.constexpr):
+        """One expert's column tile of act: its padded run [start, end) ROWS rows at a time (ROWS a multiple of
+        the run's block, so one tile covers two blocks: each weight tile read from L2 serves twice the rows of
+        the block form's; rows past the run's end are masked, their x never read), the column tiles of an expert
+        adjacent in launch order (they gather the same x rows). A while loop under the interpreter, as in
+        `_grouped_down_by_expert_kernel`."""
+        nt = tl.program_id(0)
+        e = tl.program_id(1)
+        lo = tl.load(start_ptr + e)
+        hi = tl.load(end_ptr + e)
+        n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_e = w_ptr + e.to(tl.int64) * (2 * INTER * H)
+        if F32_DOT:
+            m0 = lo
+            while m0 < hi:
+                m = m0 + tl.arange(0, ROWS)
+                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
+                              BLOCK_K, F32_DOT)
+                m0 += ROWS
+        else:
+            for m0 in range(lo, hi, ROWS):
+                m = m0 + tl.arange(0, ROWS)
+                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
+                              BLOCK_K, F32_DOT)
 
     @jit
     def _grouped_down_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
@@ -380,9 +414,13 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the block form's two kernels (gate/up: both forms)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the block form's two kernels
 GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
+# the by-expert gate/up kernel: (blocks of rows a tile, BLOCK_N, BLOCK_K, num_warps, num_stages, registers a
+# thread at most); sm_90 at BLOCK_M 64: 128 rows, 8 warps (two warpgroups of 64 rows), 96 KB of shared memory (3
+# stages of 32 KB) and 128 registers without spills (147 uncapped: one program an SM instead of two)
+GATE_UP_BY_EXPERT = (2, 64, 64, 8, 3, 128)
 # the by-expert down kernel: columns a program, warps, pipeline depth over its rows (sm_90 at INTER 192, BLOCK_M
 # 64: 103 registers, ~104 KB of shared memory, so two programs an SM), and the widest INTER it takes (K in up to 4
 # chunks of at most 64: the weight tile stays <= 64 KB); a wider INTER takes the block form's down kernel
@@ -413,15 +451,21 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     rows, block_expert, start, end = sort_pairs_runs(idx, n_exp, block_m)
     blocks = block_expert.shape[0]
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = GATE_UP_CONFIG
-    columns = triton.cdiv(inter, bn)
-    columns_first = by_expert and blocks <= MAX_GRID_Y  # a grid's second dimension holds at most 65,535
-    _grouped_gate_up_kernel[(columns, blocks) if columns_first else (blocks, columns)](
-        x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter, LIMIT=float(limit),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, COLUMNS_FIRST=columns_first, num_warps=warps,
-        num_stages=stages)
+    by_expert = by_expert and n_exp <= MAX_GRID_Y  # a grid's second dimension holds at most 65,535
+    if by_expert:
+        rows_a, bn, bk, warps, stages, regs = GATE_UP_BY_EXPERT
+        _grouped_gate_up_by_expert_kernel[(triton.cdiv(inter, bn), n_exp)](
+            x.contiguous(), gate_up, rows, start, end, act, TOP_K=k, H=hidden, INTER=inter, LIMIT=float(limit),
+            ROWS=rows_a * block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages,
+            maxnreg=regs)
+    else:
+        bn, bk, warps, stages = GATE_UP_CONFIG
+        _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+            x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter,
+            LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps,
+            num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER and n_exp <= MAX_GRID_Y:
+    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER:
         bn, warps, stages = DOWN_BY_EXPERT
         bk, chunks = down_chunks(inter)
         _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](
