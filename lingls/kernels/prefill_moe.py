@@ -233,8 +233,11 @@ if triton is not None:
                       INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       F32_DOT: tl.constexpr):
         """act rows m (`live`: inside the expert's run; padding pairs are -1) = swiglu of the gathered x rows times
-        one column tile of the expert's gate and up weights (w_e), K = H in BLOCK_K steps."""
-        pair = tl.load(rows_ptr + m, mask=live, other=-1)
+        one column tile of the expert's gate and up weights (w_e), K = H in BLOCK_K steps; live None: every row."""
+        if live is None:
+            pair = tl.load(rows_ptr + m)
+        else:
+            pair = tl.load(rows_ptr + m, mask=live, other=-1)
         valid = pair >= 0
         token = tl.where(valid, pair, 0) // TOP_K
         nmask = n < INTER
@@ -268,7 +271,7 @@ if triton is not None:
         e = tl.load(bexp_ptr + b)
         if e < E:
             m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-            _gate_up_rows(x_ptr, w_ptr + e.to(tl.int64) * (2 * INTER * H), rows_ptr, act_ptr, m, m >= 0,
+            _gate_up_rows(x_ptr, w_ptr + e.to(tl.int64) * (2 * INTER * H), rows_ptr, act_ptr, m, None,
                           nt * BLOCK_N + tl.arange(0, BLOCK_N), TOP_K, H, INTER, LIMIT, BLOCK_N, BLOCK_K, F32_DOT)
 
     @jit
