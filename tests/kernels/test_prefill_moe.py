@@ -30,8 +30,9 @@ def ragged_routing(gen, n: int, k: int, e: int, crowded: int) -> tuple[torch.Ten
 
 
 def weights(gen, e: int, h: int, inter: int, dtype):
-    gate_up = torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5
-    down = torch.randn(e, h, inter, generator=gen) * inter ** -0.5
+    """Expert weights drawn where `gen` lives (a rank's 1.5 GB of them on the GPU itself)."""
+    gate_up = torch.randn(e, 2 * inter, h, generator=gen, device=gen.device) * h ** -0.5
+    down = torch.randn(e, h, inter, generator=gen, device=gen.device) * inter ** -0.5
     return gate_up.to(DEV, dtype), down.to(DEV, dtype)
 
 
@@ -78,11 +79,12 @@ def test_expert_forms_agree_at_rank_shapes(inter):
     """A TP=4 rank's expert shapes (H 2,560, INTER 192, 512 experts; 384: a TP=2 rank, whose down takes the block
     form's kernel), 256 tokens x 8, bf16: each form within bf16 rounding of the definition, and the two forms
     within rounding of each other (printed: whether their bits are the same)."""
-    gen = torch.Generator().manual_seed(inter)
+    gen = torch.Generator(device=DEV).manual_seed(inter)
     n, k, e, h = 256, 8, 512, 2560
     gate_up, down = weights(gen, e, h, inter, torch.bfloat16)
-    w, idx = ragged_routing(gen, n, k, e, crowded=2)  # two experts of 128 rows (two blocks), ~3 rows elsewhere
-    x = torch.randn(n, h, generator=gen).to(DEV, torch.bfloat16)
+    # two experts of 128 rows (two blocks), ~3 rows elsewhere
+    w, idx = ragged_routing(torch.Generator().manual_seed(inter), n, k, e, crowded=2)
+    x = torch.randn(n, h, generator=gen, device=DEV).to(torch.bfloat16)
     w, idx = w.to(DEV), idx.to(DEV)
     want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter)
     got = {form: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=form) for form in pm.FORMS}
