@@ -40,7 +40,7 @@ a program per (column tile, expert), the tiles of an expert adjacent in launch o
 (0.50 GB), the act rows of an expert by 20 programs running at the same time (from HBM once), and each program
 has 2-3 iterations over rows with its weight tile resident (sm_90: ~104 KB of shared memory, two programs an SM).
 The gate/up kernel's tiles were a block of 64 rows by 64 columns of gate and of up, K = 2,560 in 64-wide steps: 24
-KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.7 GB a layer at 8,192 tokens in ~0.44 ms (~8.5 TB/s, an
+KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.5 GB a layer at 8,192 tokens in ~0.44 ms (~8 TB/s, an
 L2's rate rather than HBM's, by count); each block re-read its expert's weight tiles, and the programs of a
 block's 3 column tiles ran ~1,500 programs apart (its 64 gathered x rows, 5 KB each, read again after the weights
 of ~1,300 blocks had streamed through L2). Now a program per (column tile, expert), the column tiles of an
