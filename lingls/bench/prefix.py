@@ -8,8 +8,9 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) graphed on a runner of its own, `--tune` first chooses
-how the runtime splits it (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
+the kernels before, graphed on a runner of its own: the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) and
+the routed experts' block form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime splits the
+state pass (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
 at the same sizes: `python -m bench.serve_ttft`.
@@ -427,23 +428,26 @@ def legacy_prefill_step(model):
 class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
-    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, and the KDA state
-    pass's runs (`prefill_kda_state.PARTS`) while it runs."""
+    its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
+    pass's runs (`prefill_kda_state.PARTS`) and the routed experts' kernels (`prefill_moe.FORM`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     kda_parts: dict
+    experts: str
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner and its KDA state pass's runs into `prefill_kda_state`; returns the runner."""
-    from lingls.kernels import prefill_kda_state
+    """Put a path into its runner, its KDA state pass's runs into `prefill_kda_state` and its experts' kernels
+    into `prefill_moe`; returns the runner."""
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
     prefill_kda_state.PARTS = path.kda_parts
+    prefill_moe.FORM = path.experts
     return runner
 
 
@@ -600,7 +604,7 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda_state
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     model = build_flash(a.layers, tp=a.tp)
@@ -618,23 +622,25 @@ def flash_prefill(a) -> int:
     peak, bw = fl.matmul_peak_tflops(), fl.copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
-    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table)}
-    if a.previous:  # the unsplit KDA state pass, graphed on a runner of its own (a graph bakes in its kernels)
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
-        previous.fused = runner.fused  # the same fused step (one copy of its weight layouts)
+    form = prefill_moe.FORM
+    paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
+    if a.previous:  # the kernels before (the unsplit KDA state pass, the experts' block form), graphed on a runner
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # of its own: a graph
+        previous.fused = runner.fused  # bakes in its kernels (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        prefill_kda_state.PREVIOUS)
+                                        prefill_kda_state.PREVIOUS, prefill_moe.PREVIOUS_FORM)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
-                                         kda_table)  # as two pieces, each a weight stream
+                                         kda_table, form)  # as two pieces, each a weight stream
     if runner.prefill_graphs and "eager" not in a.skip:
-        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table)
+        paths["eager"] = PrefillPath(runner, runner.prefill_step, a.chunk, False, kda_table, form)
     for chunk in [int(c) for c in a.more_chunks.split(",") if c]:  # the runtime's path in other chunk sizes
-        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table)
+        paths[f"eager_chunk{chunk}"] = PrefillPath(runner, runner.prefill_step, chunk, False, kda_table, form)
     if "eager_torch_ops" not in a.skip:
-        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table)
+        paths["eager_torch_ops"] = PrefillPath(runner, _torch_ops(runner.prefill_step), a.chunk, False, kda_table,
+                                               form)
     if not a.no_baseline:
-        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table)
+        paths["before_issue_39"] = PrefillPath(runner, legacy_prefill_step(model), 2048, False, kda_table, form)
     rows = []
     for t in sizes:
         ids = torch.tensor(prompts[t], device="cuda")
@@ -699,6 +705,7 @@ def flash_prefill(a) -> int:
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
               "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
+              "experts_form": {name: path.experts for name, path in paths.items()},
               **({"kda_split_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
@@ -749,7 +756,8 @@ def main(argv: list[str]) -> int:
                    help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
                         "run with the fastest that agrees with the torch form")
     p.add_argument("--previous", action="store_true",
-                   help="also time the unsplit KDA state pass, graphed on a runner of its own (path previous)")
+                   help="also time the kernels before (the unsplit KDA state pass, the routed experts' block form), "
+                        "graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

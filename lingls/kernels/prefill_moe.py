@@ -1,13 +1,17 @@
 """Routed experts of a long step (a prefill): two grouped GEMMs over the (token, expert) pairs sorted by expert.
 
 The pairs are laid out by expert, each expert's run padded to a multiple of BLOCK_M rows, in a buffer whose size
-is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound and
-no count is read back. A program takes one BLOCK_M-row block (one expert's rows: it reads the block's expert
-from a table and leaves at once where the block lies past the last expert's run) and one column tile:
-- `_grouped_gate_up_kernel`: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and
-  up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
-- `_grouped_down_kernel`: y = act Wd^T, written to the pair's own row (token-major, [N*k, H]), so the weighted
-  sum over a token's k experts is a plain reduction afterwards, in a fixed order;
+is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound (or
+by the expert count) and no count is read back.
+- `_grouped_gate_up_by_expert_kernel`: a program takes one expert and one column tile of INTER and walks the
+  expert's run 128 rows (two blocks) at a time: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by
+  token, gate and up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional
+  clamp in the epilogue;
+- `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H: it loads that tile of
+  the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in shared memory
+  while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
+  (token-major, [N*k, H]), so the weighted sum over a token's k experts is a plain reduction afterwards, in a
+  fixed order;
 (named apart from the fused decode step's `_gate_up_kernel` and `_down_kernel`, so a profile tells them apart);
 - `_combine_kernel`: that reduction, sum_j w_j * y_j in fp32 rounded once, in one pass over y (torch's upcast,
   multiply and sum wrote and read fp32 copies of y: ~2 GB a layer at 8,192 tokens).
@@ -22,6 +26,29 @@ routing weight), so the kernels compute what `moe_prefill_reference` computes.
 
 Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole expert shard crosses HBM once per
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
+
+Why these shapes (`FORM = "by_expert"`; `"by_block"` is the form before, kept for `lingls bench prefix
+--previous`). At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives each expert ~128 pairs,
+2-3 blocks of 64 rows. In the block form the down kernel ran a program per (block, 128-column tile): ~1,300 live
+blocks x 20 tiles = ~26,000 programs of a 3-step K loop (K = 192), each reading its expert's [128, 192] weight tile
+(48 KB) and its block's act rows (24 KB) for 3 MFLOP: every block re-read its expert's weights (~1.3 GB a layer
+through L2 for 0.5 GB of weights) and every block's act rows were read by 20 programs ~1,500 programs apart in
+launch order (between them ~57 MB of weight tiles and act rows passed through a 50 MB L2). Its bytes to HBM were
+near gate/up's although it holds half of their weights and FLOPs: weights 0.50 GB + y 0.34 GB written (then read
+by the weighted sum) + act re-reads. Now
+a program per (column tile, expert), the tiles of an expert adjacent in launch order: the weights are read once
+(0.50 GB), the act rows of an expert by 20 programs running at the same time (from HBM once), and each program
+has 2-3 iterations over rows with its weight tile resident (sm_90: ~104 KB of shared memory, two programs an SM).
+The gate/up kernel's tiles were a block of 64 rows by 64 columns of gate and of up, K = 2,560 in 64-wide steps: 24
+KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.5 GB a layer at 8,192 tokens in ~0.44 ms (~8 TB/s, an
+L2's rate rather than HBM's, by count); each block re-read its expert's weight tiles, and the programs of a
+block's 3 column tiles ran ~1,500 programs apart (its 64 gathered x rows, 5 KB each, read again after the weights
+of ~1,300 blocks had streamed through L2). Now a program per (column tile, expert), the column tiles of an
+expert adjacent in launch order, its run in tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the weights
+read half as often (a run of 2-3 blocks takes 1-2 tiles; rows past its end are masked and their x never read),
+~2.5 GB a layer by the same count. The block form's kernels (`_grouped_gate_up_kernel`, `_grouped_down_kernel`)
+remain for wider experts (down: INTER > 256) and for the comparison. These are counts of bytes, not measurements:
+`lingls bench prefix --previous` times the two forms in place.
 """
 
 from __future__ import annotations
@@ -32,6 +59,9 @@ from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
+FORMS = ("by_expert", "by_block")
+FORM = "by_expert"  # the kernels' form (module note); the prefill graphs bake in the form they were captured with
+PREVIOUS_FORM = "by_block"  # the form before (`lingls bench prefix --previous` times it on a runner of its own)
 
 
 def moe_prefill_reference(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):
@@ -87,6 +117,12 @@ def route(logits, bias, top_k: int, n_group: int, topk_group: int, normalize: bo
 def sort_pairs_triton(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     """`sort_pairs` in three launches (Triton): the same block layout and block experts, each expert's pairs in
     its run in the order their atomic increments landed (see the module note: that order changes no result)."""
+    rows, block_expert, _, _ = sort_pairs_runs(idx, n_experts, block_m)
+    return rows, block_expert
+
+
+def sort_pairs_runs(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """`sort_pairs_triton`, and where each expert's padded run starts and ends (rows, [E] int32 each)."""
     flat = idx.flatten()
     pairs = flat.numel()
     blocks = -(-(pairs + n_experts * (block_m - 1)) // block_m)
@@ -102,7 +138,7 @@ def sort_pairs_triton(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=idx.device)
     _block_expert_kernel[(triton.cdiv(blocks, 32),)](padded_end, block_expert, blocks, E=n_experts, E_PAD=e_pad,
                                                      BLOCK_M=block_m, BLOCK_B=32, num_warps=4)
-    return rows, block_expert
+    return rows, block_expert, start, padded_end
 
 
 def _interpreting() -> bool:
@@ -193,6 +229,40 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @jit
+    def _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, live, n, TOP_K: tl.constexpr, H: tl.constexpr,
+                      INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      F32_DOT: tl.constexpr):
+        """act rows m (`live`: inside the expert's run; padding pairs are -1) = swiglu of the gathered x rows times
+        one column tile of the expert's gate and up weights (w_e), K = H in BLOCK_K steps; live None: every row."""
+        if live is None:
+            pair = tl.load(rows_ptr + m)
+        else:
+            pair = tl.load(rows_ptr + m, mask=live, other=-1)
+        valid = pair >= 0
+        token = tl.where(valid, pair, 0) // TOP_K
+        nmask = n < INTER
+        kk = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((m.shape[0], BLOCK_N), tl.float32)
+        acc_u = tl.zeros((m.shape[0], BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = (k0 + kk) < H
+            xt = tl.load(x_ptr + token[:, None].to(tl.int64) * H + k0 + kk[None, :],
+                         mask=valid[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(w_e + n[:, None] * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            wu = tl.load(w_e + (INTER + n[:, None]) * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                         other=0.0)
+            acc_g = _dot(acc_g, xt, tl.trans(wg), F32_DOT)
+            acc_u = _dot(acc_u, xt, tl.trans(wu), F32_DOT)
+        g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference's GEMM output
+        u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded as torch's
+        if LIMIT > 0:
+            s = tl.minimum(s, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        tl.store(act_ptr + m[:, None].to(tl.int64) * INTER + n[None, :], (s * u).to(act_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+    @jit
     def _grouped_gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
                         H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
@@ -201,32 +271,37 @@ if triton is not None:
         e = tl.load(bexp_ptr + b)
         if e < E:
             m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(rows_ptr + m)
-            valid = pair >= 0
-            token = tl.where(valid, pair, 0) // TOP_K
-            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = n < INTER
-            kk = tl.arange(0, BLOCK_K)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            w_e = w_ptr + e.to(tl.int64) * (2 * INTER * H)
-            for k0 in range(0, H, BLOCK_K):
-                kmask = (k0 + kk) < H
-                xt = tl.load(x_ptr + token[:, None].to(tl.int64) * H + k0 + kk[None, :],
-                             mask=valid[:, None] & kmask[None, :], other=0.0)
-                wg = tl.load(w_e + n[:, None] * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                wu = tl.load(w_e + (INTER + n[:, None]) * H + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
-                             other=0.0)
-                acc_g = _dot(acc_g, xt, tl.trans(wg), F32_DOT)
-                acc_u = _dot(acc_u, xt, tl.trans(wu), F32_DOT)
-            g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference's GEMM output
-            u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded as torch's
-            if LIMIT > 0:
-                s = tl.minimum(s, LIMIT)
-                u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-            tl.store(act_ptr + m[:, None].to(tl.int64) * INTER + n[None, :], (s * u).to(act_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            _gate_up_rows(x_ptr, w_ptr + e.to(tl.int64) * (2 * INTER * H), rows_ptr, act_ptr, m, None,
+                          nt * BLOCK_N + tl.arange(0, BLOCK_N), TOP_K, H, INTER, LIMIT, BLOCK_N, BLOCK_K, F32_DOT)
+
+    @jit
+    def _grouped_gate_up_by_expert_kernel(x_ptr, w_ptr, rows_ptr, start_ptr, end_ptr, act_ptr, TOP_K: tl.constexpr,
+                                          H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr,
+                                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                          F32_DOT: tl.constexpr):
+        """One expert's column tile of act: its padded run [start, end) ROWS rows at a time (ROWS a multiple of
+        the run's block, so one tile covers two blocks: each weight tile read from L2 serves twice the rows of
+        the block form's; rows past the run's end are masked, their x never read), the column tiles of an expert
+        adjacent in launch order (they gather the same x rows). A while loop under the interpreter, as in
+        `_grouped_down_by_expert_kernel`."""
+        nt = tl.program_id(0)
+        e = tl.program_id(1)
+        lo = tl.load(start_ptr + e)
+        hi = tl.load(end_ptr + e)
+        n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_e = w_ptr + e.to(tl.int64) * (2 * INTER * H)
+        if F32_DOT:
+            m0 = lo
+            while m0 < hi:
+                m = m0 + tl.arange(0, ROWS)
+                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
+                              BLOCK_K, F32_DOT)
+                m0 += ROWS
+        else:
+            for m0 in range(lo, hi, ROWS):
+                m = m0 + tl.arange(0, ROWS)
+                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
+                              BLOCK_K, F32_DOT)
 
     @jit
     def _grouped_down_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
@@ -254,6 +329,79 @@ if triton is not None:
             tl.store(y_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * H + n[None, :],
                      acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
+    @jit
+    def _down_weights(w_e, n, nmask, c: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Chunk c of K of an expert's down-weight column tile, transposed: [BLOCK_K, BLOCK_N]."""
+        k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        return tl.trans(tl.load(w_e + n[:, None] * INTER + k[None, :], mask=nmask[:, None] & (k < INTER)[None, :],
+                                other=0.0))
+
+    @jit
+    def _down_act(act_ptr, m, valid, c: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Chunk c of K of act rows m (padding rows zero): [BLOCK_M, BLOCK_K]."""
+        k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        return tl.load(act_ptr + m[:, None].to(tl.int64) * INTER + k[None, :],
+                       mask=valid[:, None] & (k < INTER)[None, :], other=0.0)
+
+    @jit
+    def _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H: tl.constexpr, INTER: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+        """Rows m0..m0+BLOCK_M of an expert's run times its resident weight chunks, to the pairs' rows of y."""
+        m = m0 + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + m)
+        valid = pair >= 0
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = _dot(acc, _down_act(act_ptr, m, valid, 0, INTER, BLOCK_K), w0, F32_DOT)
+        if K_CHUNKS > 1:
+            acc = _dot(acc, _down_act(act_ptr, m, valid, 1, INTER, BLOCK_K), w1, F32_DOT)
+        if K_CHUNKS > 2:
+            acc = _dot(acc, _down_act(act_ptr, m, valid, 2, INTER, BLOCK_K), w2, F32_DOT)
+        if K_CHUNKS > 3:
+            acc = _dot(acc, _down_act(act_ptr, m, valid, 3, INTER, BLOCK_K), w3, F32_DOT)
+        tl.store(y_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * H + n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+    @jit
+    def _grouped_down_by_expert_kernel(act_ptr, w_ptr, rows_ptr, start_ptr, end_ptr, y_ptr, H: tl.constexpr,
+                                       INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr,
+                                       F32_DOT: tl.constexpr):
+        """One expert's column tile of y = act Wd^T: the weight tile ([BLOCK_N, INTER] in K_CHUNKS chunks of
+        BLOCK_K, up to 4: separate tensors, as Triton's shapes are powers of two and INTER need not be) is loaded
+        once and stays in shared memory (sm_90: one allocation before the loop) while the loop walks the expert's
+        padded run [start, end) BLOCK_M rows at a time, the next rows' act streaming in under the current product
+        (STAGES). Each output row is its own row's dot products with the K chunks summed in order, as in the
+        block form. Under the interpreter (F32_DOT) the same rows go through a while loop: Triton 3.6's
+        interpreter cannot take a loaded scalar as a range bound under numpy 2 (a one-element array)."""
+        nt = tl.program_id(0)
+        e = tl.program_id(1)
+        lo = tl.load(start_ptr + e)
+        hi = tl.load(end_ptr + e)
+        if hi > lo:
+            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < H
+            w_e = w_ptr + e.to(tl.int64) * (H * INTER)
+            w0 = _down_weights(w_e, n, nmask, 0, INTER, BLOCK_K)
+            w1 = w0  # chunks past K_CHUNKS are never read
+            w2 = w0
+            w3 = w0
+            if K_CHUNKS > 1:
+                w1 = _down_weights(w_e, n, nmask, 1, INTER, BLOCK_K)
+            if K_CHUNKS > 2:
+                w2 = _down_weights(w_e, n, nmask, 2, INTER, BLOCK_K)
+            if K_CHUNKS > 3:
+                w3 = _down_weights(w_e, n, nmask, 3, INTER, BLOCK_K)
+            if F32_DOT:
+                m0 = lo
+                while m0 < hi:
+                    _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, K_CHUNKS, F32_DOT)
+                    m0 += BLOCK_M
+            else:
+                for m0 in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):
+                    _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, K_CHUNKS, F32_DOT)
 
     @jit
     def _combine_kernel(y_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -269,29 +417,68 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the two kernels
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the block form's two kernels
 GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
+# the by-expert gate/up kernel: (blocks of rows a tile, BLOCK_N, BLOCK_K, num_warps, num_stages, registers a
+# thread at most); sm_90 at BLOCK_M 64: 128 rows, 8 warps (two warpgroups of 64 rows), 96 KB of shared memory (3
+# stages of 32 KB) and 128 registers without spills (147 uncapped: one program an SM instead of two)
+GATE_UP_BY_EXPERT = (2, 64, 64, 8, 3, 128)
+# the by-expert down kernel: columns a program, warps, pipeline depth over its rows (sm_90 at INTER 192, BLOCK_M
+# 64: 103 registers, ~104 KB of shared memory, so two programs an SM), and the widest INTER it takes (K in up to 4
+# chunks of at most 64: the weight tile stays <= 64 KB); a wider INTER takes the block form's down kernel
+DOWN_BY_EXPERT = (128, 4, 2)
+DOWN_BY_EXPERT_MAX_INTER = 256
 COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
+MAX_GRID_Y = 65535
 
 
-def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M):
-    """`moe_prefill_reference` by the two grouped kernels (any device Triton runs on; the interpreter on a CPU)."""
+def down_chunks(inter: int) -> tuple[int, int]:
+    """(BLOCK_K, K_CHUNKS) of the by-expert down kernel: INTER in at most 4 chunks of a power of two >= 16."""
+    block_k = max(16, triton.next_power_of_2(-(-inter // 4)))
+    return block_k, -(-inter // block_k)
+
+
+def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M,
+                       form: str | None = None):
+    """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), in
+    `form` (default `FORM`; the module note says what each is)."""
     from lingls.kernels.shared import INTERPRET
 
+    form = form or FORM
+    if form not in FORMS:
+        raise ValueError(f"unknown expert kernels' form {form!r}: one of {FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
-    rows, block_expert = sort_pairs_triton(idx, n_exp, block_m)
+    by_expert = form == "by_expert"
+    rows, block_expert, start, end = sort_pairs_runs(idx, n_exp, block_m)
+    blocks = block_expert.shape[0]
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = GATE_UP_CONFIG
-    _grouped_gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
-        x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter, LIMIT=float(limit),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
+    by_expert = by_expert and n_exp <= MAX_GRID_Y  # a grid's second dimension holds at most 65,535
+    if by_expert:
+        rows_a, bn, bk, warps, stages, regs = GATE_UP_BY_EXPERT
+        _grouped_gate_up_by_expert_kernel[(triton.cdiv(inter, bn), n_exp)](
+            x.contiguous(), gate_up, rows, start, end, act, TOP_K=k, H=hidden, INTER=inter, LIMIT=float(limit),
+            ROWS=rows_a * block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages,
+            maxnreg=regs)
+    else:
+        bn, bk, warps, stages = GATE_UP_CONFIG
+        _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+            x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter,
+            LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps,
+            num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = DOWN_CONFIG
-    _grouped_down_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
-        act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
+    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER:
+        bn, warps, stages = DOWN_BY_EXPERT
+        bk, chunks = down_chunks(inter)
+        _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](
+            act, down, rows, start, end, y, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+            K_CHUNKS=chunks, STAGES=stages, F32_DOT=INTERPRET, num_warps=warps)
+    else:
+        bn, bk, warps, stages = DOWN_CONFIG
+        _grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](
+            act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn,
+            BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights.float().contiguous(), out, H=hidden, TOP_K=k,
                                                             BLOCK=COMBINE_BLOCK, num_warps=4)

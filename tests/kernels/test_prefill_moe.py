@@ -1,0 +1,124 @@
+"""The prefill's grouped expert kernels (`kernels/prefill_moe.py`) in both forms against the plain-torch definition
+(`moe_prefill_reference`), on fresh random inputs with ragged expert counts: empty experts, experts of one
+partly filled block, an expert whose run spans many blocks. Triton's interpreter on a CPU (fp32 operands), the
+real kernels on a GPU (bf16 at a TP=4 rank's expert shapes); the kernels compile for sm_90 without a GPU. Every
+buffer the module allocates starts as NaN (floats) or -1 (ints), so a read of anything unwritten shows."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # GPU-only dependency: these tests run its interpreter on a CPU
+
+from lingls.kernels import prefill_moe as pm  # noqa: E402
+from tests.kernels.conftest import rel  # noqa: E402
+from tests.kernels.test_kda import compile_for_sm90  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+RUNS = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                          reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+
+
+def ragged_routing(gen, n: int, k: int, e: int, crowded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [n, k] fp32, idx [n, k]) with k distinct experts a token: slot 0 of every token goes to one of
+    `crowded` experts (long runs, many blocks each), the other slots to random experts of the rest except the
+    last three (always empty), so the counts run from 0 to about n / crowded."""
+    first = torch.randint(0, crowded, (n, 1), generator=gen)
+    rest = torch.stack([crowded + torch.randperm(e - crowded - 3, generator=gen)[:k - 1] for _ in range(n)])
+    return torch.rand(n, k, generator=gen), torch.cat([first, rest], 1)
+
+
+def weights(gen, e: int, h: int, inter: int, dtype):
+    """Expert weights drawn where `gen` lives (a rank's 1.5 GB of them on the GPU itself)."""
+    gate_up = torch.randn(e, 2 * inter, h, generator=gen, device=gen.device) * h ** -0.5
+    down = torch.randn(e, h, inter, generator=gen, device=gen.device) * inter ** -0.5
+    return gate_up.to(DEV, dtype), down.to(DEV, dtype)
+
+
+@RUNS
+@pytest.mark.parametrize("form", pm.FORMS)
+@pytest.mark.parametrize("n, k, e, h, inter, block_m, limit", [
+    (37, 3, 12, 64, 24, 16, 0.0),  # INTER in 2 chunks of 16, the last partly past INTER
+    (61, 4, 16, 48, 40, 16, 0.5),  # 3 chunks, the clamp
+    (45, 2, 9, 32, 64, 8, 0.0),  # 4 chunks of 16; blocks of 8 rows
+    (29, 3, 10, 32, 200, 16, 0.0),  # 4 chunks of 64 (the widest the by-expert down kernel takes)
+    (23, 3, 10, 32, 300, 16, 0.0),  # wider: the block form's down kernel in either form
+])
+def test_grouped_expert_kernels_equal_reference(poisoned, form, n, k, e, h, inter, block_m, limit):
+    gen = torch.Generator().manual_seed(n * 1000 + inter)
+    gate_up, down = weights(gen, e, h, inter, torch.float32 if DEV == "cpu" else torch.bfloat16)
+    w, idx = ragged_routing(gen, n, k, e, crowded=1)
+    x = torch.randn(n, h, generator=gen).to(DEV, gate_up.dtype)
+    w, idx = w.to(DEV), idx.to(DEV)
+    counts = torch.bincount(idx.flatten().cpu(), minlength=e)
+    assert counts[-3:].sum() == 0 and counts.max() > block_m  # empty experts and a run of several blocks
+    got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form=form)
+    want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
+    # fp32 under the interpreter; on a GPU bf16 operands, products rounded where the definition rounds them
+    assert rel(got, want) < (1e-5 if DEV == "cpu" else 1e-2)
+
+
+def test_unknown_form_is_named():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="by_expert"):
+        pm.moe_prefill_triton(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 8, 8),
+                              torch.zeros(1, 8, 4), 4, form="by_token")
+
+
+def test_down_chunks_cover_inter_in_at_most_four():
+    for inter in (8, 24, 48, 64, 96, 192, 200, 256):
+        block_k, chunks = pm.down_chunks(inter)
+        assert block_k >= 16 and block_k & (block_k - 1) == 0 and chunks <= 4
+        assert (chunks - 1) * block_k < inter <= chunks * block_k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash-shape check runs on a GPU")
+@pytest.mark.parametrize("inter", [192, 384])
+def test_expert_forms_agree_at_rank_shapes(inter):
+    """A TP=4 rank's expert shapes (H 2,560, INTER 192, 512 experts; 384: a TP=2 rank, whose down takes the block
+    form's kernel), 256 tokens x 8, bf16: each form within bf16 rounding of the definition, and the two forms
+    within rounding of each other (printed: whether their bits are the same)."""
+    gen = torch.Generator(device=DEV).manual_seed(inter)
+    n, k, e, h = 256, 8, 512, 2560
+    gate_up, down = weights(gen, e, h, inter, torch.bfloat16)
+    # two experts of 128 rows (two blocks), ~3 rows elsewhere
+    w, idx = ragged_routing(torch.Generator().manual_seed(inter), n, k, e, crowded=2)
+    x = torch.randn(n, h, generator=gen, device=DEV).to(torch.bfloat16)
+    w, idx = w.to(DEV), idx.to(DEV)
+    want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter)
+    got = {form: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=form) for form in pm.FORMS}
+    for form, out in got.items():
+        assert rel(out, want) < 1e-2, form
+    by_expert, by_block = got["by_expert"], got["by_block"]
+    print(f"INTER {inter}: by_expert vs by_block bitwise equal: {torch.equal(by_expert, by_block)}, rel "
+          f"{rel(by_expert, by_block):.2e}; vs the definition {rel(by_expert, want):.2e} / {rel(by_block, want):.2e}")
+    assert rel(by_expert, by_block) < 1e-2
+
+
+def test_expert_kernels_compile_for_h200():
+    """The by-expert kernels through the GPU compiler and ptxas for sm_90: down at a TP=4 rank's INTER (192: 3
+    chunks of 64) and at ling-nano's (48: 3 of 16), gate/up at 192 under its register cap. No spills; down's weight
+    tile and two act stages, and gate/up's three stages, in at most ~113 KB of shared memory, and gate/up in at
+    most 128 registers: two programs an SM."""
+    lines = compile_for_sm90("""
+        from lingls.kernels import prefill_moe as pm
+        bn, warps, stages = pm.DOWN_BY_EXPERT
+        down = dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", start_ptr="*i32", end_ptr="*i32", y_ptr="*bf16")
+        for inter in (192, 48):
+            bk, chunks = pm.down_chunks(inter)
+            build(pm._grouped_down_by_expert_kernel, down, dict(H=2560, INTER=inter, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
+                  BLOCK_K=bk, K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
+        rows, bn, bk, warps, stages, regs = pm.GATE_UP_BY_EXPERT
+        compile_ = triton.compile  # the launch's register cap and pipeline depth, which `build` does not pass
+        triton.compile = lambda src, target, options: compile_(
+            src, target=target, options={**options, "maxnreg": regs, "num_stages": stages})
+        build(pm._grouped_gate_up_by_expert_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32",
+              start_ptr="*i32", end_ptr="*i32", act_ptr="*bf16"), dict(TOP_K=8, H=2560, INTER=192, LIMIT=0.0,
+              ROWS=rows * pm.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=False), warps)
+    """)
+    assert len(lines) == 3, lines
+    for line in lines:
+        assert "STACK:0 " in line and "LOCAL:0 " in line, line
+        assert int(line.rsplit("SMEM:", 1)[1]) <= 113 * 1024, line
+    assert int(lines[2].split("REG:", 1)[1].split()[0]) <= 128, lines[2]
