@@ -607,6 +607,7 @@ def flash_prefill(a) -> int:
     from lingls.kernels import prefill_kda_state, prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
+    prefill_moe.FORM = a.experts_form or prefill_moe.FORM  # before the warm-up captures the runtime's graphs
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
@@ -755,6 +756,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", action="store_true",
                    help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
                         "run with the fastest that agrees with the torch form")
+    p.add_argument("--experts-form", choices=("by_expert", "by_block"),
+                   help="the routed experts' kernels of the runtime path (default: prefill_moe.FORM)")
     p.add_argument("--previous", action="store_true",
                    help="also time the kernels before (the unsplit KDA state pass, the routed experts' block form), "
                         "graphed on a runner of its own (path previous)")
