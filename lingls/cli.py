@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
+        if hasattr(sys.stdout, "reconfigure"):  # each result line out as it is printed: into a file or a pipe
+            sys.stdout.reconfigure(line_buffering=True)  # a run cut off by a time limit still leaves its lines
         module = importlib.import_module(f"lingls.bench.{args.what}")
         return module.main(args.rest) or 0
     from lingls.lsp.server import main as lsp_main
