@@ -12,8 +12,8 @@ Per size, one streaming greedy completion of --new-tokens tokens per run, each p
 synthetic tokenizer (one token each, so nothing is reused from the prompt before); TTFT is the client's time
 from sending the request to the first streamed chunk with text. A first request, not counted, goes before them.
 
-With `--kernels-from PREFIX.json` the server splits the KDA state pass as `lingls bench prefix --tune` chose in that
-result (`prefill_kda_state.PARTS`) instead of the tree's table: the server is started as
+With `--kernels-from PREFIX.json` the server runs the KDA state pass as `lingls bench prefix --tune` chose in that
+result (`prefill_kda_state.COLUMNS`) instead of the tree's table: the server is started as
 `python -m bench.serve_ttft --serve-with PREFIX.json -- serve ...`, which sets it and runs `lingls.cli.main`.
 
     python -m bench.serve_ttft [--sizes 512,1536,4096,8192] [--runs 3] [--layers 42] [--model DIR]
@@ -53,14 +53,14 @@ def rank_config(layers: int = 42, tp: int = 4, context: int = 16384):
 
 
 def serve_with(prefix_json: str, argv: list[str]) -> int:
-    """`lingls` with the KDA state pass's runs recorded in a `lingls bench prefix` result."""
+    """`lingls` with the KDA state pass recorded in a `lingls bench prefix` result."""
     import json
 
     from lingls.cli import main as lingls_main
     from lingls.kernels import prefill_kda_state
 
     result = json.loads(Path(prefix_json).read_text())
-    prefill_kda_state.PARTS = {int(n): parts for n, parts in result["kda_split_parts"].items()}
+    prefill_kda_state.COLUMNS = {int(n): tuple(c) for n, c in result["kda_state_columns"].items()}
     return lingls_main(argv)
 
 

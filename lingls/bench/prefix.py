@@ -8,9 +8,9 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the kernels before, graphed on a runner of its own: the KDA state pass unsplit (`prefill_kda_state.PREVIOUS`) and
-the routed experts' block form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime splits the
-state pass (`tune_kda_split`). `--profile N` adds, for the paths `--profile-paths` names, the N
+the kernels before, graphed on a runner of its own: fla's own KDA state pass (`prefill_kda_state.PREVIOUS`) and
+the routed experts' block form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
+state pass (`tune_kda_state_pass`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
 at the same sizes: `python -m bench.serve_ttft`.
@@ -290,17 +290,17 @@ def cold_prefill_profile(runner: ModelRunner, prompt: list[int], top: int) -> di
             "top_by_host": by_host, "by_kind": kinds}
 
 
-# ---- the KDA state pass's split, measured on the GPU -----------------------------------------------------------
-def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
-    """How many runs the KDA state pass of a prefill of each size in `sizes` is split into
-    (`prefill_kda_state`), measured on one KDA layer's shapes: fresh random inputs as the prologue makes them
-    (q, k L2-normalised, q scaled, beta in (0, 1), `slow_gates`) and a random initial state; for every run count
-    (1: fla's chunk_kda unsplit) the time of one layer's recurrence as a CUDA graph replay, as it runs inside a
-    prefill graph (CUDA events, median of `reps`: timed eagerly, fla's host work between its launches hid the
-    device time, and the split's extra launches cost more host time than device time), and the relative error of
-    the output and final state against the torch chunked form in fp32 (`reference.kda_chunked`) and against the
-    unsplit pass. The fastest whose errors stay within twice the unsplit pass's (+ 1e-4) is chosen. Returns (the
-    table by token count for `prefill_kda_state.PARTS`, a row per size)."""
+# ---- the KDA state pass's value columns, measured on the GPU -------------------------------------------------
+def tune_kda_state_pass(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[dict]]:
+    """How the KDA state pass of a prefill of each size in `sizes` runs (`prefill_kda_state`: fla's own pass, or
+    the narrow pass at some value columns and pipeline stages), measured on one KDA
+    layer's shapes: fresh random inputs as the prologue makes them (q, k L2-normalised, q scaled, beta in (0, 1),
+    `slow_gates`) and a random initial state; for every option the time of one layer's whole recurrence as a CUDA
+    graph replay, as it runs inside a prefill graph (CUDA events, median of `reps`; timed eagerly, fla's host work
+    between its launches hides the device time), and the relative error of the output and final state against the
+    torch chunked form in fp32 (`reference.kda_chunked`) and against fla's own pass. The fastest whose errors stay
+    within twice fla's (+ 1e-4) is chosen. Returns (the table by token count for `prefill_kda_state.COLUMNS`, a row
+    per size)."""
     from lingls.kernels import prefill_kda_state as ks
     from lingls.kernels import reference as ref
     from lingls.model.ling import KimiDeltaAttention, fla_chunk_kda
@@ -310,8 +310,8 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
     heads, d, lower = attn.heads, attn.d, attn.lower_bound
     fla = fla_chunk_kda()
     if fla is None or not ks.available():
-        print("KDA split: fla-core 0.6.0 absent, the unsplit pass serves", flush=True)
-        return {max(sizes): 1}, []
+        print("KDA state pass: fla-core 0.6.0 absent, fla's own chunk_kda (or the torch form) serves", flush=True)
+        return {max(sizes): (0, 0)}, []
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(13)
     table, rows = {}, []
@@ -326,36 +326,34 @@ def tune_kda_split(model, sizes: list[int], reps: int = 10) -> tuple[dict, list[
         with torch.inference_mode():
             o_ref, s_ref = ref.kda_chunked(q, k, v, g, beta, s0)
             options = []
-            for parts in (1, 2, 4, 8, 16):
-                if parts > 1 and parts > -(-t // ks.CHUNK) // 2:
-                    continue
-                if parts == 1:
+            for columns, stages in ((0, 0), (16, 2), (16, 3), (32, 2)):
+                if columns == 0:
                     run = lambda: fla(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=s0,  # noqa: E731
                                       output_final_state=True, use_qk_l2norm_in_kernel=False)
                 else:
-                    run = lambda parts=parts: ks.chunk_kda(q, k, v, g, beta, s0, parts)  # noqa: E731
+                    run = lambda c=columns, n=stages: ks.chunk_kda(q, k, v, g, beta, s0, c, n)  # noqa: E731
                 try:
-                    o, s = run()  # eagerly first: fla's and the split's kernels tune before the capture
-                    if parts == 1:
+                    o, s = run()  # eagerly first: the kernels compile and fla's tune before the capture
+                    if columns == 0:
                         o1, s1 = o, s
                     graph, _ = capture(run, [])
-                    options.append({"parts": parts, "ms": median_ms(graph.replay, reps, warm=2),
-                                    "o_err": rel(o, o_ref), "state_err": rel(s, s_ref), "o_vs_unsplit": rel(o, o1),
-                                    "state_vs_unsplit": rel(s, s1)})
+                    options.append({"columns": columns, "stages": stages, "ms": median_ms(graph.replay, reps, warm=2),
+                                    "o_err": rel(o, o_ref), "state_err": rel(s, s_ref), "o_vs_fla": rel(o, o1),
+                                    "state_vs_fla": rel(s, s1)})
                     del graph
-                except Exception as e:  # a failed split is reported and not chosen
-                    options.append({"parts": parts, "error": repr(e)[:300]})
+                except Exception as e:  # a failed option is reported and not chosen
+                    options.append({"columns": columns, "stages": stages, "error": repr(e)[:300]})
         base = options[0]
         ok = [o for o in options if "ms" in o and o["o_err"] <= 2 * base["o_err"] + 1e-4
               and o["state_err"] <= 2 * base["state_err"] + 1e-4]
         best = min(ok, key=lambda o: o["ms"])
-        table[t] = best["parts"]
-        rows.append({"tokens": t, "chosen_parts": best["parts"], "options": options})
-        print(f"KDA state pass at {t} tokens (one layer, {heads} heads, graph replays): " + "; ".join(
-            f"{o['parts']} runs {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e}; against the "
-            f"unsplit o {o['o_vs_unsplit']:.1e}, state {o['state_vs_unsplit']:.1e})" if "ms" in o
-            else f"{o['parts']} runs failed: {o['error'][:80]}" for o in options) + f"; chosen {best['parts']}",
-            flush=True)
+        table[t] = (best["columns"], best["stages"])
+        rows.append({"tokens": t, "chosen": table[t], "options": options})
+        name = lambda o: "fla's pass" if o["columns"] == 0 else f"{o['columns']} columns x {o['stages']} stages"  # noqa: E731
+        print(f"KDA recurrence at {t} tokens (one layer, {heads} heads, graph replays): " + "; ".join(
+            f"{name(o)} {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e}; against fla's "
+            f"o {o['o_vs_fla']:.1e}, state {o['state_vs_fla']:.1e})" if "ms" in o
+            else f"{name(o)} failed: {o['error'][:80]}" for o in options) + f"; chosen {name(best)}", flush=True)
     return table, rows
 
 
@@ -364,8 +362,8 @@ def slow_gates(x: torch.Tensor, lower_bound: float) -> torch.Tensor:
     size: a 64-token chunk keeps a median 0.65 of the state, a tenth of them above 0.97 and a tenth below 0.004, so
     parts of a state carry across many chunks, as a trained layer's long-memory channels carry them. (Gates of
     lower_bound * sigmoid(x - 4), ~-0.09 a token, forget a state within a chunk or two: every split then gave the
-    unsplit pass's bits in the eighteenth session's tuning, its runs starting from states that no longer mattered,
-    so a wrong merge would have gone unseen.)"""
+    unsplit pass's bits in the eighteenth session's tuning of a split pass, its runs starting from states that no
+    longer mattered, so a wrong merge would have gone unseen.)"""
     return torch.clamp(-torch.exp(2 * x - 5), min=lower_bound)
 
 
@@ -429,24 +427,24 @@ class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
     its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
-    pass's runs (`prefill_kda_state.PARTS`) and the routed experts' kernels (`prefill_moe.FORM`) while it runs."""
+    pass (`prefill_kda_state.COLUMNS`) and the routed experts' kernels (`prefill_moe.FORM`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
-    kda_parts: dict
+    kda_columns: dict
     experts: str
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner, its KDA state pass's runs into `prefill_kda_state` and its experts' kernels
+    """Put a path into its runner, its KDA state pass into `prefill_kda_state` and its experts' kernels
     into `prefill_moe`; returns the runner."""
     from lingls.kernels import prefill_kda_state, prefill_moe
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
-    prefill_kda_state.PARTS = path.kda_parts
+    prefill_kda_state.COLUMNS = path.kda_columns
     prefill_moe.FORM = path.experts
     return runner
 
@@ -612,10 +610,10 @@ def flash_prefill(a) -> int:
     vocab = model.config.vocab_size
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
-    kda_table, tuning = prefill_kda_state.PARTS, None
-    if a.tune:  # before the warm-up: its graphs are captured with the chosen runs
-        kda_table, tuning = tune_kda_split(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
-        prefill_kda_state.PARTS = kda_table
+    kda_table, tuning = prefill_kda_state.COLUMNS, None
+    if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass
+        kda_table, tuning = tune_kda_state_pass(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
+        prefill_kda_state.COLUMNS = kda_table
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
     warmup_s = time.perf_counter() - t0
@@ -625,7 +623,7 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the kernels before (the unsplit KDA state pass, the experts' block form), graphed on a runner
+    if a.previous:  # the kernels before (fla's KDA state pass, the experts' block form), graphed on a runner
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # of its own: a graph
         previous.fused = runner.fused  # bakes in its kernels (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
@@ -705,9 +703,9 @@ def flash_prefill(a) -> int:
               "edit_prompt_tokens": len(prompt), "edit_ttft_ms": edits,
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
-              "kda_split_parts": {str(n): parts for n, parts in kda_table.items()},
+              "kda_state_columns": {str(n): list(c) for n, c in kda_table.items()},
               "experts_form": {name: path.experts for name, path in paths.items()},
-              **({"kda_split_tuning": tuning} if tuning else {}),
+              **({"kda_state_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
     out = Path(a.out)
@@ -754,12 +752,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile-tokens", default="1536", help="the profiled prompts' lengths (of --sizes; a,b,...)")
     p.add_argument("--profile-paths", default="runtime", help="the paths profiled (a,b,...)")
     p.add_argument("--tune", action="store_true",
-                   help="first time the KDA state pass split into runs at each size's bucket (prefill_kda_state) and "
-                        "run with the fastest that agrees with the torch form")
+                   help="first time the KDA state pass (fla's, and the narrow pass at several value columns) at each "
+                        "size's bucket (prefill_kda_state) and run with the fastest that agrees with the torch form")
     p.add_argument("--experts-form", choices=("by_expert", "by_block"),
                    help="the routed experts' kernels of the runtime path (default: prefill_moe.FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the kernels before (the unsplit KDA state pass, the routed experts' block form), "
+                   help="also time the kernels before (fla's KDA state pass, the routed experts' block form), "
                         "graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)

@@ -1,21 +1,23 @@
-"""A prefill's KDA recurrence (fla-core's `chunk_kda`) with its sequential state pass split across the prompt.
+"""A prefill's KDA recurrence (fla-core's `chunk_kda`) with its sequential state pass in narrow value columns.
 
 fla's chunked KDA runs three stages: per-chunk work in parallel (gate cumsums, the intra-chunk triangular solve),
 then one pass over the chunks in order that carries the [K, V] state (`chunk_gated_delta_rule_fwd_h`), then the
-outputs per chunk in parallel. At a TP=4 rank of Ling-3.0-flash (8 heads of 128) the middle pass has 16-32
-programs for 132 multiprocessors and walks 128 chunks one after another at 8,192 tokens: ~0.6 ms a layer, the
-largest single kernel of a long prefill (docs/kernel-log.md, seventeenth session). Each chunk's step is affine
-in the state (S -> M S + B), so the pass splits: the chunks are cut into `parts` runs; fla's context-parallel
-pre-scan (`chunk_cp_fwd_h`) writes every run's summary [B | M] from a zero state, all runs at once; fla's merge
-kernel (its intra-card form) chains the summaries from the initial state into each run's initial state; then the
-state pass runs every run at once as a separate sequence (varlen) from its initial state. The sequential depth
-is about 2 * chunks / parts + parts steps instead of chunks. The runs' boundaries, chunk indices and the merge's
-offsets are built on the device from the length alone (no host read, no copy from the host: capturable).
+outputs per chunk in parallel. The middle pass is the only sequential one: at a TP=4 rank of Ling-3.0-flash (8 heads
+of 128) fla gives it 16-32 programs for 132 multiprocessors, each walking 128 chunks at 8,192 tokens, 4.7 us a
+chunk; 21.3 of a cold 8,192-token prefill's 114.6 ms on an H200 (`lingls bench prefix --profile`). Each chunk's
+step is a dependent pair of small products (v_new = u - w h, then h = h * decay + k^T v_new); the chunk's w, k, u
+and gate rows do not depend on the state, so they load ahead of it. Here (`state_pass`) a program carries
+`columns` value columns of a head (16: 64 programs), the next chunks' loads go `stages` deep under the current
+chunk's products, and the update k^T v_new reads k's rows as stored: the state is held transposed ([BV, K]) and
+the update multiplies bf16 halves (bf16x3: hi*hi + hi*lo + lo*hi in fp32, about fp32's precision), where fla's fp32
+(tf32) form has to copy k^T 4 bytes at a time (tf32 operands cannot be transposed in shared memory). The whole
+recurrence of a layer: 0.695 ms against fla's 1.046 at 8,192 tokens, closer to the fp32 torch form than fla's.
+(A split of the pass into runs chained by fla's context-parallel merge, tried first, was slower than the unsplit
+pass at every size as graph replays: docs/kernel-log.md, twentieth session.)
 
-The merge multiplies in fp32 (`tf32x3`), so the states differ from the unsplit pass by fp32 rounding: the
-outputs are the same function, not the same bits (`tests/runtime/test_prefill.py` compares them). This module
-follows fla-core 0.6.0's internals; `available()` is false for any other version (the unsplit `chunk_kda` then
-serves).
+The first product rounds the state to w's dtype as fla's does (tf32 for fp32 inputs). `state_pass_reference` is the
+plain-torch definition. `chunk_kda` follows fla-core 0.6.0's other stages; `available()` is false for any other
+version (fla's own `chunk_kda` then serves).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import os
 
 import torch
 
-from lingls.kernels import by_tokens
+from lingls.kernels import by_tokens, jit, tl, triton
 
 CHUNK = 64  # fla's KDA chunk size
-# runs of the state pass by prompt tokens (`by_tokens`: the smallest key >= T); 1: fla's chunk_kda unsplit.
-# Unsplit: the one GPU run so far (nineteenth session) timed the split only eagerly, where the host's launches hid
-# the device time, and never inside a prefill graph (`lingls bench prefix --tune --previous` now times graph replays)
-PARTS: dict[int, int] = {8192: 1}
-PREVIOUS: dict[int, int] = {8192: 1}  # the unsplit pass everywhere (`lingls bench prefix --previous` times it)
+# (value columns a program carries, software-pipeline stages) of the state pass by prompt tokens (`by_tokens`: the
+# smallest key >= T); (0, 0): fla's own chunk_kda. Chosen by `lingls bench prefix --tune` on an H200 (one layer of
+# a TP=4 rank as graph replays, twentieth session; bench/results/prefix.json).
+COLUMNS: dict[int, tuple[int, int]] = {512: (16, 2), 1536: (16, 3), 8192: (16, 3)}
+PREVIOUS: dict[int, tuple[int, int]] = {8192: (0, 0)}  # fla's own pass (`lingls bench prefix --previous`)
+WARPS = 4
 _FLA: list = []
 
 
@@ -41,77 +44,135 @@ def _fla():
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # as `ling.fla_chunk_kda`: fla's tuning kept on disk
         try:
             import fla
-            from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-            from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
-            from fla.ops.cp.chunk_merge import chunk_cp_fwd_bwd_kernel_merge
             from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
             from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
             from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
 
             ok = getattr(fla, "__version__", "") == "0.6.0"
-            _FLA.append(dict(fwd_h=chunk_gated_delta_rule_fwd_h, prescan=chunk_cp_fwd_h,
-                             merge=chunk_cp_fwd_bwd_kernel_merge, fwd_o=chunk_gla_fwd_o_gk, intra=chunk_kda_fwd_intra,
-                             cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2) if ok else None)
+            _FLA.append(dict(fwd_o=chunk_gla_fwd_o_gk, intra=chunk_kda_fwd_intra, cumsum=chunk_local_cumsum,
+                             rcp_ln2=RCP_LN2) if ok else None)
         except Exception:
             _FLA.append(None)
     return _FLA[0]
 
 
 def available() -> bool:
-    return _fla() is not None
+    return _fla() is not None and triton is not None
 
 
-def parts_for(t: int) -> int:
-    """How many runs the state pass of a T-token prefill is split into (`PARTS`; at least 2 chunks a run)."""
-    return max(1, min(by_tokens(PARTS, t), -(-t // CHUNK) // 2))
+def columns_for(t: int) -> tuple[int, int]:
+    """(value columns a program, pipeline stages) of the state pass of a T-token prefill (`COLUMNS`); (0, 0):
+    fla's own."""
+    return tuple(by_tokens(COLUMNS, t))
 
 
-def chunk_kda(q, k, v, g, beta, initial_state, parts: int):
+def chunk_kda(q, k, v, g, beta, initial_state, columns: int, stages: int = 3):
     """fla's `chunk_kda(q, k, v, g, beta, scale=1.0, initial_state, output_final_state=True)` of one sequence
-    ([1, T, H, D] inputs, fp32 state [1, H, D, D]) with the state pass in `parts` runs (`state_pass`).
+    ([1, T, H, D] inputs, fp32 state [1, H, D, D]) with the state pass of `state_pass`.
     Returns (o [1, T, H, D] in q's dtype, final state [1, H, D, D] fp32)."""
     f = _fla()
     g = f["cumsum"](g=g, scale=f["rcp_ln2"], chunk_size=CHUNK)
     w, u, _qg, kg, aqk, _akk = f["intra"](q=q, k=k, v=v, gk=g, beta=beta, scale=1.0, chunk_size=CHUNK)
-    h, v_new, final = state_pass(kg, w, u, g, initial_state, parts)
+    h, v_new, final = state_pass(kg, w, u, g, initial_state, columns, stages)
     o = f["fwd_o"](q=q, v=v_new, g=g, A=aqk, h=h, scale=1.0, chunk_size=CHUNK)
     return o.to(q.dtype), final
 
 
-def runs(t: int, parts: int, device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The runs of a T-token state pass cut into `parts` of whole chunks (the last may be shorter), as fla's
-    varlen kernels take them, built on the device: (runs (at most `parts`), token boundaries [runs + 1],
-    each run's first chunk [runs + 1], each chunk's (run, chunk within it) [chunks, 2]; int32)."""
-    chunks = -(-t // CHUNK)
-    per = -(-chunks // parts)  # chunks per run
-    parts = -(-chunks // per)
-    run = torch.arange(parts + 1, device=device, dtype=torch.int32)
-    c = torch.arange(chunks, device=device, dtype=torch.int32)
-    return (parts, torch.clamp(run * (per * CHUNK), max=t), torch.clamp(run * per, max=chunks),
-            torch.stack([c // per, c % per], 1))
+def state_pass_reference(kg, w, u, gk, h0):
+    """The state pass by its definition, chunk by chunk in torch (fp32 state): one sequence's gated keys kg and
+    w [1, T, H, K], values u [1, T, H, V], chunk-local gate cumsums gk [1, T, H, K] (log2), initial state h0
+    [1, H, K, V]. Returns (the state entering each chunk [1, chunks, H, K, V] in kg's dtype, the new values
+    v_new [1, T, H, V] in u's dtype, the final state [1, H, K, V] fp32)."""
+    t = kg.shape[1]
+    state = h0[0].float()
+    hs, vs = [], []
+    for start in range(0, t, CHUNK):
+        end = min(start + CHUNK, t)
+        hs.append(state.to(kg.dtype))
+        wc = w[0, start:end].transpose(0, 1)  # [H, C, K]
+        vn = u[0, start:end].transpose(0, 1).float() - wc @ state.to(w.dtype)  # [H, C, V]
+        vs.append(vn.to(u.dtype))
+        state = state * torch.exp2(gk[0, end - 1].float())[:, :, None]
+        state = state + kg[0, start:end].permute(1, 2, 0).float() @ vn.to(kg.dtype).float()
+    return torch.stack(hs)[None], torch.cat(vs, 1).transpose(0, 1)[None], state[None]
 
 
-def state_pass(kg, w, u, g, initial_state, parts: int):
-    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state, output_final_state=True)` of one
-    sequence ([1, T, H, D]; g the chunk-local gate cumsums) in `parts` runs: (h per chunk [1, chunks, H, D, D],
-    the new values [1, T, H, D], the final state [1, H, D, D] fp32)."""
-    f = _fla()
+if triton is not None:
+    @jit
+    def _dot_bf16(a, b, acc, INTERPRETED: tl.constexpr):
+        """acc + a @ b of bf16 operands in fp32. Triton's interpreter multiplies bf16 operands wrongly (Triton 3.6,
+        NumPy 2.4); there they are multiplied as fp32, exactly as the tensor cores multiply them."""
+        if INTERPRETED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(a, b, acc)
+
+    @jit
+    def _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Chunk c of one head's columns (state: [BV, K], the state transposed): store the state entering the
+        chunk and the chunk's new values; return the state after it."""
+        rows = c * BT + o_t
+        live = rows < T
+        rk = rows.to(tl.int64) * (H * K) + i_h * K
+        rv = rows.to(tl.int64) * (H * V) + i_h * V
+        at = h_ptr + (i_h + c * H).to(tl.int64) * (K * V)
+        tl.store(at + o_v[:, None] + o_k[None, :] * V, state.to(h_ptr.dtype.element_ty))
+        w = tl.load(w_ptr + rk[:, None] + o_k[None, :], mask=live[:, None], other=0.0)
+        u = tl.load(u_ptr + rv[:, None] + o_v[None, :], mask=live[:, None], other=0.0)
+        new = u.to(tl.float32) - tl.dot(w, tl.trans(state).to(w.dtype))
+        tl.store(v_new_ptr + rv[:, None] + o_v[None, :], new.to(v_new_ptr.dtype.element_ty), mask=live[:, None])
+        last = (tl.minimum(c * BT + BT, T) - 1).to(tl.int64)
+        decay = tl.exp2(tl.load(gk_ptr + last * (H * K) + i_h * K + o_k).to(tl.float32))
+        # the update state^T += new^T k reads k's rows as stored (16-byte copies; k^T as a [K, BT] tile of fp32
+        # would be copied 4 bytes at a time, tf32 operands being untransposable in shared memory, and took 4 us a
+        # chunk), in bf16x3: the products of the high and low bf16 halves, about fp32's precision
+        kc = tl.load(k_ptr + rk[:, None] + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)  # [BT, K]
+        n_t = tl.trans(new)  # [BV, BT]
+        k_hi = kc.to(tl.bfloat16)
+        n_hi = n_t.to(tl.bfloat16)
+        state = _dot_bf16(n_hi, k_hi, state * decay[None, :], INTERPRETED)
+        state = _dot_bf16(n_hi, (kc - k_hi.to(tl.float32)).to(tl.bfloat16), state, INTERPRETED)
+        return _dot_bf16((n_t - n_hi.to(tl.float32)).to(tl.bfloat16), k_hi, state, INTERPRETED)
+
+    @jit
+    def _state_pass_kernel(k_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, h_ptr, v_new_ptr, ht_ptr, T,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                           STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One head's BV value columns of the state pass, every chunk in order (see the module's docstring)."""
+        i_v = tl.program_id(0)
+        i_h = tl.program_id(1)
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        o_t = tl.arange(0, BT)
+        vk = i_h * K * V + o_v[:, None] + o_k[None, :] * V  # [BV, K]: the state transposed
+        state = tl.load(h0_ptr + vk).to(tl.float32)
+        chunks = tl.cdiv(T, BT)
+        if INTERPRETED:  # the interpreter's trip count is a one-element array, which range() refuses (NumPy 2.4)
+            c = 0
+            while c < chunks:
+                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
+                                    H, K, V, BT, INTERPRETED)
+                c += 1
+        else:  # the chunks' loads pipelined STAGES deep under the products
+            for c in tl.range(0, chunks, num_stages=STAGES):
+                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
+                                    H, K, V, BT, INTERPRETED)
+        tl.store(ht_ptr + vk, state)
+
+
+def state_pass(kg, w, u, gk, h0, columns: int = 16, stages: int = 3):
+    """The state pass of one sequence in programs of `columns` value columns of a head (`_state_pass_kernel`),
+    the next chunks' loads `stages` deep; arguments and results as `state_pass_reference`."""
     _, t, heads, d = kg.shape
     dv = u.shape[-1]
-    parts, cu, chunk_offsets, chunk_indices = runs(t, parts, kg.device)
-    # each run's summary [B | M] from a zero state, all runs at once
-    summaries = kg.new_empty(parts, heads, d, dv + d, dtype=torch.float32)
-    f["prescan"](k=kg, w=w, u=u, hm=summaries, gk=g, cu_seqlens=cu, chunk_size=CHUNK, multi_seqs=True)
-    # the states entering runs 1.. (the intra-card merge of one sequence split into `parts`)
-    entering = kg.new_empty(parts - 1, heads, d, dv, dtype=torch.float32)
-    offsets = torch.arange(2, device=kg.device, dtype=torch.int32)
-    f["merge"][lambda meta: (-(-dv // meta["BV"]), 1, heads)](
-        h=entering, ag_hm=summaries, num_ranks=1, rank=0, seq_offsets=offsets * parts,
-        init_offsets=offsets * (parts - 1), h0_seq_ids=offsets[:1] * 0, h0=initial_state, h_seq_idx=None, HV=heads,
-        K=d, V=dv, BK=1 << (d - 1).bit_length(), FORWARD=True, IS_INTRACARD=True, N=1, STATE_V_FIRST=False)
-    starts = torch.cat([initial_state.float(), entering])
-    h, v_new, finals = f["fwd_h"](k=kg, w=w, u=u, gk=g, initial_state=starts, output_final_state=True,
-                                  chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunk_indices,
-                                  chunk_offsets=chunk_offsets)
-    return h, v_new, finals[parts - 1:]
+    assert dv % columns == 0 and d & (d - 1) == 0, (d, dv, columns)
+    chunks = -(-t // CHUNK)
+    h = kg.new_empty(1, chunks, heads, d, dv)
+    v_new = torch.empty_like(u)
+    final = torch.empty(1, heads, d, dv, device=kg.device, dtype=torch.float32)
+    _state_pass_kernel[(dv // columns, heads)](kg, w, u, gk, h0.float().contiguous(), h, v_new, final, t,
+                                               H=heads, K=d, V=dv, BT=CHUNK, BV=columns, STAGES=stages,
+                                               INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                               num_warps=WARPS)
+    return h, v_new, final

@@ -168,9 +168,10 @@ class KimiDeltaAttention(nn.Module):
                                                    self.dt_bias, valid, self.lower_bound)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
-        parts = prefill_kda_state.parts_for(t) if fla_chunk_kda() is not None and prefill_kda_state.available() else 1
-        if parts > 1:  # fla's chunked recurrence with its state pass split across the prompt
-            o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, parts)
+        columns, stages = prefill_kda_state.columns_for(t) if q.is_cuda and prefill_kda_state.available() else (0, 0)
+        if columns:  # fla's chunked recurrence with the state pass in narrow value columns
+            o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, columns,
+                                                   stages)
         else:
             o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
         o = prefill_kda.gated_norm(o[0], self.g_proj(x), self.o_norm.weight, self.eps, x.dtype)

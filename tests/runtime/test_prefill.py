@@ -323,44 +323,71 @@ def test_an_attached_round_absorbs_every_piece_and_the_tail_stays_two_pieces():
     assert len(absorbed.pieces) == 3 and spec.chosen() == plain.chosen()
 
 
-@pytest.mark.parametrize("t, parts", [(8192, 8), (1000, 3), (300, 2), (130, 16)])
-def test_kda_state_pass_runs_cover_the_chunks_in_order(t, parts):
-    """The split state pass's runs: whole 64-token chunks, in order, covering the prompt once (the layout fla's
-    varlen kernels read: boundaries, first chunk of each run, each chunk's run and place in it)."""
-    n, cu, first, index = prefill_kda_state.runs(t, parts, "cpu")
-    chunks = -(-t // 64)
-    assert n <= parts and cu[0] == 0 and cu[-1] == t and first[-1] == chunks and len(index) == chunks
-    assert all(int(b) % 64 == 0 for b in cu[:-1])
-    for r in range(n):
-        lo, hi = int(cu[r]), int(cu[r + 1])
-        own = [c for c in range(chunks) if int(index[c, 0]) == r]
-        assert own == list(range(int(first[r]), int(first[r + 1]))) == list(range(lo // 64, -(-hi // 64)))
-        assert [int(index[c, 1]) for c in own] == list(range(len(own)))
-    assert prefill_kda_state.parts_for(t) <= max(1, chunks // 2)
+def _state_pass_inputs(t, heads, d, dv, dtype, device, seed):
+    """Inputs of a KDA state pass as fla's intra stage makes them: gated keys and w of unit scale, gate cumsums
+    (log2) restarting at every 64-token chunk, slow enough that the state carries across chunks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    gates = slow_gates(rnd(1, t, heads, d), -5.0) * 1.4427  # log2
+    gk = torch.cat([c.cumsum(1) for c in gates.split(64, 1)], 1)
+    kg = (rnd(1, t, heads, d) * d ** -0.5).to(dtype)
+    w = (rnd(1, t, heads, d) * d ** -0.5).to(dtype)
+    u = rnd(1, t, heads, dv).to(dtype)
+    return kg, w, u, gk, rnd(1, heads, d, dv) * 0.1
+
+
+@pytest.mark.skipif(prefill_kda_state.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("t, heads, d, columns, dtype", [(150, 2, 32, 16, torch.float32),
+                                                         (128, 1, 64, 32, torch.float32),
+                                                         (37, 2, 32, 32, torch.float32),
+                                                         (37, 2, 32, 32, torch.bfloat16)])
+def test_kda_state_pass_in_columns_is_its_definition(t, heads, d, columns, dtype):
+    """The narrow state pass against `state_pass_reference` on fresh random inputs: a last chunk partly filled
+    (150, 37 tokens), one whole chunk or two, one to two programs a head; the states entering every chunk, the new
+    values and the final state (its update in bf16x3: near fp32; the first product in tf32 on a GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter multiplies bf16 operands wrongly (Triton 3.6, NumPy 2.4); bf16 on a GPU")
+    kg, w, u, gk, h0 = _state_pass_inputs(t, heads, d, d, dtype, device, seed=t)
+    h, v_new, final = prefill_kda_state.state_pass(kg, w, u, gk, h0, columns, stages=2)
+    h_ref, v_ref, final_ref = prefill_kda_state.state_pass_reference(kg, w, u, gk, h0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3 if device == "cuda" else 1e-4
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert h.shape == h_ref.shape and v_new.shape == v_ref.shape and final.dtype == torch.float32
+    assert rel(h, h_ref) < tol and rel(v_new, v_ref) < tol and rel(final, final_ref) < tol
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
                     reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
-@pytest.mark.parametrize("t, parts", [(1000, 3), (4096, 8)])
-def test_split_kda_state_pass_computes_what_fla_does(t, parts):
-    """fla's chunk_kda with its state pass in runs: the unsplit pass's function (to the merge's fp32 rounding),
-    and as close to the fp32 torch chunked form as fla's own (within twice its error)."""
+@pytest.mark.parametrize("t, columns", [(1000, 16), (4096, 32), (300, 64), (8192, 16)])
+def test_chunk_kda_with_the_narrow_state_pass_computes_what_fla_does(t, columns):
+    """fla's chunk_kda with the narrow state pass: fla's own pass's states and values (to summation order), and
+    the whole recurrence as close to the fp32 torch chunked form as fla's own (within twice its error)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.kda import chunk_kda
 
     from lingls.kernels import reference as ref
 
-    g = torch.Generator(device="cuda").manual_seed(6)
-    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
-    heads, d = 8, 128  # a TP=4 rank of Ling-3.0-flash (fla's tuning, by heads, serves the benchmark after)
-    q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
-    k = ref.l2_normalize(rnd(1, t, heads, d))
-    v, gate = rnd(1, t, heads, d), slow_gates(rnd(1, t, heads, d), -5.0)  # states carried across the runs
-    beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
+    heads, d = 8, 128  # a TP=4 rank of Ling-3.0-flash
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     with torch.inference_mode():
-        o, s = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, parts)
+        kg, w, u, gk, h0 = _state_pass_inputs(t, heads, d, d, torch.bfloat16, "cuda", seed=5)
+        h, v_new, final = prefill_kda_state.state_pass(kg, w, u, gk, h0, columns)
+        h1, v1, final1 = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gk, initial_state=h0,
+                                                      output_final_state=True, chunk_size=64)
+        assert rel(h, h1) < 1e-2 and rel(v_new, v1) < 1e-2 and rel(final, final1) < 1e-2
+
+        g = torch.Generator(device="cuda").manual_seed(6)
+        rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+        q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
+        k = ref.l2_normalize(rnd(1, t, heads, d))
+        v, gate = rnd(1, t, heads, d), slow_gates(rnd(1, t, heads, d), -5.0)  # states carried across chunks
+        beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
+        o, s = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, columns)
         o1, s1 = chunk_kda(q=q, k=k, v=v, g=gate, beta=beta, scale=1.0, initial_state=s0, output_final_state=True,
                            use_qk_l2norm_in_kernel=False)
         o_ref, s_ref = ref.kda_chunked(q, k, v, gate, beta, s0)
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(o, o1) < 1e-2 and rel(s, s1) < 1e-2
     assert rel(o, o_ref) < 2 * rel(o1, o_ref) + 1e-4 and rel(s, s_ref) < 2 * rel(s1, s_ref) + 1e-4
