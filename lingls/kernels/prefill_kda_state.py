@@ -61,10 +61,11 @@ def available() -> bool:
     return _fla() is not None and triton is not None
 
 
-def columns_for(t: int) -> tuple[int, int]:
-    """(value columns a program, pipeline stages) of the state pass of a T-token prefill (`COLUMNS`); (0, 0):
-    fla's own."""
-    return tuple(by_tokens(COLUMNS, t))
+def columns_for(t: int, d: int) -> tuple[int, int]:
+    """(value columns a program, pipeline stages) of the state pass of a T-token prefill with heads of d (`COLUMNS`);
+    (0, 0): fla's own, also for heads the narrow pass does not take (a power of two >= 16, a multiple of columns)."""
+    columns, stages = by_tokens(COLUMNS, t)
+    return (columns, stages) if columns and d >= 16 and d & (d - 1) == 0 and d % columns == 0 else (0, 0)
 
 
 def chunk_kda(q, k, v, g, beta, initial_state, columns: int, stages: int = 3):

@@ -168,7 +168,8 @@ class KimiDeltaAttention(nn.Module):
                                                    self.dt_bias, valid, self.lower_bound)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
-        columns, stages = prefill_kda_state.columns_for(t) if q.is_cuda and prefill_kda_state.available() else (0, 0)
+        narrow = q.is_cuda and fla_chunk_kda() is not None and prefill_kda_state.available()
+        columns, stages = prefill_kda_state.columns_for(t, self.d) if narrow else (0, 0)
         if columns:  # fla's chunked recurrence with the state pass in narrow value columns
             o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, columns,
                                                    stages)
