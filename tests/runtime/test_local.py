@@ -81,11 +81,15 @@ async def test_a_new_request_preempts_the_running_one(engine):
 
 
 async def test_cancelling_the_task_stops_generation(engine):
+    """The task is cancelled as soon as its first piece arrives: a fixed sleep let the tiny model finish all
+    400 tokens first on a fast machine, and then there was nothing to cancel."""
+    started = asyncio.Event()
+
     async def consume():
-        async for _ in engine.generate(GenerateRequest("while True:", max_tokens=400)):
-            pass
+        async for _ in engine.generate(GenerateRequest("while True:", max_tokens=400, heal=False)):
+            started.set()
     task = asyncio.create_task(consume())
-    await asyncio.sleep(1.0)
+    await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
