@@ -50,6 +50,9 @@ class GenerateRequest:
     seed: int | None = None
     parts: FimParts | None = None
     heal: bool = True  # token healing of the cursor's token (lingls.engine.healing), where the engine can
+    # the confidence gate (engine.local.LineGate), where the engine can: each line of the completion only if the
+    # model gave it at least this probability; the first line below it ends the completion. 0: off
+    min_line_probability: float = 0.0
 
 
 @dataclass

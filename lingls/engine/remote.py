@@ -196,6 +196,8 @@ class RemoteEngine:
             body["prompt"], body["suffix"] = parts.prefix, parts.suffix
         if self.profile == "lingls" and request.heal:
             body["token_healing"] = True  # lingls serve heals as the in-process engine does
+        if self.profile == "lingls" and request.min_line_probability > 0:
+            body["min_line_probability"] = request.min_line_probability  # and gates (on a CPU)
         if self.model:
             body["model"] = self.model
         return "/v1/completions", body

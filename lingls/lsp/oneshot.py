@@ -1,14 +1,16 @@
 """`lingls complete PATH:LINE:COL`: print the completion at a cursor, the way the language server would.
 
-The same core as the server (session.Core: prompt, generation, post-processing), without LSP. LINE and COL
-are 1-based like compiler messages; COL counts characters (code points). Exit status: 0 with a completion,
-1 without one (the reason, if any, on stderr), 2 for a malformed location or a missing file.
+The same core as the server (session.Core: prompt, generation, post-processing), without LSP, and without the
+confidence gate (it answers an explicit request, as an editor's Invoked one). LINE and COL are 1-based like
+compiler messages; COL counts characters (code points). Exit status: 0 with a completion, 1 without one (the
+reason, if any, on stderr), 2 for a malformed location or a missing file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,8 @@ def parse_location(location: str) -> tuple[str, int, int]:
 
 async def complete_file(path: Path, line: int, col: int, args: Any) -> str | None:
     """The completion at 1-based (line, col) of the file at `path`, or None."""
-    core = Core(_Stderr(), from_cli(args))
+    # asked for explicitly, as an editor's Invoked request: the completion whatever its probability (no gate)
+    core = Core(_Stderr(), replace(from_cli(args), min_line_probability=0.0))
     core.initialize(None, UTF32, path.parent.resolve().as_uri())
     uri = path.resolve().as_uri()
     core.open(uri, LANGUAGE_IDS.get(path.suffix, ""), 0, path.read_text(encoding="utf-8", errors="replace"))

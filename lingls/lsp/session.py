@@ -297,7 +297,9 @@ class Core:
         timing["engine_ms"] += (time.perf_counter() - t) * 1000
         if engine is None or doc.edits != place.edits:
             return ()  # no engine, superseded, or the text moved on: a newer request will come
-        gen = self._start(state, engine, doc.text, place.offset, site, timing=timing)
+        # the confidence gate for automatic suggestions only: one the user asked for shows what the model has
+        gen = self._start(state, engine, doc.text, place.offset, site, timing=timing,
+                          min_line_probability=0.0 if invoked else self.settings.min_line_probability)
         if gen is None:
             return ()
         timing["source"] = "model"
@@ -391,7 +393,8 @@ class Core:
         return engine
 
     def _start(self, state: _DocState, engine: Engine, text: str, offset: int, site: Site,
-               temperature: float = 0.0, seed: int | None = None, timing: dict | None = None) -> Generation | None:
+               temperature: float = 0.0, seed: int | None = None, timing: dict | None = None,
+               min_line_probability: float = 0.0) -> Generation | None:
         """Build the prompt and start one generation (stopping any other: the runtime is batch-1).
 
         None when the prompt is empty (a left-to-right model at the start of an empty file): there is
@@ -408,7 +411,8 @@ class Core:
         specials = engine.fim.special_tokens() if engine.fim else ()
         gen = Generation(doc.uri, text, offset, site, specials)
         gen.start(engine, GenerateRequest(prompt.text, max_tokens=self.settings.max_tokens,
-                                          temperature=temperature, seed=seed, parts=prompt.parts))
+                                          temperature=temperature, seed=seed, parts=prompt.parts,
+                                          min_line_probability=min_line_probability))
         self._running = gen
         if timing is not None:
             timing["t_started"] = time.perf_counter()

@@ -24,6 +24,7 @@ _KEYS = {
     "debounceMs": ("debounce_ms", (int, float)),
     "promptTokens": ("prompt_tokens", (int,)),
     "contextChunks": ("context_chunks", (int,)),
+    "minLineProbability": ("min_line_probability", (int, float)),
 }
 
 # Settings that decide which engine runs; changing one restarts the engine.
@@ -43,6 +44,9 @@ class Settings:
     debounce_ms: float = 0
     prompt_tokens: int = 1536
     context_chunks: int = 16
+    # automatic suggestions: a line only if the model gave it at least this probability (engines that report
+    # token probabilities: the in-process engine on a CPU, lingls serve on a CPU); 0 shows every line
+    min_line_probability: float = 0.01
 
     def language_enabled(self, language_id: str) -> bool:
         return self.enable and ("*" in self.languages or language_id in self.languages)
@@ -69,6 +73,7 @@ class Settings:
                 value = tuple(value)
             if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
                 ok = value >= (1 if name in ("max_tokens", "max_lines", "prompt_tokens") else 0)
+                ok = ok and (name != "min_line_probability" or value < 1)
             if not ok:
                 warnings.append(f"setting {key!r}: invalid value {value!r} ignored")
                 continue

@@ -36,7 +36,7 @@ from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.fused_step import FusedStep
 from lingls.runtime.graphs import GraphSet
-from lingls.runtime.sampling import argmax_shards, sample
+from lingls.runtime.sampling import argmax_shards, chosen_logprob, sample
 
 # the padded lengths of a cold prompt's first piece with prefill graphs (a piece runs at the smallest that holds it)
 PREFILL_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -54,14 +54,16 @@ class Sampling:
 
 
 class Fence:
-    """A pinned host slot + event per in-flight step (CUDA), or a plain buffer (CPU, where copies are synchronous)."""
+    """A pinned host slot + event per in-flight step (CUDA), or a plain buffer (CPU, where copies are synchronous).
+    int64 (token ids) or float32 (their log-probabilities) values."""
 
-    def __init__(self, device: torch.device, slots: int, width: int):
+    def __init__(self, device: torch.device, slots: int, width: int, dtype: torch.dtype = torch.long):
         cuda = device.type == "cuda"
-        self.host = torch.zeros(slots, width, dtype=torch.long, pin_memory=cuda)
+        self.host = torch.zeros(slots, width, dtype=dtype, pin_memory=cuda)
         # The same memory as a ctypes array (self.host keeps it alive), whose slice is a list of ints: a read costs
         # no torch op (~9 us a read on a CPU, against ~0.5 us) and needs no NumPy (not a dependency of lingls).
-        self.view = (ctypes.c_int64 * self.host.numel()).from_address(self.host.data_ptr())
+        ctype = {torch.long: ctypes.c_int64, torch.float32: ctypes.c_float}[dtype]
+        self.view = (ctype * self.host.numel()).from_address(self.host.data_ptr())
         self.width = width
         self.events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
 
@@ -70,7 +72,7 @@ class Fence:
         if self.events:
             self.events[slot].record()
 
-    def read(self, slot: int, n: int = 1) -> list[int]:
+    def read(self, slot: int, n: int = 1) -> list:
         """Wait for the step that posted into `slot` (polling: a blocking wait would hold the GIL) and read it."""
         if self.events:
             while not self.events[slot].query():
@@ -96,7 +98,8 @@ class ModelRunner:
 
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
-                 max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False):
+                 max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False,
+                 scores: bool = False):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
         8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
         an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
@@ -111,7 +114,13 @@ class ModelRunner:
         (on a CPU, or without graphs, the padded first piece runs eagerly: tests set it to check that path).
 
         lean_cpu: decode steps and short prefill pieces of an fp32 model on a CPU run `cpu_step.CpuStep` (the
-        model's step regrouped into few large ops; speculative decoding needs the model's own step there)."""
+        model's step regrouped into few large ops; speculative decoding needs the model's own step there).
+
+        scores: every plain decode step (and a prefill's first token) also computes the chosen token's
+        log-probability, read with the token (`token_logprob`), for the engine's confidence gate. A
+        log-softmax over the vocabulary per step (ling-nano's 8,192 ids: 77 us median on one core of the busy
+        2-core VM); under tensor parallelism it gathers the logits, so the engine turns it on for CPU runners
+        only. Speculative rounds do not report scores (`token_logprob` stays None)."""
         self.model = model
         self.device = model.lm_head.weight.device
         self.capacity = capacity
@@ -132,6 +141,10 @@ class ModelRunner:
         self.top_p = torch.ones(1, device=dev)
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)
         self.fence = Fence(dev, 2, self.max_t)
+        self.scores = scores
+        self.logprob = torch.zeros(1, device=dev)  # the chosen token's log-probability (with `scores`)
+        self.score_fence = Fence(dev, 2, 1, torch.float32) if scores else None
+        self.token_logprob: float | None = None  # of the token `decode` yielded last (with `scores`, plain decode)
         # decode and verify steps by (T, KV bucket, greedy?); an attached round's phases share their memory pool
         self.graphs = GraphSet()
         self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
@@ -303,6 +316,8 @@ class ModelRunner:
         else:
             tok = sample(self.model.par.all_gather_last(local), positions + 1, False, self.temperature, self.top_p,
                          self.seed)
+        if t == 1 and self.scores:
+            self.logprob.copy_(chosen_logprob(self.model.par.all_gather_last(local), tok))
         if t == 1:
             accept.settle(tok, self.no_drafts, (self.out[:1], self.ids[:1]), self.pos)
         else:
@@ -317,7 +332,7 @@ class ModelRunner:
 
     def live(self) -> list[torch.Tensor]:
         """The tensors a step changes, which a graph capture's runs must leave as they were (`graphs.capture`)."""
-        return [self.state.kda, self.state.conv, self.ids, self.pos, self.out]
+        return [self.state.kda, self.state.conv, self.ids, self.pos, self.out, self.logprob]
 
     @torch.inference_mode()
     def warmup(self, greedy_only: bool = False) -> None:
@@ -412,6 +427,8 @@ class ModelRunner:
                 logits = logits.masked_fill(~allowed, float("-inf"))
             self.pos.fill_(len(prompt))
             self.ids[:1].copy_(sample(logits, self.pos, sampling.greedy, self.temperature, self.top_p, self.seed))
+            if self.scores:
+                self.logprob.copy_(chosen_logprob(logits, self.ids[:1]))
         except BaseException:
             cache.reset()
             raise
@@ -430,14 +447,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, max_new: int, greedy: bool) -> Iterator[int]:
-        """The step loop after `prefill`: launch step j, then read token j (chosen by the step before)."""
+        """The step loop after `prefill`: launch step j, then read token j (chosen by the step before); with
+        `scores`, its log-probability is `token_logprob` when it is yielded."""
+        self.token_logprob = None
         if self.spec is not None:
             yield from self.spec.decode(max_new, greedy)
             return
-        cache, fence = self.cache, self.fence
+        cache = self.cache
         position = len(cache.tokens)  # host-side mirror of self.pos
         max_new = min(max_new, self.capacity - position)
-        fence.post(0, self.ids[:1])
+        self._post(0, self.ids[:1])
         if self.device.type == "cpu":  # steps run synchronously: launching the next one first only delays a token
             yield from self._decode_in_turn(max_new, greedy, position)
             return
@@ -445,8 +464,8 @@ class ModelRunner:
             for j in range(max_new):
                 if j + 1 < max_new:  # the last token needs no step after it
                     self.run_step(1, self.bucket(position + 1), greedy)
-                    fence.post((j + 1) % 2, self.out[:1])
-                (token,) = fence.read(j % 2)
+                    self._post((j + 1) % 2, self.out[:1])
+                token = self._read(j % 2)
                 if j + 1 < max_new:
                     cache.tokens.append(token)  # the step just launched consumes it
                     position += 1
@@ -457,19 +476,32 @@ class ModelRunner:
             cache.reset()
             raise
 
+    def _post(self, slot: int, token: torch.Tensor) -> None:
+        """Copy a chosen token (and with `scores` its log-probability) toward the host, to be read one step late."""
+        if self.score_fence is not None:
+            self.score_fence.post(slot, self.logprob)
+        self.fence.post(slot, token)
+
+    def _read(self, slot: int) -> int:
+        """The token posted into `slot`, once its step is done (its log-probability into `token_logprob`)."""
+        (token,) = self.fence.read(slot)
+        if self.score_fence is not None:
+            (self.token_logprob,) = self.score_fence.read(slot)
+        return token
+
     def _decode_in_turn(self, max_new: int, greedy: bool, position: int) -> Iterator[int]:
         """`decode` where a step computes before it returns (the CPU): token j is handed over as soon as it
         exists, and the step that consumes it runs when token j + 1 is asked for (none after the last one read)."""
-        cache, fence = self.cache, self.fence
+        cache = self.cache
         try:
             for j in range(max_new):
-                (token,) = fence.read(j % 2)
+                token = self._read(j % 2)
                 yield token
                 if j + 1 < max_new:  # token j + 1 is asked for: the step that consumes token j chooses it
                     self.run_step(1, self.bucket(position + 1), greedy)
                     cache.tokens.append(token)
                     position += 1
-                    fence.post((j + 1) % 2, self.out[:1])
+                    self._post((j + 1) % 2, self.out[:1])
         except GeneratorExit:  # closed by the consumer: the state matches cache.tokens
             raise
         except BaseException:

@@ -32,6 +32,14 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, greedy: bool, temperat
     return order.gather(-1, choice).squeeze(-1)
 
 
+def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] (the whole vocab, masked where a choice was constrained), tokens [T] -> the log-probability
+    of each chosen token under the model's own distribution (temperature 1, no nucleus) [T] fp32, on the device.
+    What a line's confidence is summed from (`engine.local.LineGate`)."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.view(-1, 1)).squeeze(-1) - logits.logsumexp(-1)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1): on CUDA the one-launch kernel (`kernels.sampling.argmax_rows`, ~4x faster than
     torch's single-row reduction over a 157k vocabulary)."""

@@ -1,7 +1,8 @@
 """`lingls serve`: an OpenAI-compatible HTTP API over one resident model, one request at a time.
 
 Endpoints: POST /v1/completions (prompt, suffix, max_tokens, temperature, top_p, stop, seed, stream, and the
-extension token_healing: true, see lingls.engine.healing),
+extensions token_healing: true, see lingls.engine.healing, and min_line_probability, the confidence gate of
+lingls.engine.local.LineGate, which a server on a CPU applies),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
 Batch-1 policy: the model serves one request at a time, and a new completion request preempts the one
@@ -301,8 +302,10 @@ class Server:
                 raise RequestError('stream_options: must be an object with at most "include_usage"', "stream_options")
             include_usage = _optional_flag(options, "include_usage", "stream_options")
         # token healing changes which tokens come out, so the OpenAI API's clients get it only when they ask
+        gate = _number(body, "min_line_probability", 0.0, float, 0.0, 0.999)
         req = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              stop=tuple(stop), seed=seed, heal=_optional_flag(body, "token_healing"))
+                              stop=tuple(stop), seed=seed, heal=_optional_flag(body, "token_healing"),
+                              min_line_probability=gate)
         return req, prompt_ids, stream, include_usage
 
     def _observe(self, last) -> None:
@@ -314,10 +317,11 @@ class Server:
             self.tpot.observe(last.usage["tpot_s"])
 
 
-# the fields of a completion request (OpenAI's, and token_healing); others are refused as OpenAI does
+# the fields of a completion request (OpenAI's, token_healing and min_line_probability); others are refused as
+# OpenAI does
 _FIELDS = {"prompt", "suffix", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
-           "token_healing", "model", "user", "n", "best_of", "echo", "logprobs", "presence_penalty",
-           "frequency_penalty", "logit_bias"}
+           "token_healing", "min_line_probability", "model", "user", "n", "best_of", "echo", "logprobs",
+           "presence_penalty", "frequency_penalty", "logit_bias"}
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
                 "logit_bias": {}}  # accepted only with their neutral value
 MAX_STOPS = 4  # as OpenAI

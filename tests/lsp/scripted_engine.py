@@ -7,7 +7,8 @@ chunk, `delay` seconds before each; `seeds` maps a request's seed to another ans
 takes; `fim`: false for a model without FIM tokens; `tokenizer`: a model directory whose real tokenizer
 counts tokens (else a cheap estimate). An empty prompt raises, as the in-process engine's does. Its stats
 say how often it was called, how many streams were closed early and how many are still running, so tests
-can count model calls over the wire.
+can count model calls over the wire, and the last prompts and confidence gates (min_line_probability) it
+was asked for.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ScriptedEngine:
     async def generate(self, request: GenerateRequest):
         self.stats.requests += 1
         self.stats.extra["prompts"] = (self.stats.extra["prompts"] + [request.prompt])[-5:]
+        self.stats.extra["gates"] = (self.stats.extra.get("gates", []) + [request.min_line_probability])[-5:]
         if self.stats.requests <= self.fail_first:
             raise EngineError(f"scripted failure {self.stats.requests}")
         if not request.prompt:

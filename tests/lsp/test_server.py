@@ -184,6 +184,22 @@ async def test_invoked_returns_up_to_three_distinct_items():
         assert [i.insert_text for i in await complete(client, 0, 7)] == ["gamma"]
 
 
+async def test_the_confidence_gate_is_asked_for_automatic_suggestions_only():
+    async with serve({"default": "1"}) as client:
+        open_doc(client, "x = ")
+        await complete(client, 0, 4)
+        await complete(client, 0, 4, invoked=True)
+        assert (await engine_stats(client))["extra"]["gates"][:2] == [0.01, 0.0]  # the default, then none
+        client.workspace_did_change_configuration(
+            lsp.DidChangeConfigurationParams(settings={"lingls": {"minLineProbability": 1.5}}))
+        client.workspace_did_change_configuration(
+            lsp.DidChangeConfigurationParams(settings={"lingls": {"minLineProbability": 0.2}}))
+        type_text(client, 0, 4, "y")
+        await complete(client, 0, 5)
+        assert (await engine_stats(client))["extra"]["gates"][-1] == 0.2
+        assert any("minLineProbability" in m.message and "1.5" in m.message for m in client.log_messages)
+
+
 async def test_configuration_switches_languages_and_rejects_bad_values():
     async with serve({"default": "1"}, options={"lingls": {"maxTokens": "many"}}) as client:
         assert any("maxTokens" in m.message for m in client.log_messages)

@@ -1,5 +1,7 @@
 """The training tools around the model: fla's bounded autotuning and its check, and the CPU evaluation's
-stateful completer (checked against the batched evaluation it stands in for)."""
+stateful completer (checked against the batched evaluation it stands in for) and its confidence-gate report."""
+
+import math
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from lingls.kernels import reference as ref
 from lingls.model import LingConfig, LingForCausalLM, ling
 from training import fla_kernels
 from training.evaluate import Case, ModelCompleter
-from training.heldout_cpu import StatefulCompleter
+from training.heldout_cpu import StatefulCompleter, gated
 
 
 def test_pick_configs_keeps_one_per_block_size_nearest_4_warps_2_stages():
@@ -55,6 +57,17 @@ def test_stateful_completer_matches_the_batched_one(tokenizer, mode):
     text = "import os\n\n\ndef main(argv):\n    for name in argv:\n        print(os.path.join(name, 'x'))\n" * 6
     cases = [Case("a.py", "line_start", 1, 1, text[:n], text[n:], "") for n in (30, 300)]
     batched = ModelCompleter(model, tokenizer, "cpu", mode, max_new_tokens=6).complete_all(cases)
-    stateful = StatefulCompleter(model, tokenizer, "cpu", mode, max_new_tokens=6).complete_all(cases)
+    completer = StatefulCompleter(model, tokenizer, "cpu", mode, max_new_tokens=6)
+    stateful = completer.complete_all(cases)
     assert stateful == batched
     assert any(batched)
+    assert len(completer.line_logprobs) == len(cases) and all(lp < 0 for lp in completer.line_logprobs)
+
+
+def test_the_gate_report_counts_shown_right_and_wrong():
+    cases = [Case("a.py", "mid_line", 1, 1, "", "", t) for t in ("a", "b", "c")]
+    report = gated(cases, ["a", "x", ""], [math.log(0.5), math.log(0.2), 0.0], [0.3])
+    assert report["0.0"] == {"shown": 0.6667, "shown_right": 0.3333, "shown_wrong": 0.3333,
+                             "exact_match_of_shown": 0.5, "edit_similarity_of_shown": 0.5}  # nothing is not shown
+    assert report["0.3"] == {"shown": 0.3333, "shown_right": 0.3333, "shown_wrong": 0.0,
+                             "exact_match_of_shown": 1.0, "edit_similarity_of_shown": 1.0}

@@ -18,7 +18,9 @@ from .harness import FaultProxy, Serve, complete, language_server, open_doc, sho
 
 DOC = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = \n"
 CURSOR = (3, 17)
-OPTIONS = {"contextChunks": 0}  # every fresh document gets the same prompt, so the same greedy answer
+# every fresh document gets the same prompt, so the same greedy answer; no confidence gate, so that the server
+# streams token by token (a gated line arrives whole, and a stream cut after it would have a complete answer)
+OPTIONS = {"contextChunks": 0, "minLineProbability": 0}
 _docs = itertools.count()
 
 

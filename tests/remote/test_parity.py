@@ -61,11 +61,12 @@ async def test_remote_engine_equals_local_engine(server, local):
             assert remote.count_tokens(prefix) == local.count_tokens(prefix)
             fim = local.tokenizer.fim  # FIM prompts, though ling-nano's card asks for left-to-right ones
             prompt = f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}"
-            for max_tokens in (1, 24):
-                request = GenerateRequest(prompt, max_tokens=max_tokens, temperature=0.0)
+            for max_tokens, bar in ((1, 0.0), (24, 0.0), (24, 0.05)):  # and through the confidence gate
+                request = GenerateRequest(prompt, max_tokens=max_tokens, temperature=0.0, min_line_probability=bar)
                 want = await collect(local, request)
-                assert await collect(remote, request) == want, (prefix, max_tokens)
-        assert remote.stats.requests == 2 * len(PROMPTS) and remote.healthy
+                assert await collect(remote, request) == want, (prefix, max_tokens, bar)
+        assert remote.stats.requests == 3 * len(PROMPTS) and remote.healthy
+        assert local.stats.extra["unsure_lines"] > 0  # the gate did refuse a line somewhere
     finally:
         await remote.close()
 

@@ -2,12 +2,13 @@
 
 import asyncio
 import json
+import math
 
 import pytest
 import torch
 
 from lingls.engine.healing import strip_tail
-from lingls.engine.local import LocalEngine, StopMatcher
+from lingls.engine.local import LineGate, LocalEngine, StopMatcher
 from lingls.engine.protocol import Engine, EngineError, GenerateRequest
 
 from .conftest import reference_greedy
@@ -97,6 +98,40 @@ async def test_cancelling_the_task_stops_generation(engine):
     consumed = len(engine.runner.cache.tokens)
     await asyncio.sleep(0.3)
     assert len(engine.runner.cache.tokens) == consumed
+
+
+def test_the_line_gate_passes_likely_lines_and_ends_at_the_first_unlikely_one():
+    log_half = math.log(0.5)
+    gate = LineGate(0.2)  # two tokens at 1/2 pass, three do not
+    assert gate.feed("a = ", log_half) == ("", False)  # held until its line ends
+    assert gate.feed("1\n  b", log_half) == ("a = 1\n", False)  # the newline's token counts in the line it ends
+    assert gate.feed(" = 2", log_half) == ("", False)
+    assert gate.feed(" + 3", log_half) == ("", False)
+    assert gate.feed("", log_half, final=True) == ("", True) and gate.refused  # "  b = 2 + 3" and its end: 1/8
+    gate = LineGate(0.2)
+    assert gate.feed("x\n\ny", log_half) == ("x\n\n", False)  # the empty line after it costs nothing
+    assert gate.feed("", 0.0, final=True) == ("y", False) and not gate.refused
+    gate = LineGate(0.9)
+    assert gate.feed("z\n", log_half) == ("", True) and gate.refused
+
+
+async def test_the_engine_gates_a_completion_on_its_probability(engine, tiny_model):
+    """A line passes when the model gave it at least min_line_probability, by the model's own logits."""
+    prompt = "def add(a, b):\n    return"
+    ids = engine.tokenizer.encode(prompt)
+    want = reference_greedy(tiny_model, ids, 6)
+    text = engine.tokenizer.decode(want)
+    assert "\n" not in text and not set(want) & set(engine.tokenizer.eos_ids)  # one line: one product
+    with torch.no_grad():
+        logits = tiny_model.logits(torch.tensor(ids + want))[len(ids) - 1:-1].float()
+    line = math.exp(float(logits.log_softmax(-1).gather(-1, torch.tensor(want)[:, None]).sum()))
+
+    async def run(bar):
+        return "".join([t async for t in engine.generate(GenerateRequest(prompt, max_tokens=6, heal=False,
+                                                                        min_line_probability=bar))])
+    assert await run(line * 0.99) == text and engine.stats.extra["unsure_lines"] == 0
+    assert await run(min(line * 1.01, 0.999)) == "" and engine.stats.extra["unsure_lines"] == 1
+    assert await run(0.0) == text
 
 
 def test_stop_strings_cut_and_hold_back():

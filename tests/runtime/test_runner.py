@@ -88,3 +88,52 @@ def test_closing_early_leaves_the_state_matching_its_tokens(tiny_model, runner):
 def test_prompt_longer_than_the_context_is_refused(runner):
     with pytest.raises(ValueError, match="does not fit"):
         runner.prefill(list(range(300)), Sampling())
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Each token's log-probability after the prompt and the tokens before it: one full forward, no state."""
+    logits = model.logits(torch.tensor(prompt + tokens))[len(prompt) - 1:-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("lean_cpu", [False, True])
+def test_scores_are_each_tokens_log_probability(tiny_model, lean_cpu):
+    """With `scores` every decoded token comes with its log-probability under the model (the confidence gate's
+    input), read with the token and never inside a step; a keystroke after a snapshot (one new prompt token,
+    one step) scores its token the same way."""
+    runner = ModelRunner(tiny_model, capacity=256, prefill_chunk=8, lean_cpu=lean_cpu, scores=True)
+    got, scores = [], []
+    runner.prefill(PROMPT, Sampling())
+    with no_host_reads():
+        for token in runner.decode(10, True):
+            got.append(token)
+            scores.append(runner.token_logprob)
+    assert got == reference_greedy(tiny_model, PROMPT, 10)
+    assert scores == pytest.approx(reference_logprobs(tiny_model, PROMPT, got), abs=1e-4)
+    prompt = PROMPT + got[:3] + [5]  # reuses the snapshot at the end of PROMPT + got[:3]
+    runner.prefill(PROMPT + got[:3], Sampling())
+    runner.prefill(prompt, Sampling())
+    steps = runner.decode(4, True)
+    first = [(t, runner.token_logprob) for t in steps]
+    tokens = [t for t, _ in first]
+    assert tokens == reference_greedy(tiny_model, prompt, 4)
+    assert [s for _, s in first] == pytest.approx(reference_logprobs(tiny_model, prompt, tokens), abs=1e-4)
+
+
+def test_a_constrained_first_token_is_scored_among_the_allowed_ones(tiny_model):
+    """Token healing restricts the first choice: its score is its probability among the tokens allowed."""
+    runner = ModelRunner(tiny_model, capacity=256, prefill_chunk=8, scores=True)
+    allowed = torch.zeros(tiny_model.config.vocab_size, dtype=torch.bool)
+    allowed[[3, 40, 41, 500]] = True
+    runner.prefill(PROMPT, Sampling(), allowed)
+    steps = runner.decode(1, True)
+    token = next(steps)
+    logits = tiny_model.logits(torch.tensor(PROMPT))[-1].float().masked_fill(~allowed, float("-inf"))
+    assert token == int(logits.argmax())
+    assert runner.token_logprob == pytest.approx(float(logits.log_softmax(-1)[token]), abs=1e-5)
+
+
+def test_without_scores_the_runner_reports_none(runner):
+    steps = runner.generate(PROMPT, 3)
+    next(steps)
+    assert runner.token_logprob is None

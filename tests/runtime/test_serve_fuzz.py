@@ -141,6 +141,8 @@ def valid_request(draw) -> dict:
             body["stream_options"] = {"include_usage": draw(st.booleans())}
     if draw(st.booleans()):
         body["token_healing"] = draw(st.booleans())
+    if draw(st.booleans()):
+        body["min_line_probability"] = draw(st.floats(0, 0.999))
     return body
 
 
@@ -165,12 +167,14 @@ WRONG = {
                                                 json_scalar, min_size=1, max_size=2)),
     "suffix": st.one_of(st.integers(), st.lists(json_scalar, max_size=2), st.booleans()),
     "token_healing": st.one_of(st.integers(), st.text(), st.lists(json_scalar, max_size=2)),
+    "min_line_probability": st.one_of(st.floats(min_value=0.999, exclude_min=True), st.floats(max_value=0.0,
+                                      exclude_max=True), st.text(), st.booleans()),
     "n": st.integers(2, 10**6), "echo": st.just(True), "logprobs": st.integers(1, 5),
     "model": st.one_of(st.integers(), st.lists(json_scalar, max_size=2)),
 }
 FIELDS = {"prompt", "suffix", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
-          "token_healing", "model", "user", "n", "best_of", "echo", "logprobs", "presence_penalty", "frequency_penalty",
-          "logit_bias"}
+          "token_healing", "min_line_probability", "model", "user", "n", "best_of", "echo", "logprobs",
+          "presence_penalty", "frequency_penalty", "logit_bias"}
 
 
 def _text(body: dict) -> bytes:
