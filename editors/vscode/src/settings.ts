@@ -13,6 +13,7 @@ export interface ExtensionSettings {
   model: string;
   maxTokens: number;
   debounceMs: number;
+  minLineProbability: number;
   enable: Record<string, boolean>;
 }
 
@@ -24,6 +25,7 @@ export function readSettings(): ExtensionSettings {
     model: cfg.get<string>('model', '').trim(),
     maxTokens: cfg.get<number>('maxTokens', 64),
     debounceMs: cfg.get<number>('debounceMs', 50),
+    minLineProbability: cfg.get<number>('minLineProbability', 0.01),
     enable: { ...cfg.get<Record<string, boolean>>('enable', { '*': true }) },
   };
 }
@@ -38,7 +40,12 @@ export function serverSettings(s: ExtensionSettings): Record<string, unknown> {
           .filter((id) => id !== '*' && s.enable[id])
           .sort()
       : ['*'];
-  const out: Record<string, unknown> = { maxTokens: s.maxTokens, debounceMs: s.debounceMs, languages };
+  const out: Record<string, unknown> = {
+    maxTokens: s.maxTokens,
+    debounceMs: s.debounceMs,
+    minLineProbability: s.minLineProbability,
+    languages,
+  };
   if (s.endpoint) {
     out.endpoint = s.endpoint;
   }

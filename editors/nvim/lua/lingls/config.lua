@@ -8,7 +8,8 @@ M.defaults = {
   enable = { ["*"] = true, markdown = false, text = false, help = false, gitcommit = false },
   -- Server settings, sent as initializationOptions and workspace/didChangeConfiguration; unset ones keep the
   -- server's defaults. Keys: endpoint (URL of a /v1/completions server; unset: the embedded model), apiKey,
-  -- model (directory or model name), maxTokens, maxLines, debounceMs, promptTokens, contextChunks, device.
+  -- model (directory or model name), maxTokens, maxLines, debounceMs, promptTokens, contextChunks, device,
+  -- minLineProbability (automatic suggestions: a line only if the model gave it at least this; 0: every line).
   server = {},
   -- Client-side pause after a keystroke before asking, in ms (the server may wait more: server.debounceMs).
   debounce_ms = 50,
