@@ -505,8 +505,8 @@ class Core:
             rest = gen.text[args["raw"] + len(text) :]
             if not gen.done or clean(rest, site, gen.specials, final=True).text:
                 return
-        self.counters.prefetches += 1
-        self._start(state, engine, virtual, cursor, site)
+        self.counters.prefetches += 1  # shown without being asked for: gated as an automatic suggestion
+        self._start(state, engine, virtual, cursor, site, min_line_probability=self.settings.min_line_probability)
 
     # ---- status ----------------------------------------------------------------------------------------
 

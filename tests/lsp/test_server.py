@@ -174,6 +174,7 @@ async def test_accept_is_recorded_and_prefetches_the_continuation():
         [nxt] = await complete(client, 0, 13)
         assert nxt.insert_text == "+ c" or nxt.insert_text == " + c"
         assert (await engine_stats(client))["requests"] == 2  # the prefetch, no third call
+        assert (await engine_stats(client))["extra"]["gates"] == [0.01, 0.01]  # the prefetch is gated too
 
 
 async def test_invoked_returns_up_to_three_distinct_items():
