@@ -187,27 +187,29 @@ MODE_NAMES = {"psm": "PSM", "spm": "SPM", "prefix": "prefix only"}  # FIM orders
 class ModelCompleter:
     """Greedy one-line completion with a LingForCausalLM, many cases at a time, with token healing.
 
-    With token healing (lingls.engine.healing, as lingls completes): the prompt drops the prefix's last token,
-    the first generated token must agree with its text, and the completion is what comes after that text.
+    With token healing (lingls.engine.healing, as lingls completes): the prompt drops the tail (the prefix's last
+    token, or the half-typed word at the cursor), the generated tokens must agree with it until one covers it,
+    and the completion is what comes after it.
     Prompts are right-padded in one buffer; each step runs the full causal forward over the live rows (a causal
     model's logits at a row's last real token ignore the padding after it) and drops rows that finished.
     Lengths are rounded up to a multiple of 64 so the kernels see few distinct shapes.
     """
 
     def __init__(self, model, tok, device: str, mode: str = "psm", prefix_tokens: int = 768,
-                 suffix_tokens: int = 256, max_new_tokens: int = 40, batch: int = 256):
+                 suffix_tokens: int = 256, max_new_tokens: int = 40, batch: int = 256, whole_word: bool = True):
         if mode not in PROMPT_MODES:
             raise ValueError(f"mode must be one of {PROMPT_MODES}")
         self.model, self.tok, self.device, self.mode = model, tok, device, mode
         self.prefix_tokens, self.suffix_tokens = prefix_tokens, suffix_tokens
         self.max_new, self.batch = max_new_tokens, batch
+        self.whole_word = whole_word  # heal the half-typed word at the cursor, not only its last token
         self.texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
         self.candidates = Candidates(self.texts, set(range(len(SPECIAL_TOKENS))))
 
     def prompt(self, prefix: str, suffix: str) -> tuple[list[int], str]:
         """(prompt ids, healed tail text)."""
         pre = self.tok.encode(prefix, add_special_tokens=False).ids[-self.prefix_tokens - 1:] if prefix else []
-        pre, tail = heal(pre, self.texts, set(), None) if len(pre) > 1 else (pre, "")
+        pre, tail = heal(pre, self.texts, set(), None, self.whole_word) if len(pre) > 1 else (pre, "")
         suf = self.tok.encode(self.suffix_window(suffix), add_special_tokens=False).ids if suffix else []
         p, s, m = SPECIAL_ID[FIM_PREFIX], SPECIAL_ID[FIM_SUFFIX], SPECIAL_ID[FIM_MIDDLE]
         if self.mode == "psm":
@@ -251,12 +253,11 @@ class ModelCompleter:
         buf = torch.zeros(len(prompts), width, dtype=torch.long)
         for r, (p, _) in enumerate(prompts):
             buf[r, : len(p)] = torch.tensor(p)
-        first_mask = torch.stack([self.candidates.mask(tail) if tail else self.candidates.ordinary
-                                  for _, tail in prompts]).to(dev)
         buf, lens = buf.to(dev), lens.to(dev)
         live = list(range(len(prompts)))
         generated: list[list[int]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
+        rest = [tail for _, tail in prompts]  # what of each tail the next token must agree with
         for step in range(self.max_new):
             if not live:
                 break
@@ -265,8 +266,14 @@ class ModelCompleter:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=buf.is_cuda):  # the shipped weights are bf16
                 h = self.model.hidden(buf[rows, :t])
                 logits = self.model.head(h[torch.arange(len(live), device=dev), lens[rows] - 1]).float()
-            if step == 0:
-                logits = logits.masked_fill(~first_mask[rows], float("-inf"))
+            # as lingls heals: the first token agrees with the tail, and after a chosen start of it the next
+            # one with the rest (and the first is never a special token)
+            agree = [self.candidates.mask(rest[r]) if rest[r] else self.candidates.ordinary
+                     for r in live] if step == 0 or any(rest[r] for r in live) else None
+            if agree is not None:
+                if step > 0:
+                    agree = [a if rest[r] else torch.ones_like(a) for a, r in zip(agree, live)]
+                logits = logits.masked_fill(~torch.stack(agree).to(dev), float("-inf"))
             nxt = logits.argmax(-1)
             buf[rows, lens[rows]] = nxt
             lens[rows] += 1
@@ -275,6 +282,8 @@ class ModelCompleter:
                 if token < len(SPECIAL_TOKENS):
                     continue
                 generated[r].append(token)
+                piece = self.texts[token]
+                rest[r] = rest[r][len(piece):] if len(piece) < len(rest[r]) and rest[r].startswith(piece) else ""
                 texts[r] = strip_tail(self.tok.decode(generated[r]), prompts[r][1])
                 if "\n" not in texts[r]:
                     still.append(r)

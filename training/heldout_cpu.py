@@ -81,18 +81,23 @@ class StatefulCompleter(ModelCompleter):
             logits = self.model.head(h[-1:], normed[-1:])[0].float()
             logits = logits.masked_fill(~(self.candidates.mask(tail) if tail else self.candidates.ordinary),
                                         float("-inf"))
-            generated, text, pos, score, key = [], "", len(ids), 0.0, tuple(ids)
+            generated, text, pos, score, key, rest = [], "", len(ids), 0.0, tuple(ids), tail
             for _ in range(self.max_new):
                 token = int(logits.argmax())
                 score += float(logits.log_softmax(-1)[token])  # the line's end (newline, or a special token) too
                 if token < len(SPECIAL_TOKENS):
                     break
                 generated.append(token)
+                # as LocalEngine heals: a chosen start of the tail leaves the rest of it to agree with
+                piece = self.texts[token]
+                rest = rest[len(piece):] if rest and len(piece) < len(rest) and rest.startswith(piece) else ""
                 text = strip_tail(self.tok.decode(generated), tail)
                 if "\n" in text:
                     break
                 h, normed = fast.step(torch.tensor([token]), state, torch.tensor([pos]), kv_len=pos + 1, normed=True)
                 logits = fast.head(h, normed)[0].float()
+                if rest:
+                    logits = logits.masked_fill(~self.candidates.mask(rest), float("-inf"))
                 pos += 1
             texts.append(text)
             self._scores[key] = score
@@ -172,7 +177,7 @@ def write_report(args, files, cases, raw: dict, scores: dict, losses: dict, seco
     report = {"run": str(args.run), "compare": str(args.compare), "heldout_files_here": len(files),
               "cases_from": "the run's held-out packages" if args.run else
               f"site-packages absent from {args.manifest}'s training packages, <= {args.package_kb} kB each",
-              "max_new_tokens": args.max_new_tokens, "prefix_tokens": args.prefix_tokens,
+              "max_new_tokens": args.max_new_tokens, "prefix_tokens": args.prefix_tokens, "heal": args.heal,
               "cases_per_kind": {"next_line": args.next_line, "fim": args.fim}, "results": results,
               "gate": gates, "degenerate": degenerate, "heldout_loss": losses, "seconds": seconds,
               "samples": [case_record(c, {n: p[i] for n, p in preds.items()}) for i, c in enumerate(cases)]}
@@ -190,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--package-kb", type=int, default=400, help="without --run: at most this much of a package")
     ap.add_argument("--prefix-tokens", type=int, default=768, help="the prompt's prefix window (lingls: 1536)")
     ap.add_argument("--gate", default="0.01", help="confidence-gate bars to report (line probabilities)")
+    ap.add_argument("--heal", choices=("word", "token"), default="word",
+                    help="token healing of the half-typed word at the cursor (lingls'), or of its last token only")
     ap.add_argument("--out", type=Path, help="the report (default DIR/results/heldout_cpu.json)")
     ap.add_argument("--plot", action="store_true", help="the gate's chart beside the report (.png; matplotlib)")
     ap.add_argument("--next-line", type=int, default=50, help="cases of each next-line kind")
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         name = f"{label} ({MODE_NAMES[mode]})"
         completer = StatefulCompleter(model, tok, "cpu", mode, prefix_tokens=args.prefix_tokens,
-                                      max_new_tokens=args.max_new_tokens)
+                                      max_new_tokens=args.max_new_tokens, whole_word=args.heal == "word")
         raw[name] = completer.complete_all(cases)
         scores[name] = completer.line_logprobs
         seconds[name] = round(time.time() - t, 1)

@@ -25,6 +25,19 @@ def test_heal_drops_the_cursor_token_and_returns_its_text():
     assert heal([4, 6], texts, SPECIAL, None) == ([4, 6], "")  # half a character: left alone
 
 
+def test_a_half_typed_word_is_healed_whole_with_the_space_before_it():
+    texts = ["<eos>", "<p>", "<s>", "<m>", "x = 1", "\n        ", "ret", "u", " _", "c", "(", "\ufffd", "a" * 21]
+    # `ret` `u` after an indentation: the tokenizer would have cut `\n       ` ` return`
+    assert heal([4, 5, 6, 7], texts, SPECIAL, None) == ([4], "\n        retu")
+    assert heal([4, 5, 6, 7], texts, SPECIAL, None, whole_word=False) == ([4, 5, 6], "u")
+    assert heal([PRE, 4, 8, 9, SUF, 4, MID], texts, SPECIAL, PRE) == ([PRE, 4, SUF, 4, MID], " _c")
+    assert heal([4, 10, 9], texts, SPECIAL, None) == ([4, 10], "c")  # a word starts after punctuation
+    assert heal([PRE, 6, 7, SUF, MID], texts, SPECIAL, PRE) == ([PRE, SUF, MID], "retu")
+    assert heal([6, 7], texts, SPECIAL, None) == ([6], "u")  # a left-to-right prompt keeps a token
+    assert heal([4, 12, 6, 7], texts, SPECIAL, None) == ([4, 12], "retu")  # at most MAX_TAIL_CHARS
+    assert heal([4, 11, 7], texts, SPECIAL, None) == ([4, 11], "u")  # half a character is never taken
+
+
 def test_candidates_agree_with_the_tail_and_exclude_special_tokens():
     texts = ["<eos>", "\n", "\n   ", "\n    ", "\n     ", " return", "x"]
     c = Candidates(texts, {0})
