@@ -42,7 +42,9 @@ from lingls.runtime.cpu_step import CpuStep
 from training.baselines import repeat_previous_line
 from training.data import content_key, iter_files, source_roots
 from training.evaluate import (
+    FIM_KINDS,
     MODE_NAMES,
+    NEXT_LINE_KINDS,
     Case,
     ModelCompleter,
     case_record,
@@ -131,20 +133,25 @@ def unseen_files(manifest: dict, package_bytes: int) -> list:
 
 
 def gated(cases: list[Case], lines: list[str], logprobs: list[float], bars: list[float]) -> dict:
-    """For each bar: the share of cursors where the line would be shown (non-empty, probability >= bar), and of
-    all cursors the shares shown right (exact match) and shown wrong; exact match and edit similarity over the
-    shown lines. Bar 0 is no gate."""
+    """{group: {bar: ...}} for the next-line and the suffix-aware (fim) cases, where there are some: the share
+    of cursors where the line would be shown (non-empty, probability >= bar), and of all cursors the shares
+    shown right (exact match) and shown wrong; exact match and edit similarity over the shown lines. Bar 0 is
+    no gate."""
     out = {}
-    for bar in [0.0, *bars]:
-        shown = [(c, p) for c, p, lp in zip(cases, lines, logprobs)
-                 if p.strip() and (bar == 0 or lp >= math.log(bar))]
-        right = sum(p.rstrip() == c.target.rstrip() for c, p in shown)
-        es = sum(fuzz.ratio(p.rstrip(), c.target.rstrip()) / 100 for c, p in shown)
-        n = max(len(cases), 1)
-        out[str(bar)] = {"shown": round(len(shown) / n, 4), "shown_right": round(right / n, 4),
-                         "shown_wrong": round((len(shown) - right) / n, 4),
-                         "exact_match_of_shown": round(right / max(len(shown), 1), 4),
-                         "edit_similarity_of_shown": round(es / max(len(shown), 1), 4)}
+    for group, kinds in (("next_line", NEXT_LINE_KINDS), ("fim", FIM_KINDS)):
+        rows = [(c, p, lp) for c, p, lp in zip(cases, lines, logprobs) if c.kind in kinds]
+        if not rows:
+            continue
+        out[group] = {}
+        for bar in [0.0, *bars]:
+            shown = [(c, p) for c, p, lp in rows if p.strip() and (bar == 0 or lp >= math.log(bar))]
+            right = sum(p.rstrip() == c.target.rstrip() for c, p in shown)
+            es = sum(fuzz.ratio(p.rstrip(), c.target.rstrip()) / 100 for c, p in shown)
+            out[group][str(bar)] = {"shown": round(len(shown) / len(rows), 4),
+                                    "shown_right": round(right / len(rows), 4),
+                                    "shown_wrong": round((len(shown) - right) / len(rows), 4),
+                                    "exact_match_of_shown": round(right / max(len(shown), 1), 4),
+                                    "edit_similarity_of_shown": round(es / max(len(shown), 1), 4)}
     return out
 
 
@@ -252,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
         gate_chart(gate, args.out.with_suffix(".png"), f"confidence gate, {len(cases)} cursors in code the model "
                    "never saw (greedy line, prefix-only prompt)")
-    for name, by_bar in gate.items():
-        for bar, g in by_bar.items():
-            print(f"{name}, gate {bar}: shown {g['shown']:.3f} (right {g['shown_right']:.3f}, wrong "
+    for name, by_group in gate.items():
+        for (group, bar), g in [((grp, b), g) for grp, by_bar in by_group.items() for b, g in by_bar.items()]:
+            print(f"{name}, {group}, gate {bar}: shown {g['shown']:.3f} (right {g['shown_right']:.3f}, wrong "
                   f"{g['shown_wrong']:.3f}), of shown: exact match {g['exact_match_of_shown']:.3f}, edit "
                   f"similarity {g['edit_similarity_of_shown']:.3f}")
     print("degenerate (raw -> shown):", json.dumps(degenerate))

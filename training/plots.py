@@ -60,28 +60,30 @@ def eval_chart(results: dict, out: Path) -> None:
 
 
 def gate_chart(gate: dict, out: Path, title: str) -> None:
-    """Per predictor, over the gate's bars: the share of cursors shown right and shown wrong (left), and exact
-    match and edit similarity over the shown lines (right); `gate` is heldout_cpu's report["gate"]."""
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, by_bar in gate.items():
+    """A row per predictor and case group (next-line, suffix-aware), over the gate's bars: the share of cursors
+    shown right and shown wrong (left), and exact match and edit similarity over the shown lines (right); `gate`
+    is heldout_cpu's report["gate"]."""
+    rows = [(name, group, by_bar) for name, by_group in gate.items() for group, by_bar in by_group.items()]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.6 * len(rows)), squeeze=False)
+    for (ax, ax2), (name, group, by_bar) in zip(axes, rows):
         bars = list(by_bar)
         x = range(len(bars))
         labels = ["no gate" if float(b) == 0 else f">= {float(b):g}" for b in bars]
         ax.bar([i - 0.2 for i in x], [by_bar[b]["shown_right"] for b in bars], 0.4, label="shown, right")
         ax.bar([i + 0.2 for i in x], [by_bar[b]["shown_wrong"] for b in bars], 0.4, label="shown, wrong")
         ax.set_xticks(list(x), labels)
-        ax2.plot(labels, [by_bar[b]["exact_match_of_shown"] for b in bars], "o-", label=f"{name}: exact match")
-        ax2.plot(labels, [by_bar[b]["edit_similarity_of_shown"] for b in bars], "s-",
-                 label=f"{name}: edit similarity")
-    ax.set_xlabel("line probability shown at")
-    ax.set_ylabel("share of all cursors")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    ax2.set_xlabel("line probability shown at")
-    ax2.set_ylabel("over the lines shown")
-    ax2.set_ylim(0, 1)
-    ax2.legend()
-    ax2.grid(alpha=0.3)
+        ax.set_ylabel(f"{group}: share of cursors")
+        ax.set_title(f"{name}, {group.replace('_', '-')} cursors")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+        ax2.plot(labels, [by_bar[b]["exact_match_of_shown"] for b in bars], "o-", label="exact match")
+        ax2.plot(labels, [by_bar[b]["edit_similarity_of_shown"] for b in bars], "s-", label="edit similarity")
+        ax2.set_ylabel("over the lines shown")
+        ax2.set_ylim(0, 1)
+        ax2.legend()
+        ax2.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("line probability shown at")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

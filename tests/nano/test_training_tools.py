@@ -66,8 +66,11 @@ def test_stateful_completer_matches_the_batched_one(tokenizer, mode):
 
 def test_the_gate_report_counts_shown_right_and_wrong():
     cases = [Case("a.py", "mid_line", 1, 1, "", "", t) for t in ("a", "b", "c")]
-    report = gated(cases, ["a", "x", ""], [math.log(0.5), math.log(0.2), 0.0], [0.3])
-    assert report["0.0"] == {"shown": 0.6667, "shown_right": 0.3333, "shown_wrong": 0.3333,
-                             "exact_match_of_shown": 0.5, "edit_similarity_of_shown": 0.5}  # nothing is not shown
-    assert report["0.3"] == {"shown": 0.3333, "shown_right": 0.3333, "shown_wrong": 0.0,
-                             "exact_match_of_shown": 1.0, "edit_similarity_of_shown": 1.0}
+    cases.append(Case("a.py", "arg_list", 1, 1, "", "", "d"))
+    report = gated(cases, ["a", "x", "", "d"], [math.log(0.5), math.log(0.2), 0.0, math.log(0.1)], [0.3])
+    lines = report["next_line"]
+    assert lines["0.0"] == {"shown": 0.6667, "shown_right": 0.3333, "shown_wrong": 0.3333,
+                            "exact_match_of_shown": 0.5, "edit_similarity_of_shown": 0.5}  # an empty line: not shown
+    assert lines["0.3"] == {"shown": 0.3333, "shown_right": 0.3333, "shown_wrong": 0.0,
+                            "exact_match_of_shown": 1.0, "edit_similarity_of_shown": 1.0}
+    assert report["fim"]["0.0"]["shown_right"] == 1.0 and report["fim"]["0.3"]["shown"] == 0.0
