@@ -155,8 +155,9 @@ line in the middle of an indented block; `arg_list`: the cursor just after an op
 bracket is typed, expected = what is between them; `line_end_typed`: the line's closing punctuation is typed,
 the cursor at a random column before it). ling-nano is prompted three ways: PSM
 and SPM (last 768 prefix tokens, first 256 suffix tokens) and the prefix alone, left to right; always with token
-healing (the prefix's last token is dropped and the completion's first token must agree with its text, because
-a cursor after indentation or inside a word cuts the text where the tokenizer would not); greedy, cut at the
+healing (the prefix's last token, or the half-typed word at the cursor with the whitespace before it, is dropped
+and the completion must agree with its text until a token covers it, because a cursor after indentation or inside
+a word cuts the text where the tokenizer would not); greedy, cut at the
 first newline; then, for every predictor, lingls' own one-line post-processing (the degeneration guard, the end
 that repeats the text after the cursor dropped). lingls prompts it the way that scored best here over all cases:
 **{MODE_NAMES[ev['lingls_mode']]}** (`completion_prompt` in tokenizer_config.json). `shipped before` is the
