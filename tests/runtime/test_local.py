@@ -113,6 +113,10 @@ def test_the_line_gate_passes_likely_lines_and_ends_at_the_first_unlikely_one():
     assert gate.feed("", 0.0, final=True) == ("y", False) and not gate.refused
     gate = LineGate(0.9)
     assert gate.feed("z\n", log_half) == ("", True) and gate.refused
+    gate = LineGate(0.3)  # a line is refused as soon as it falls below, before its end
+    assert gate.feed("ok\na", 0.0) == ("ok\n", False)
+    assert gate.feed("b", log_half) == ("", False)
+    assert gate.feed("c", log_half) == ("", True) and gate.refused
 
 
 async def test_the_engine_gates_a_completion_on_its_probability(engine, tiny_model):
