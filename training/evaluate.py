@@ -258,6 +258,7 @@ class ModelCompleter:
         generated: list[list[int]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
         rest = [tail for _, tail in prompts]  # what of each tail the next token must agree with
+        anything = torch.ones_like(self.candidates.ordinary)
         for step in range(self.max_new):
             if not live:
                 break
@@ -268,12 +269,10 @@ class ModelCompleter:
                 logits = self.model.head(h[torch.arange(len(live), device=dev), lens[rows] - 1]).float()
             # as lingls heals: the first token agrees with the tail, and after a chosen start of it the next
             # one with the rest (and the first is never a special token)
-            agree = [self.candidates.mask(rest[r]) if rest[r] else self.candidates.ordinary
-                     for r in live] if step == 0 or any(rest[r] for r in live) else None
-            if agree is not None:
-                if step > 0:
-                    agree = [a if rest[r] else torch.ones_like(a) for a, r in zip(agree, live)]
-                logits = logits.masked_fill(~torch.stack(agree).to(dev), float("-inf"))
+            if step == 0 or any(rest[r] for r in live):
+                free = self.candidates.ordinary if step == 0 else anything
+                agree = torch.stack([self.candidates.mask(rest[r]) if rest[r] else free for r in live])
+                logits = logits.masked_fill(~agree.to(dev), float("-inf"))
             nxt = logits.argmax(-1)
             buf[rows, lens[rows]] = nxt
             lens[rows] += 1

@@ -39,7 +39,7 @@ from lingls.engine.healing import strip_tail
 from lingls.engine.local import EMBEDDED
 from lingls.model import load_model
 from lingls.runtime.cpu_step import CpuStep
-from training.baselines import repeat_previous_line
+from training.baselines import first_line, repeat_previous_line
 from training.data import content_key, iter_files, source_roots
 from training.evaluate import (
     FIM_KINDS,
@@ -66,11 +66,10 @@ class StatefulCompleter(ModelCompleter):
         self.line_logprobs: list[float] = []  # each completed prompt's line: the sum of its tokens' log-probs
 
     def complete_all(self, cases: list[Case]) -> list[str]:
-        """ModelCompleter's, with `line_logprobs` in the cases' order."""
-        self._scores: dict[tuple, float] = {}
-        out = super().complete_all(cases)
-        self.line_logprobs = [self._scores[tuple(self.prompt(c.prefix, c.suffix)[0] or [0])] for c in cases]
-        return out
+        """ModelCompleter's lines, one case at a time in their order (batch 1 gains nothing from sorting), with
+        `line_logprobs` in the same order."""
+        self.line_logprobs = []
+        return [first_line(self._generate([self.prompt(c.prefix, c.suffix)])[0]) for c in cases]
 
     @torch.no_grad()
     def _generate(self, prompts: list[tuple[list[int], str]]) -> list[str]:
@@ -83,7 +82,7 @@ class StatefulCompleter(ModelCompleter):
             logits = self.model.head(h[-1:], normed[-1:])[0].float()
             logits = logits.masked_fill(~(self.candidates.mask(tail) if tail else self.candidates.ordinary),
                                         float("-inf"))
-            generated, text, pos, score, key, rest = [], "", len(ids), 0.0, tuple(ids), tail
+            generated, text, pos, score, rest = [], "", len(ids), 0.0, tail
             for _ in range(self.max_new):
                 token = int(logits.argmax())
                 score += float(logits.log_softmax(-1)[token])  # the line's end (newline, or a special token) too
@@ -102,7 +101,7 @@ class StatefulCompleter(ModelCompleter):
                     logits = logits.masked_fill(~self.candidates.mask(rest), float("-inf"))
                 pos += 1
             texts.append(text)
-            self._scores[key] = score
+            self.line_logprobs.append(score)
         return texts
 
 
