@@ -33,11 +33,14 @@ class FimMix:
 
     fim_rate: float = 0.6  # share of examples that are FIM; the rest are plain
     spm_rate: float = 0.7  # share of FIM examples in SPM order
-    line_rate: float = 0.5  # share of FIM middles that run from a cursor to a line end (what completion asks for)
-    inline_rate: float = 0.25  # share that end inside the cursor's line (an argument list, a line whose end is typed)
+    line_rate: float = 0.6  # share of FIM middles that run from a cursor to a line end (what completion asks for)
+    inline_rate: float = 0.3  # share that end inside the cursor's line (an argument list, a line whose end is typed)
+    # the rest are random spans, several lines or none whole: unlike what lingls asks for, so few
     context_rate: float = 0.2  # share of examples preceded by a chunk of another file and the file's header
     header_rate: float = 0.1  # share preceded by the file's header alone
     chunk_chars: int = 4000  # files are cut at line boundaries into chunks of at most this many characters
+    suffix_lines: tuple[int, int] = (4, 64)  # a FIM suffix keeps whole lines, a random count in this range, as
+    suffix_chars: int = 1200  # lingls' prompt does (`lsp.prompt._suffix_window`: <= 64 lines, a fifth of the budget)
 
 
 def chunk_text(text: str, limit: int) -> list[str]:
@@ -66,10 +69,12 @@ def line_middle(text: str, rng: random.Random) -> tuple[int, int]:
         j = text.find("\n", i)
         return len(text) if j < 0 else j
 
-    pos = rng.randint(0, len(text))
+    pos = rng.randint(0, max(0, len(text.rstrip("\n")) - 1))  # a line with text, or a blank one before one
     start = text.rfind("\n", 0, pos) + 1
     end = line_end(start)
-    begin = rng.randint(start, end)
+    begin = rng.randint(start, max(start, end - 1))  # a cursor before the line's last character: never empty
+    if begin == end < len(text) - 1:  # a blank line: its middle is the line after it
+        end = line_end(end + 1)
     while end < len(text) - 1 and rng.random() < 0.4:
         end = line_end(end + 1)
     return begin, end
@@ -87,13 +92,27 @@ def inline_middle(text: str, rng: random.Random) -> tuple[int, int]:
         stop -= 1
     if stop == end or rng.random() < 0.5:
         stop = rng.randint(start, end)
-    begin = rng.randint(start, stop)
+    begin = rng.randint(start, max(start, stop - 1))  # at least one character, where the line has one
     return begin, stop
 
 
 def random_middle(text: str, rng: random.Random) -> tuple[int, int]:
     a, b = sorted((rng.randint(0, len(text)), rng.randint(0, len(text))))
     return a, b
+
+
+def cut_suffix(suffix: str, rng: random.Random, mix: FimMix) -> str:
+    """The suffix a prompt would carry: the rest of the cursor's line and a random number of whole lines after
+    it, at most `mix.suffix_chars` (whole lines only, beyond the cursor's own)."""
+    lines = suffix.splitlines(keepends=True)
+    keep = rng.randint(*mix.suffix_lines)
+    out, size = lines[:1], len(lines[0]) if lines else 0
+    for line in lines[1:keep]:
+        if size + len(line) > mix.suffix_chars:
+            break
+        out.append(line)
+        size += len(line)
+    return "".join(out)
 
 
 def make_example(chunk: str, name: str, rng: random.Random, mix: FimMix, other: tuple[str, str] | None) -> list[Piece]:
@@ -113,7 +132,7 @@ def make_example(chunk: str, name: str, rng: random.Random, mix: FimMix, other: 
         a, b = inline_middle(chunk, rng)
     else:
         a, b = random_middle(chunk, rng)
-    prefix, middle, suffix = chunk[:a], chunk[a:b], chunk[b:]
+    prefix, middle, suffix = chunk[:a], chunk[a:b], cut_suffix(chunk[b:], rng, mix)
     pre = [SPECIAL_ID[FIM_PREFIX], prefix]
     suf = [SPECIAL_ID[FIM_SUFFIX], suffix]
     body = suf + pre if rng.random() < mix.spm_rate else pre + suf

@@ -8,7 +8,8 @@ import torch
 from training import data
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.evaluate import make_cases, postprocess, score
-from training.fim import FimMix, build_examples, chunk_text, encode_examples, line_middle, make_example
+from training.fim import (FimMix, build_examples, chunk_text, cut_suffix, encode_examples, line_middle,
+                          make_example)
 from training.ngram import NGramModel
 from training.train import ExpertBalancer, PackedStream, TrainSettings, lr_at
 
@@ -60,11 +61,20 @@ def test_chunks_keep_whole_lines():
 
 
 def test_line_middle_ends_at_a_line_end():
-    text = "a = 1\nbb = 2\nccc = 3\n"
+    text = "a = 1\nbb = 2\n\nccc = 3\n"
     rng = random.Random(0)
-    for _ in range(50):
+    for _ in range(200):
         a, b = line_middle(text, rng)
-        assert a <= b and (b == len(text) or text[b] == "\n")
+        assert a < b and (b == len(text) or text[b] == "\n")  # never empty: a completion always writes something
+
+
+def test_suffix_is_cut_at_whole_lines_as_the_prompt_cuts_it():
+    suffix = "x)\n" + "".join(f"line {i}\n" for i in range(200))
+    mix = FimMix()
+    for seed in range(30):
+        cut = cut_suffix(suffix, random.Random(seed), mix)
+        assert suffix.startswith(cut) and cut.startswith("x)\n") and cut.endswith("\n")
+        assert cut.count("\n") <= mix.suffix_lines[1] and len(cut) <= mix.suffix_chars
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -76,9 +86,10 @@ def test_examples_follow_the_formats(seed):
     specials = [p for p in ex if isinstance(p, int)]
     body = specials[specials.count(4):]  # leading <|file_sep|> headers
     assert body in ([0], [1, 2, 3, 0], [2, 1, 3, 0])
-    if 3 in ex:  # FIM: prefix + middle + suffix spell the chunk
+    if 3 in ex:  # FIM: prefix + middle + suffix spell the chunk, or its start (the suffix keeps whole lines)
         text = {s: ex[ex.index(s) + 1] for s in (1, 2, 3)}
-        assert text[1] + text[3] + text[2] == chunk
+        joined = text[1] + text[3] + text[2]
+        assert chunk.startswith(joined) and (joined == chunk or joined.endswith("\n"))
     else:
         assert ex[-2] == chunk
     if 4 in ex:
