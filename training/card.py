@@ -124,7 +124,8 @@ bytes. Training set: {data['train_files']:,} files, {_mb(data['train_bytes'])},
 {1 - mix.spm_rate:.0%} PSM; {mix.line_rate:.0%} of the middles run from a cursor to the end of a line or a few lines,
 {mix.inline_rate:.0%} end inside the cursor's
 line, before its closing punctuation or at a later column, the rest are random spans; no middle is empty; the
-suffix is the rest of the cursor's line and {mix.suffix_lines[0]}-{mix.suffix_lines[1]} whole lines, at most {mix.suffix_chars:,} characters, as lingls' prompt cuts it), the rest plain text.
+suffix is the rest of the cursor's line and {mix.suffix_lines[0]}-{mix.suffix_lines[1]} whole lines,
+at most {mix.suffix_chars:,} characters, as lingls' prompt cuts it), the rest plain text.
 
 ## Training
 On {report['machine']['device']} (torch {report['machine']['torch']}): {tr['steps']} steps of \

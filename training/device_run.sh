@@ -11,7 +11,7 @@
 # - packs /tmp/nano into $OUT as <= 15 MiB parts (the tool brings back at most 8 files of 16 MiB), whatever
 #   failed or ran out of time before, and Triton's cache (compiled kernels, autotune results) as
 #   $OUT/triton-cache.tgz: carry it back as TRITON_CACHE_TGZ=... and fla's kernels need no compiling next time.
-#   RESUME_TAR=path/to/nano.tar.part-  (optional) unpacks an earlier run and trains on from it (--resume); with
+#   RESUME_TAR=path/to/nano.tar.part- or run.tar.xz (optional) unpacks an earlier run and trains on from it (--resume); with
 #   --eval-only among the arguments, unpacks it as this run's own directory and only evaluates (and distils).
 #   TorchInductor's cache (the compiled layers) comes back as $OUT/inductor-cache.tgz: INDUCTOR_CACHE_TGZ=...
 #   CHOICE=path/to/train_throughput.json (optional) takes an earlier run's choice (batch, kernel, compiled
@@ -41,8 +41,13 @@ fi
 extra=()
 into=/tmp/prev
 case " $* " in *" --eval-only "*) into=/tmp/nano ;; esac  # evaluate the carried run's model, no training
-if [ -n "${RESUME_TAR:-}" ]; then
-    mkdir -p "$into" && cat "$RESUME_TAR"* | tar -C "$into" -xf - && [ "$into" = /tmp/prev ] && extra=(--resume /tmp/prev)
+if [ -n "${RESUME_TAR:-}" ]; then  # split parts (PREFIX*) or one .tar.xz; a run that cannot resume stops here
+    mkdir -p "$into"
+    case "$RESUME_TAR" in
+        *.xz) xz -dc "$RESUME_TAR" ;;
+        *) cat "$RESUME_TAR"* ;;
+    esac | tar -C "$into" -xf - || { echo "RESUME_TAR=$RESUME_TAR could not be unpacked"; exit 1; }
+    [ "$into" = /tmp/prev ] && extra=(--resume /tmp/prev)
 fi
 draft_seconds=${DRAFT_SECONDS:-60}
 timeout $(( run_seconds - 5 - ($(date +%s) - t0) )) python3 -m training.reproduce --out /tmp/nano \

@@ -14,12 +14,12 @@ lm_head included) from memory:
   latent's down-projection, the gate; MoE: the router, every expert's gate and up, the shared expert's),
   over weights joined once at construction (the model's parameters are re-pointed at views of the joined
   tensor, so these are not stored twice and the model's own forms keep reading the same numbers; the experts'
-  down projections are copied into a row layout, 0.8 MB a layer for ling-nano);
+  down projections are copied into a row layout, 1.6 MB a layer for ling-nano);
 - the causal conv as a product with the conv state, the KDA recurrence at each token as three batched
   matrix products on the state in place;
 - MLA: rope on the key and the queries together, one score product over [latent | rope] keys;
-- MoE at one token: the chosen experts' weights gathered (a quarter of the layer's at top-4 of 16), one product
-  for their gate-up, one for their weighted down projections summed into the residual; at more tokens all
+- MoE at one token: the chosen experts' weights gathered (an eighth of the layer's at ling-nano's top-4 of 32),
+  one product for their gate-up, one for their weighted down projections summed into the residual; at more tokens all
   experts computed, weighted 0 where not chosen, their down product joined with the shared expert's;
 - every output projection adds into the residual stream in its product (addmm).
 Rope angles and the attention mask are made once per step, not once per layer.

@@ -27,7 +27,8 @@ def test_weights_are_bf16_and_small(assets):
     from safetensors import safe_open
 
     path = assets / "model.safetensors"
-    assert path.stat().st_size <= 24_000_000
+    # issue 38 allows 60 MB; the tree also travels to the GPU machine beside a resumable run (64 MiB in all)
+    assert path.stat().st_size <= 32_000_000
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():
             want = "F32" if name.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "expert_bias") else "BF16"

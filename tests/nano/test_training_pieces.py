@@ -8,8 +8,7 @@ import torch
 from training import data
 from training.baselines import NGramCompleter, repeat_previous_line
 from training.evaluate import make_cases, postprocess, score
-from training.fim import (FimMix, build_examples, chunk_text, cut_suffix, encode_examples, line_middle,
-                          make_example)
+from training.fim import FimMix, build_examples, chunk_text, cut_suffix, encode_examples, line_middle, make_example
 from training.ngram import NGramModel
 from training.train import ExpertBalancer, PackedStream, TrainSettings, lr_at
 
