@@ -135,7 +135,8 @@ def clean(raw: str, site: Site, specials: tuple[str, ...] = (), final: bool = Fa
 # A unit is up to MAX_LOOP_UNIT characters; how many back-to-back copies make a loop depends on what it is made
 # of, because real code repeats some units legitimately:
 #   a word piece (`_run`, `self.`): 3 copies; a single letter 8 (`'xxxxxx'` placeholders stay);
-#   a word with a separator (`int, `, `a `): 5 (`Tuple[int, int, int, int]` stays);
+#   a word with a separator (`int, `, `a `): 5 (`Tuple[int, int, int, int]` stays); a phrase of two words or
+#   more, not a list's items (`  SSL is used.`): 3, kept once (ling-nano wrote `client.  SSL is used.` thrice);
 #   digits, separators and escapes (`0, `, `\x00`): 12 (`[0, 0, 0, 0, 0, 0, 0, 0]`, `1_000_000_000` stay);
 #   quotes: 7 (an empty `""""""` docstring stays); other punctuation (`)`, `),`, `()`): 5 (`f(g(h(x)))` and
 #   `]]]]` stay, `)))))` goes); a single ruler or blank character (`-`, `=`, `#`, `*`, ` `): never (docstring
@@ -163,12 +164,20 @@ def loop_copies(unit: str) -> float:
     if any(ch.isalpha() for ch in unit):
         if len(unit) == 1:
             return 8
+        if _phrase(unit):
+            return 3  # `  SSL is used.` three times is a loop, not a list
         return 5 if any(ch in ", ;" for ch in unit) else 3
     if any(ch.isdigit() for ch in unit):
         return 12
     if set(unit) <= set(_QUOTES):
         return 7
     return 5
+
+
+def _phrase(unit: str) -> bool:
+    """Two words or more with letters, not all of them list items (`  SSL is used.`, not `int, str, `)."""
+    words = unit.split()
+    return sum(any(ch.isalpha() for ch in w) for w in words) >= 2 and not all(w.endswith(",") for w in words)
 
 
 def find_loop(text: str) -> tuple[int, str] | None:
@@ -247,15 +256,17 @@ def _repeated_block(written: list[tuple[int, str]]) -> int | None:
 
 
 def cut_degenerate(text: str, site: Site, final: bool = True) -> tuple[str, bool]:
-    """`text` before its first repeated line or loop (a loop of a unit with a letter takes its whole line with
-    it: `def _run_run_run` is noise, `foo(a))))))` keeps `foo(a)`); True if it cut."""
+    """`text` before its first repeated line or loop (a loop of a word piece takes its whole line with it:
+    `def _run_run_run` is noise; a phrase is kept once, `foo(a))))))` keeps `foo(a)`); True if it cut."""
     cut = repeated_line(text, site, final)
     loop = find_loop(text)
     if loop is not None:
         start, unit = loop
-        if any(ch.isalpha() for ch in unit):
-            end = text.rfind("\n", 0, start)
-            end = max(end, 0)
+        if _phrase(unit):  # once, from a word's start: `.  SSL is used` is found, `  SSL is used.` kept
+            word = next((k for k in range(len(unit)) if unit[k - 1].isspace() and not unit[k].isspace()), 0)
+            end = start + word + len(unit)
+        elif any(ch.isalpha() for ch in unit):
+            end = max(text.rfind("\n", 0, start), 0)
         else:
             end = start + len(unit)
         cut = end if cut is None else min(cut, end)

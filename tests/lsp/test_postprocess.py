@@ -133,6 +133,15 @@ def test_looping_word_piece_is_empty_not_noise():
     assert done("x = [\n    a,\n    b_run_run_run_run", py("    ")) == "x = ["  # the one line the loop went on from
 
 
+def test_a_looping_phrase_keeps_the_text_before_it():
+    # ling-nano in a docstring of code it never saw: a two-or-more-word unit three times is a loop
+    assert done("client.  SSL is used.  SSL is used.  SSL is used.", py("    ")) == "client.  SSL is used."
+    assert done("# Returns the value. Returns the value. Returns the value.", py("")) == "# Returns the value."
+    for line in ('names = ["a b", "c d", "a b"]', "shape = (None, None, None)", "pairs = [a, b, a, b, a, b, a, b]",
+                 "Tuple[int, str, int, str, int, str]"):
+        assert done(line, py("    ")) == line, line
+
+
 def test_looping_punctuation_keeps_the_text_before_the_loop():
     assert done("foo(a))))))))", py("    y = ")) == "foo(a)"
     assert clean("foo(a))))))", py("    y = "), SPECIALS).complete
