@@ -19,7 +19,7 @@ The confidence gate (`lingls.engine.local.LineGate`): every model line's probabi
 tokens', the token that ends it included) is kept, and for each --gate bar the report counts the cursors where
 the line would be shown, and how many of those are right (exact match) or wrong, with edit similarity over the
 shown ones. Without --run the cases come from this machine's site-packages whose package is not among the
-training packages of --manifest (the shipped model's, bench/results/nano_data_manifest.json), at most
+training packages of --manifest (the shipped model's, bench/results/nano_data_manifest.json; or of several), at most
 --package-kb of each package (in file-name order), so no one large package fills the set.
 """
 
@@ -115,10 +115,10 @@ def heldout_files(manifest: dict) -> list:
     return files
 
 
-def unseen_files(manifest: dict, package_bytes: int) -> list:
-    """This machine's site-packages files whose package the manifest's training data lacked, deduplicated by
+def unseen_files(manifests: list[dict], package_bytes: int) -> list:
+    """This machine's site-packages files whose package no manifest's training data had, deduplicated by
     content, at most `package_bytes` of each package in file-name order."""
-    trained = set(manifest["train_package_bytes"])
+    trained = {p for m in manifests for p in m["train_package_bytes"]}
     files, keys, used = [], set(), {}
     for f in sorted(iter_files(source_roots()), key=lambda f: f.name):
         if not f.name.startswith("site/") or f.package in trained:
@@ -182,7 +182,8 @@ def write_report(args, files, cases, raw: dict, scores: dict, losses: dict, seco
     gates = {name: gated(cases, preds[name], lps, args.gate) for name, lps in scores.items()}
     report = {"run": str(args.run), "compare": str(args.compare), "heldout_files_here": len(files),
               "cases_from": "the run's held-out packages" if args.run else
-              f"site-packages absent from {args.manifest}'s training packages, <= {args.package_kb} kB each",
+              f"site-packages absent from the training packages of {', '.join(map(str, args.manifest))}, "
+              f"<= {args.package_kb} kB each",
               "max_new_tokens": args.max_new_tokens, "prefix_tokens": args.prefix_tokens, "heal": args.heal,
               "cases_per_kind": {"next_line": args.next_line, "fim": args.fim}, "results": results,
               "gate": gates, "degenerate": degenerate, "heldout_loss": losses, "seconds": seconds,
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, help="a reproduce --out DIR (without: the --compare model alone)")
     ap.add_argument("--compare", type=Path, default=EMBEDDED)
-    ap.add_argument("--manifest", type=Path, default=Path("bench/results/nano_data_manifest.json"),
-                    help="without --run: the --compare model's data manifest (its training packages)")
+    ap.add_argument("--manifest", type=Path, action="append",
+                    help="without --run: the --compare model's data manifest (its training packages; default "
+                         "bench/results/nano_data_manifest.json); given again, cases from packages none of them "
+                         "trained on, so several models can be scored on the same cases")
     ap.add_argument("--package-kb", type=int, default=400, help="without --run: at most this much of a package")
     ap.add_argument("--prefix-tokens", type=int, default=768, help="the prompt's prefix window (lingls: 1536)")
     ap.add_argument("--gate", default="0.01", help="confidence-gate bars to report (line probabilities)")
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         files = heldout_files(json.loads((args.run / "results" / "data_manifest.json").read_text()))
     else:
-        files = unseen_files(json.loads(args.manifest.read_text()), args.package_kb * 1000)
+        args.manifest = args.manifest or [Path("bench/results/nano_data_manifest.json")]
+        files = unseen_files([json.loads(m.read_text()) for m in args.manifest], args.package_kb * 1000)
     cases = make_cases(files, args.next_line, args.seed, fim_per_kind=args.fim)
     print(f"{len(files)} held-out files here, {len(cases)} cases", flush=True)
     cmp_mode = json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm")
