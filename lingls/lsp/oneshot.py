@@ -1,7 +1,8 @@
 """`lingls complete PATH:LINE:COL`: print the completion at a cursor, the way the language server would.
 
-The same core as the server (session.Core: prompt, generation, post-processing), without LSP, and without the
-confidence gate (it answers an explicit request, as an editor's Invoked one). LINE and COL are 1-based like
+The same core as the server (session.Core: prompt, generation, post-processing), without LSP. It answers as an
+editor's Invoked request (no confidence gate), or with `--typing` as an automatic one while typing (the gate at
+minLineProbability: an unlikely line is not shown). LINE and COL are 1-based like
 compiler messages; COL counts characters (code points). Exit status: 0 with a completion, 1 without one (the
 reason, if any, on stderr), 2 for a malformed location or a missing file.
 """
@@ -51,8 +52,10 @@ def parse_location(location: str) -> tuple[str, int, int]:
 
 async def complete_file(path: Path, line: int, col: int, args: Any) -> str | None:
     """The completion at 1-based (line, col) of the file at `path`, or None."""
-    # asked for explicitly, as an editor's Invoked request: the completion whatever its probability (no gate)
-    core = Core(_Stderr(), replace(from_cli(args), min_line_probability=0.0))
+    settings = from_cli(args)
+    if not getattr(args, "typing", False):  # asked for, as an Invoked request: whatever its probability
+        settings = replace(settings, min_line_probability=0.0)
+    core = Core(_Stderr(), settings)
     core.initialize(None, UTF32, path.parent.resolve().as_uri())
     uri = path.resolve().as_uri()
     core.open(uri, LANGUAGE_IDS.get(path.suffix, ""), 0, path.read_text(encoding="utf-8", errors="replace"))

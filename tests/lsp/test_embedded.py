@@ -57,3 +57,22 @@ def test_complete_command_uses_the_same_pipeline(tmp_path: Path):
     bad = subprocess.run([sys.executable, "-m", "lingls.cli", "complete", f"{path}:0:1"], env=env,
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "1-based" in bad.stderr
+
+
+async def test_complete_command_answers_as_typing_with_the_gate(tmp_path: Path):
+    """`--typing` answers as an automatic request: the confidence gate applies (at a bar no line of the model
+    reaches, nothing is shown); without it, as an Invoked request, the same cursor gets its completion."""
+    import argparse
+
+    from lingls.lsp.oneshot import complete_file
+
+    if not HAVE_WEIGHTS:
+        pytest.skip("ling-nano weights absent (random tiny stand-in)")
+    path = tmp_path / "c.py"
+    path.write_text("import os\n\n\ndef read_file(path):\n    with open(path) as f:\n        return \n")
+    asked = await complete_file(path, 6, 16, argparse.Namespace(max_tokens=16, device="cpu"))
+    typing = await complete_file(path, 6, 16, argparse.Namespace(max_tokens=16, device="cpu", typing=True,
+                                                                 min_line_probability=0.999))
+    assert asked and typing is None
+    default = await complete_file(path, 6, 16, argparse.Namespace(max_tokens=16, device="cpu", typing=True))
+    assert default is None or asked.startswith(default)  # the gate ends a completion at a line, never changes it
