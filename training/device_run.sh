@@ -11,8 +11,9 @@
 # - packs /tmp/nano into $OUT as <= 15 MiB parts (the tool brings back at most 8 files of 16 MiB), whatever
 #   failed or ran out of time before, and Triton's cache (compiled kernels, autotune results) as
 #   $OUT/triton-cache.tgz: carry it back as TRITON_CACHE_TGZ=... and fla's kernels need no compiling next time.
-#   RESUME_TAR=path/to/nano.tar.part- or run.tar.xz (optional) unpacks an earlier run and trains on from it (--resume); with
-#   --eval-only among the arguments, unpacks it as this run's own directory and only evaluates (and distils).
+#   RESUME_TAR=path/to/nano.tar.part- or run.tar.xz (optional) unpacks an earlier run and trains on from it
+#   (--resume); with --eval-only among the arguments, unpacks it as this run's own directory and only evaluates
+#   (and distils).
 #   TorchInductor's cache (the compiled layers) comes back as $OUT/inductor-cache.tgz: INDUCTOR_CACHE_TGZ=...
 #   CHOICE=path/to/train_throughput.json (optional) takes an earlier run's choice (batch, kernel, compiled
 #   layers) instead of running the throughput benchmark again.
