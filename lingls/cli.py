@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--max-tokens", type=int, default=64)
     complete.add_argument("--typing", action="store_true",
                           help="answer as a suggestion shown while typing (an automatic request): a line the model "
-                               "gives less than minLineProbability (0.01) is not shown; without it, as one you ask "
+                               "gives less than minLineProbability (0.02) is not shown; without it, as one you ask "
                                "for (Invoked), whatever its probability")
 
     vocab = sub.add_parser("draft-vocab", help="write a --draft-vocab file: the most frequent token ids of source "

@@ -46,7 +46,7 @@ class Settings:
     context_chunks: int = 16
     # automatic suggestions: a line only if the model gave it at least this probability (engines that report
     # token probabilities: the in-process engine on a CPU, lingls serve on a CPU); 0 shows every line
-    min_line_probability: float = 0.01
+    min_line_probability: float = 0.02
 
     def language_enabled(self, language_id: str) -> bool:
         return self.enable and ("*" in self.languages or language_id in self.languages)

@@ -174,7 +174,7 @@ async def test_accept_is_recorded_and_prefetches_the_continuation():
         [nxt] = await complete(client, 0, 13)
         assert nxt.insert_text == "+ c" or nxt.insert_text == " + c"
         assert (await engine_stats(client))["requests"] == 2  # the prefetch, no third call
-        assert (await engine_stats(client))["extra"]["gates"] == [0.01, 0.01]  # the prefetch is gated too
+        assert (await engine_stats(client))["extra"]["gates"] == [0.02, 0.02]  # the prefetch is gated too
 
 
 async def test_invoked_returns_up_to_three_distinct_items():
@@ -190,7 +190,7 @@ async def test_the_confidence_gate_is_asked_for_automatic_suggestions_only():
         open_doc(client, "x = ")
         await complete(client, 0, 4)
         await complete(client, 0, 4, invoked=True)
-        assert (await engine_stats(client))["extra"]["gates"][:2] == [0.01, 0.0]  # the default, then none
+        assert (await engine_stats(client))["extra"]["gates"][:2] == [0.02, 0.0]  # the default, then none
         client.workspace_did_change_configuration(
             lsp.DidChangeConfigurationParams(settings={"lingls": {"minLineProbability": 1.5}}))
         client.workspace_did_change_configuration(

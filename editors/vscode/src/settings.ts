@@ -25,7 +25,7 @@ export function readSettings(): ExtensionSettings {
     model: cfg.get<string>('model', '').trim(),
     maxTokens: cfg.get<number>('maxTokens', 64),
     debounceMs: cfg.get<number>('debounceMs', 50),
-    minLineProbability: cfg.get<number>('minLineProbability', 0.01),
+    minLineProbability: cfg.get<number>('minLineProbability', 0.02),
     enable: { ...cfg.get<Record<string, boolean>>('enable', { '*': true }) },
   };
 }
