@@ -8,8 +8,9 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the kernels before, graphed on a runner of its own: fla's own KDA state pass (`prefill_kda_state.PREVIOUS`) and
-the routed experts' block form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
+the kernels before, graphed on a runner of its own: the KDA recurrence's inputs in fp32
+(`prefill_kda.PREVIOUS_FP32_INPUTS`), its state pass (`prefill_kda_state.PREVIOUS`) and the routed experts' form
+(`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
 state pass (`tune_kda_state_pass`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
@@ -295,12 +296,14 @@ def tune_kda_state_pass(model, sizes: list[int], reps: int = 10) -> tuple[dict, 
     """How the KDA state pass of a prefill of each size in `sizes` runs (`prefill_kda_state`: fla's own pass, or
     the narrow pass at some value columns and pipeline stages), measured on one KDA
     layer's shapes: fresh random inputs as the prologue makes them (q, k L2-normalised, q scaled, beta in (0, 1),
-    `slow_gates`) and a random initial state; for every option the time of one layer's whole recurrence as a CUDA
-    graph replay, as it runs inside a prefill graph (CUDA events, median of `reps`; timed eagerly, fla's host work
-    between its launches hides the device time), and the relative error of the output and final state against the
-    torch chunked form in fp32 (`reference.kda_chunked`) and against fla's own pass. The fastest whose errors stay
-    within twice fla's (+ 1e-4) is chosen. Returns (the table by token count for `prefill_kda_state.COLUMNS`, a row
-    per size)."""
+    `slow_gates`; q, k and v in the dtype a bf16 model's prefill hands the recurrence, `prefill_kda.recurrence_dtype`)
+    and a random initial state; for every option the time of one layer's whole recurrence as a CUDA graph replay,
+    as it runs inside a prefill graph (CUDA events, median of `reps`; timed eagerly, fla's host work between its
+    launches hides the device time), and the relative error of the output and final state against the torch
+    chunked form in fp32 on the same inputs (`reference.kda_chunked`) and against fla's own pass. The fastest
+    whose errors stay within twice fla's (+ 1e-4) is chosen. Returns (the table by token count for
+    `prefill_kda_state.COLUMNS`, a row per size)."""
+    from lingls.kernels import prefill_kda
     from lingls.kernels import prefill_kda_state as ks
     from lingls.kernels import reference as ref
     from lingls.model.ling import KimiDeltaAttention, fla_chunk_kda
@@ -317,16 +320,17 @@ def tune_kda_state_pass(model, sizes: list[int], reps: int = 10) -> tuple[dict, 
     table, rows = {}, []
     for t in sizes:
         rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
-        q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
-        k = ref.l2_normalize(rnd(1, t, heads, d))
-        v = rnd(1, t, heads, d)
+        dt = prefill_kda.recurrence_dtype(torch.bfloat16)
+        q = (ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5).to(dt)
+        k = ref.l2_normalize(rnd(1, t, heads, d)).to(dt)
+        v = rnd(1, t, heads, d).to(dt)
         g = slow_gates(rnd(1, t, heads, d), lower)
         beta = torch.sigmoid(rnd(1, t, heads))
         s0 = rnd(1, heads, d, d) * 0.05
         with torch.inference_mode():
-            o_ref, s_ref = ref.kda_chunked(q, k, v, g, beta, s0)
+            o_ref, s_ref = ref.kda_chunked(q.float(), k.float(), v.float(), g, beta, s0)
             options = []
-            for columns, stages in ((0, 0), (16, 2), (16, 3), (32, 2)):
+            for columns, stages in ((0, 0), (16, 2), (16, 3), (16, 4), (32, 2), (32, 3)):
                 if columns == 0:
                     run = lambda: fla(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=s0,  # noqa: E731
                                       output_final_state=True, use_qk_l2norm_in_kernel=False)
@@ -348,9 +352,9 @@ def tune_kda_state_pass(model, sizes: list[int], reps: int = 10) -> tuple[dict, 
               and o["state_err"] <= 2 * base["state_err"] + 1e-4]
         best = min(ok, key=lambda o: o["ms"])
         table[t] = (best["columns"], best["stages"])
-        rows.append({"tokens": t, "chosen": table[t], "options": options})
+        rows.append({"tokens": t, "inputs": str(dt), "chosen": table[t], "options": options})
         name = lambda o: "fla's pass" if o["columns"] == 0 else f"{o['columns']} columns x {o['stages']} stages"  # noqa: E731
-        print(f"KDA recurrence at {t} tokens (one layer, {heads} heads, graph replays): " + "; ".join(
+        print(f"KDA recurrence at {t} tokens (one layer, {heads} heads, {dt} inputs, graph replays): " + "; ".join(
             f"{name(o)} {o['ms']:.3f} ms (err o {o['o_err']:.1e}, state {o['state_err']:.1e}; against fla's "
             f"o {o['o_vs_fla']:.1e}, state {o['state_vs_fla']:.1e})" if "ms" in o
             else f"{name(o)} failed: {o['error'][:80]}" for o in options) + f"; chosen {name(best)}", flush=True)
@@ -427,25 +431,28 @@ class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
     its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
-    pass (`prefill_kda_state.COLUMNS`) and the routed experts' kernels (`prefill_moe.FORM`) while it runs."""
+    pass (`prefill_kda_state.COLUMNS`), the routed experts' kernels (`prefill_moe.FORM`) and whether the KDA
+    recurrence takes fp32 inputs (`prefill_kda.FP32_INPUTS`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     kda_columns: dict
     experts: str
+    kda_fp32: bool = False
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner, its KDA state pass into `prefill_kda_state` and its experts' kernels
-    into `prefill_moe`; returns the runner."""
-    from lingls.kernels import prefill_kda_state, prefill_moe
+    """Put a path into its runner, its KDA state pass into `prefill_kda_state`, its KDA inputs' dtype into
+    `prefill_kda` and its experts' kernels into `prefill_moe`; returns the runner."""
+    from lingls.kernels import prefill_kda, prefill_kda_state, prefill_moe
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
     runner.cache.every = path.chunk
     prefill_kda_state.COLUMNS = path.kda_columns
     prefill_moe.FORM = path.experts
+    prefill_kda.FP32_INPUTS = path.kda_fp32
     return runner
 
 
@@ -602,7 +609,7 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda_state, prefill_moe
+    from lingls.kernels import prefill_kda, prefill_kda_state, prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     prefill_moe.FORM = a.experts_form or prefill_moe.FORM  # before the warm-up captures the runtime's graphs
@@ -623,11 +630,12 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the kernels before (fla's KDA state pass, the experts' block form), graphed on a runner
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # of its own: a graph
-        previous.fused = runner.fused  # bakes in its kernels (the same fused step: one copy of its weight layouts)
+    if a.previous:  # the kernels before (KDA's inputs in fp32), graphed on a runner of its own: a graph bakes
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # in its kernels (the same
+        previous.fused = runner.fused  # fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        prefill_kda_state.PREVIOUS, prefill_moe.PREVIOUS_FORM)
+                                        prefill_kda_state.PREVIOUS or kda_table, prefill_moe.PREVIOUS_FORM,
+                                        prefill_kda.PREVIOUS_FP32_INPUTS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
                                          kda_table, form)  # as two pieces, each a weight stream
@@ -757,7 +765,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--experts-form", choices=("by_expert", "by_block"),
                    help="the routed experts' kernels of the runtime path (default: prefill_moe.FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the kernels before (fla's KDA state pass, the routed experts' block form), "
+                   help="also time the kernels before (the KDA recurrence on fp32 inputs), "
                         "graphed on a runner of its own (path previous)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)

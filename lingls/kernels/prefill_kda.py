@@ -6,7 +6,8 @@ front of each input), the L2 norms of q and k, the decay gate, beta, the padding
 the prompt's end, and after the recurrence the gated RMSNorm of its output. Here:
 - `prologue`: one program per head and block of tokens: the three convolutions (taps before the first token read the
   conv state), SiLU, q and k normalised (q scaled by d^-0.5), the gate g (per channel) and beta (per head),
-  both zero at padded tokens (`valid`), as the recurrence takes them (fp32);
+  both zero at padded tokens (`valid`), as the recurrence takes them (g and beta fp32; q, k and v in the
+  dtype asked for: `recurrence_dtype`);
 - `conv_states`: the K-1 inputs before position `end` of each of q, k and v (the new conv state);
 - `gated_norm`: RMSNorm of each head's output times sigmoid(gate), rounded once to the activation dtype.
 Each rounds where the torch form rounds (the convolution's and SiLU's outputs to the activation dtype), so the
@@ -27,6 +28,17 @@ import torch
 from lingls.kernels import jit, tl, triton
 
 BLOCK = (16, 4)  # (tokens of one head per program, warps) of `prologue` and `gated_norm`
+# q, k and v enter the chunked recurrence in the activation dtype (bf16 in a bf16 model), as fla-core's chunk_kda
+# takes them in transformers' BailingHybrid, where fp32 copies made fla's intra-chunk and output stages run tf32
+# products over twice the bytes; the gate, beta and the state stay fp32. True: fp32 (the form before, which
+# `lingls bench prefix --previous` times).
+FP32_INPUTS = False
+PREVIOUS_FP32_INPUTS = True
+
+
+def recurrence_dtype(activation: torch.dtype) -> torch.dtype:
+    """The dtype of q, k and v handed to a prefill's chunked recurrence (`FP32_INPUTS`)."""
+    return torch.float32 if FP32_INPUTS else activation
 
 if triton is not None:
     @jit
@@ -62,9 +74,10 @@ if triton is not None:
         q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, tmask, cols, K, BLOCK_T, D)
         k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, tmask, cols, K, BLOCK_T, D)
         v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, tmask, cols, K, BLOCK_T, D)
-        tl.store(q_out + out, q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale, mask=m)
-        tl.store(k_out + out, k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None], mask=m)
-        tl.store(v_out + out, v, mask=m)
+        qkv = q_out.dtype.element_ty
+        tl.store(q_out + out, (q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale).to(qkv), mask=m)
+        tl.store(k_out + out, (k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]).to(qkv), mask=m)
+        tl.store(v_out + out, v.to(qkv), mask=m)
         x = tl.load(f_ptr + t.to(tl.int64)[:, None] * sx + cols[None, :], mask=m, other=0.0).to(tl.float32) \
             + tl.load(dt_bias_ptr + cols)[None, :]
         g = lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + h)) * x)  # the safe (bounded) gate
@@ -110,16 +123,18 @@ if triton is not None:
         gate = tl.sigmoid(tl.load(gate_ptr + rows * sg + h * D + d[None, :], mask=m, other=0.0).to(tl.float32))
         tl.store(out_ptr + rows * H * D + h * D + d[None, :], (o * gate).to(out_ptr.dtype.element_ty), mask=m)
 
-def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bound: float):
+def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bound: float,
+             dtype: torch.dtype = torch.float32):
     """q, k, v, f: [T, H*D] projections (rows of one stride); b: [T, H]; conv_state: [3, C, K-1] (q, k, v);
     conv_w: [3, C, K]; a_log: [H]; dt_bias: [H*D]; valid: [T] bool or None; the safe gate's lower bound (the
-    other gate form has no kernel). Returns the recurrence's inputs (q, k, v, g: [T, H, D] fp32; beta: [T, H])."""
+    other gate form has no kernel). Returns the recurrence's inputs (q, k, v: [T, H, D] in `dtype`, rounded once
+    from fp32; g: [T, H, D] fp32; beta: [T, H] fp32)."""
     t, c = q.shape
     h = a_log.shape[0]
     d = c // h
     if not (q.stride() == k.stride() == v.stride() == f.stride()) or q.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("q, k, v and f must share one row stride with contiguous columns")
-    outs = [torch.empty(t, h, d, dtype=torch.float32, device=q.device) for _ in range(4)]
+    outs = [torch.empty(t, h, d, dtype=dt, device=q.device) for dt in (dtype, dtype, dtype, torch.float32)]
     beta = torch.empty(t, h, dtype=torch.float32, device=q.device)
     tokens, warps = BLOCK
     _prologue_kernel[(triton.cdiv(t, tokens), h)](

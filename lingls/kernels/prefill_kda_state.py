@@ -15,9 +15,10 @@ recurrence of a layer: 0.695 ms against fla's 1.046 at 8,192 tokens, closer to t
 (A split of the pass into runs chained by fla's context-parallel merge, tried first, was slower than the unsplit
 pass at every size as graph replays: docs/kernel-log.md, twentieth session.)
 
-The first product rounds the state to w's dtype as fla's does (tf32 for fp32 inputs). `state_pass_reference` is the
-plain-torch definition. `chunk_kda` follows fla-core 0.6.0's other stages; `available()` is false for any other
-version (fla's own `chunk_kda` then serves).
+The first product rounds the state to w's dtype as fla's does (tf32 for fp32 inputs, bf16 for the bf16 inputs a
+bf16 model's prefill hands it: `prefill_kda.FP32_INPUTS`; a bf16 k has no low half, so its update is two
+products). `state_pass_reference` is the plain-torch definition. `chunk_kda` follows fla-core 0.6.0's other
+stages; `available()` is false for any other version (fla's own `chunk_kda` then serves).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CHUNK = 64  # fla's KDA chunk size
 # smallest key >= T); (0, 0): fla's own chunk_kda. Chosen by `lingls bench prefix --tune` on an H200 (one layer of
 # a TP=4 rank as graph replays, twentieth session; bench/results/prefix.json).
 COLUMNS: dict[int, tuple[int, int]] = {512: (16, 2), 1536: (16, 3), 8192: (16, 3)}
-PREVIOUS: dict[int, tuple[int, int]] = {8192: (0, 0)}  # fla's own pass (`lingls bench prefix --previous`)
+PREVIOUS: dict[int, tuple[int, int]] = {}  # `lingls bench prefix --previous`'s pass ({}: the runtime's, COLUMNS)
 WARPS = 4
 _FLA: list = []
 
@@ -128,12 +129,13 @@ if triton is not None:
         # the update state^T += new^T k reads k's rows as stored (16-byte copies; k^T as a [K, BT] tile of fp32
         # would be copied 4 bytes at a time, tf32 operands being untransposable in shared memory, and took 4 us a
         # chunk), in bf16x3: the products of the high and low bf16 halves, about fp32's precision
-        kc = tl.load(k_ptr + rk[:, None] + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)  # [BT, K]
+        kc = tl.load(k_ptr + rk[:, None] + o_k[None, :], mask=live[:, None], other=0.0)  # [BT, K]
         n_t = tl.trans(new)  # [BV, BT]
         k_hi = kc.to(tl.bfloat16)
         n_hi = n_t.to(tl.bfloat16)
         state = _dot_bf16(n_hi, k_hi, state * decay[None, :], INTERPRETED)
-        state = _dot_bf16(n_hi, (kc - k_hi.to(tl.float32)).to(tl.bfloat16), state, INTERPRETED)
+        if k_ptr.dtype.element_ty != tl.bfloat16:  # k's low half (zero where k is bf16: the product skipped)
+            state = _dot_bf16(n_hi, (kc.to(tl.float32) - k_hi.to(tl.float32)).to(tl.bfloat16), state, INTERPRETED)
         return _dot_bf16((n_t - n_hi.to(tl.float32)).to(tl.bfloat16), k_hi, state, INTERPRETED)
 
     @jit

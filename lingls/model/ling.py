@@ -164,12 +164,13 @@ class KimiDeltaAttention(nn.Module):
         t = x.shape[0]
         q, k, v, f = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
         conv_w = torch.stack([c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        q_, k_, v_, g, beta = prefill_kda.prologue(q, k, v, f, self.b_proj(x), conv_state, conv_w, self.A_log,
-                                                   self.dt_bias, valid, self.lower_bound)
-        end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
-        new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
         narrow = q.is_cuda and fla_chunk_kda() is not None and prefill_kda_state.available()
         columns, stages = prefill_kda_state.columns_for(t, self.d) if narrow else (0, 0)
+        q_, k_, v_, g, beta = prefill_kda.prologue(q, k, v, f, self.b_proj(x), conv_state, conv_w, self.A_log,
+                                                   self.dt_bias, valid, self.lower_bound,
+                                                   prefill_kda.recurrence_dtype(x.dtype) if columns else torch.float32)
+        end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
+        new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
         if columns:  # fla's chunked recurrence with the state pass in narrow value columns
             o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, columns,
                                                    stages)

@@ -361,10 +361,13 @@ def test_kda_state_pass_in_columns_is_its_definition(t, heads, d, columns, dtype
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
                     reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
-@pytest.mark.parametrize("t, columns", [(1000, 16), (4096, 32), (300, 64), (8192, 16)])
-def test_chunk_kda_with_the_narrow_state_pass_computes_what_fla_does(t, columns):
+@pytest.mark.parametrize("t, columns, dtype", [(1000, 16, torch.float32), (4096, 32, torch.float32),
+                                               (300, 64, torch.float32), (8192, 16, torch.float32),
+                                               (1000, 16, torch.bfloat16), (8192, 16, torch.bfloat16)])
+def test_chunk_kda_with_the_narrow_state_pass_computes_what_fla_does(t, columns, dtype):
     """fla's chunk_kda with the narrow state pass: fla's own pass's states and values (to summation order), and
-    the whole recurrence as close to the fp32 torch chunked form as fla's own (within twice its error)."""
+    the whole recurrence as close to the fp32 torch chunked form as fla's own (within twice its error), with q, k
+    and v in fp32 or in bf16 (as a bf16 model's prefill hands them: the torch form then runs on the same values)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.kda import chunk_kda
 
@@ -381,13 +384,44 @@ def test_chunk_kda_with_the_narrow_state_pass_computes_what_fla_does(t, columns)
 
         g = torch.Generator(device="cuda").manual_seed(6)
         rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
-        q = ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5
-        k = ref.l2_normalize(rnd(1, t, heads, d))
-        v, gate = rnd(1, t, heads, d), slow_gates(rnd(1, t, heads, d), -5.0)  # states carried across chunks
+        q = (ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5).to(dtype)
+        k = ref.l2_normalize(rnd(1, t, heads, d)).to(dtype)
+        v, gate = rnd(1, t, heads, d).to(dtype), slow_gates(rnd(1, t, heads, d), -5.0)  # states carried on
         beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
         o, s = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, columns)
         o1, s1 = chunk_kda(q=q, k=k, v=v, g=gate, beta=beta, scale=1.0, initial_state=s0, output_final_state=True,
                            use_qk_l2norm_in_kernel=False)
-        o_ref, s_ref = ref.kda_chunked(q, k, v, gate, beta, s0)
+        o_ref, s_ref = ref.kda_chunked(q.float(), k.float(), v.float(), gate, beta, s0)
+    assert o.dtype == dtype and s.dtype == torch.float32
     assert rel(o, o1) < 1e-2 and rel(s, s1) < 1e-2
     assert rel(o, o_ref) < 2 * rel(o1, o_ref) + 1e-4 and rel(s, s_ref) < 2 * rel(s1, s_ref) + 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
+                    reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
+@pytest.mark.parametrize("t", [200, 1000])
+def test_bf16_prefill_hands_the_recurrence_bf16_inputs(t, monkeypatch):
+    """A bf16 model's KDA layer in a prefill: q, k and v reach the chunked recurrence in bf16 (as fla's chunk_kda
+    takes them in transformers' model), and the layer's output, conv state and recurrent state stay within bf16's
+    rounding of the fp32-input form (`prefill_kda.FP32_INPUTS`) and of the torch form."""
+    model = build(num_hidden_layers=2, head_dim=32, hidden_size=128).to("cuda", torch.bfloat16)
+    attn = model.model.layers[0].attention
+    assert prefill_kda_state.columns_for(t, attn.d)[0], "the narrow pass must take this layer"
+    g = torch.Generator().manual_seed(9)
+    c = attn.heads * attn.d
+    x = torch.randn(t, 128, generator=g).to("cuda", torch.bfloat16)
+    conv_state = torch.randn(1, 3, c, 3, generator=g).to("cuda", torch.bfloat16)
+    state = (torch.randn(1, attn.heads, attn.d, attn.d, generator=g) * 0.1).to("cuda")
+    seen = []
+    real = prefill_kda_state.chunk_kda
+    monkeypatch.setattr(prefill_kda_state, "chunk_kda", lambda q, *rest: seen.append(q.dtype) or real(q, *rest))
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    with torch.no_grad():
+        got = attn._prefill(x, conv_state[0], state.clone(), None)
+        monkeypatch.setattr(prefill_kda, "FP32_INPUTS", True)
+        fp32_inputs = attn._prefill(x, conv_state[0], state.clone(), None)
+        monkeypatch.setenv("LINGLS_KERNELS", "0")
+        want = attn.forward(x[None], conv_state, state.clone())
+    assert seen == [torch.bfloat16, torch.float32]
+    for a, b, w in zip(got, fp32_inputs, want):
+        assert a.dtype == b.dtype and rel(a, b) < 2e-2 and rel(a, w) < 3e-2, (rel(a, b), rel(a, w))
