@@ -618,6 +618,7 @@ def flash_prefill(a) -> int:
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
     kda_table, tuning = prefill_kda_state.COLUMNS, None
+    shipped_table = dict(prefill_kda_state.PREVIOUS or prefill_kda_state.COLUMNS)  # the previous path's, untuned
     if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass
         kda_table, tuning = tune_kda_state_pass(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
         prefill_kda_state.COLUMNS = kda_table
@@ -634,7 +635,7 @@ def flash_prefill(a) -> int:
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # in its kernels (the same
         previous.fused = runner.fused  # fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        prefill_kda_state.PREVIOUS or kda_table, prefill_moe.PREVIOUS_FORM,
+                                        shipped_table, prefill_moe.PREVIOUS_FORM,
                                         prefill_kda.PREVIOUS_FP32_INPUTS)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
