@@ -9,8 +9,8 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
 the kernels before, graphed on a runner of its own: the KDA recurrence's inputs in fp32
-(`prefill_kda.PREVIOUS_FP32_INPUTS`), its state pass (`prefill_kda_state.PREVIOUS`) and the routed experts' form
-(`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
+(`prefill_kda.PREVIOUS_FP32_INPUTS`, its state pass then as `prefill_kda_state.FP32_COLUMNS` says) and the routed
+experts' form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
 state pass (`tune_kda_state_pass`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
@@ -440,6 +440,7 @@ class PrefillPath(NamedTuple):
     kda_columns: dict
     experts: str
     kda_fp32: bool = False
+    expert_settings: dict | None = None  # prefill_moe's launch settings by name (`--experts-variants`), or its own
 
 
 def _use(path: PrefillPath) -> ModelRunner:
@@ -453,7 +454,19 @@ def _use(path: PrefillPath) -> ModelRunner:
     prefill_kda_state.COLUMNS = path.kda_columns
     prefill_moe.FORM = path.experts
     prefill_kda.FP32_INPUTS = path.kda_fp32
+    for name, value in {**_MOE_SETTINGS, **(path.expert_settings or {})}.items():
+        setattr(prefill_moe, name, tuple(value) if isinstance(value, list) else value)
     return runner
+
+
+def _moe_settings() -> dict:
+    from lingls.kernels import prefill_moe
+
+    return {name: getattr(prefill_moe, name) for name in ("GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
+                                                           "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK")}
+
+
+_MOE_SETTINGS = _moe_settings()  # the shipped launch settings, which a path without its own runs with
 
 
 def _torch_ops(step):
@@ -618,7 +631,6 @@ def flash_prefill(a) -> int:
     runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
     kda_table, tuning = prefill_kda_state.COLUMNS, None
-    shipped_table = dict(prefill_kda_state.PREVIOUS or prefill_kda_state.COLUMNS)  # the previous path's, untuned
     if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass
         kda_table, tuning = tune_kda_state_pass(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
         prefill_kda_state.COLUMNS = kda_table
@@ -635,8 +647,13 @@ def flash_prefill(a) -> int:
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # in its kernels (the same
         previous.fused = runner.fused  # fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        shipped_table, prefill_moe.PREVIOUS_FORM,
+                                        kda_table, prefill_moe.PREVIOUS_FORM,
                                         prefill_kda.PREVIOUS_FP32_INPUTS)
+    for name, settings in json.loads(a.experts_variants or "{}").items():  # other expert settings, in place
+        other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
+        other.fused = runner.fused
+        paths[f"experts_{name}"] = PrefillPath(other, other.prefill_step, a.chunk, other.prefill_graphs, kda_table,
+                                               settings.pop("FORM", form), False, settings)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
                                          kda_table, form)  # as two pieces, each a weight stream
@@ -768,6 +785,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--previous", action="store_true",
                    help="also time the kernels before (the KDA recurrence on fp32 inputs), "
                         "graphed on a runner of its own (path previous)")
+    p.add_argument("--experts-variants", default="", metavar="JSON",
+                   help='also time the routed experts with other launch settings in place, each on a runner of its '
+                        'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "DOWN_FORM": "by_expert", ...}, ...} '
+                        "(prefill_moe's names; FORM too)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

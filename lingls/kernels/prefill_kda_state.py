@@ -32,9 +32,11 @@ from lingls.kernels import by_tokens, jit, tl, triton
 CHUNK = 64  # fla's KDA chunk size
 # (value columns a program carries, software-pipeline stages) of the state pass by prompt tokens (`by_tokens`: the
 # smallest key >= T); (0, 0): fla's own chunk_kda. Chosen by `lingls bench prefix --tune` on an H200 (one layer of
-# a TP=4 rank as graph replays, twentieth session; bench/results/prefix.json).
-COLUMNS: dict[int, tuple[int, int]] = {512: (16, 2), 1536: (16, 3), 8192: (16, 3)}
-PREVIOUS: dict[int, tuple[int, int]] = {}  # `lingls bench prefix --previous`'s pass ({}: the runtime's, COLUMNS)
+# a TP=4 rank as graph replays, bf16 inputs; bench/results/prefix.json).
+COLUMNS: dict[int, tuple[int, int]] = {512: (16, 2), 1536: (16, 4), 8192: (16, 4)}
+# the same for fp32 inputs (`prefill_kda.FP32_INPUTS`; chosen in the twentieth session): a stage holds twice the
+# bytes, and 4 stages exceed shared memory
+FP32_COLUMNS: dict[int, tuple[int, int]] = {512: (16, 2), 1536: (16, 3), 8192: (16, 3)}
 WARPS = 4
 _FLA: list = []
 
@@ -62,10 +64,11 @@ def available() -> bool:
     return _fla() is not None and triton is not None
 
 
-def columns_for(t: int, d: int) -> tuple[int, int]:
-    """(value columns a program, pipeline stages) of the state pass of a T-token prefill with heads of d (`COLUMNS`);
-    (0, 0): fla's own, also for heads the narrow pass does not take (a power of two >= 16, a multiple of columns)."""
-    columns, stages = by_tokens(COLUMNS, t)
+def columns_for(t: int, d: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(value columns a program, pipeline stages) of the state pass of a T-token prefill with heads of d and inputs
+    of dtype (`COLUMNS`, `FP32_COLUMNS`); (0, 0): fla's own, also for heads the narrow pass does not take (a power
+    of two >= 16, a multiple of columns)."""
+    columns, stages = by_tokens(FP32_COLUMNS if dtype == torch.float32 else COLUMNS, t)
     return (columns, stages) if columns and d >= 16 and d & (d - 1) == 0 and d % columns == 0 else (0, 0)
 
 

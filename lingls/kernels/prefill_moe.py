@@ -62,6 +62,7 @@ BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padde
 FORMS = ("by_expert", "by_block")
 FORM = "by_block"  # the kernels' form (module note); the prefill graphs bake in the form they were captured with
 PREVIOUS_FORM = "by_block"  # the form before (`lingls bench prefix --previous` times it on a runner of its own)
+DOWN_FORM = None  # the down kernel's form where it is not FORM's (by expert under the block form's gate/up), or None
 # by_expert is exact on the H200 (bit-equal to by_block at a rank's shapes) but not yet timed there: it becomes FORM
 # when `lingls bench prefix --experts-form by_expert --previous` shows it faster inside the whole prefill
 
@@ -470,7 +471,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
             LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps,
             num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    if by_expert and inter <= DOWN_BY_EXPERT_MAX_INTER:
+    if (DOWN_FORM or form) == "by_expert" and n_exp <= MAX_GRID_Y and inter <= DOWN_BY_EXPERT_MAX_INTER:
         bn, warps, stages = DOWN_BY_EXPERT
         bk, chunks = down_chunks(inter)
         _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](

@@ -160,15 +160,17 @@ class KimiDeltaAttention(nn.Module):
     def _prefill(self, x, conv_state, state, valid):
         """`forward` of one sequence's many tokens x [T, hidden] through the prefill kernels: the projections, one
         launch for the convolutions, norms, gate and beta (`prefill_kda.prologue`), one for the new conv state,
-        the chunked recurrence, one for the gated output norm; the same outputs as the torch form."""
+        the chunked recurrence, one for the gated output norm; the torch form's outputs, to the rounding of q, k
+        and v to the activation dtype where the narrow state pass serves (`prefill_kda.FP32_INPUTS`)."""
         t = x.shape[0]
         q, k, v, f = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
         conv_w = torch.stack([c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         narrow = q.is_cuda and fla_chunk_kda() is not None and prefill_kda_state.available()
-        columns, stages = prefill_kda_state.columns_for(t, self.d) if narrow else (0, 0)
+        dtype = prefill_kda.recurrence_dtype(x.dtype)
+        columns, stages = prefill_kda_state.columns_for(t, self.d, dtype) if narrow else (0, 0)
         q_, k_, v_, g, beta = prefill_kda.prologue(q, k, v, f, self.b_proj(x), conv_state, conv_w, self.A_log,
                                                    self.dt_bias, valid, self.lower_bound,
-                                                   prefill_kda.recurrence_dtype(x.dtype) if columns else torch.float32)
+                                                   dtype if columns else torch.float32)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
         if columns:  # fla's chunked recurrence with the state pass in narrow value columns
