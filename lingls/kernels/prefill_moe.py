@@ -407,8 +407,10 @@ if triton is not None:
                                BLOCK_K, K_CHUNKS, F32_DOT)
 
     @jit
-    def _combine_kernel(y_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-        """out[t] = sum over j < TOP_K of w[t, j] * y[t * TOP_K + j], in fp32 in the order of j, rounded once."""
+    def _combine_kernel(y_ptr, w_ptr, plus_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, PLUS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """out[t] = sum over j < TOP_K of w[t, j] * y[t * TOP_K + j], in fp32 in the order of j, rounded once;
+        with PLUS, then + plus[t] rounded again (the bits of torch's `out + plus` in out's dtype)."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
@@ -417,7 +419,11 @@ if triton is not None:
             w = tl.load(w_ptr + t * TOP_K + j)
             y = tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * H + cols, mask=mask, other=0.0)
             acc += w * y.to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        out = acc.to(out_ptr.dtype.element_ty)
+        if PLUS:
+            out = (out.to(tl.float32) + tl.load(plus_ptr + t.to(tl.int64) * H + cols, mask=mask, other=0.0).to(
+                tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * H + cols, out, mask=mask)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the block form's two kernels
@@ -443,9 +449,11 @@ def down_chunks(inter: int) -> tuple[int, int]:
 
 
 def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M,
-                       form: str | None = None):
+                       form: str | None = None, plus: torch.Tensor | None = None):
     """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), in
-    `form` (default `FORM`; the module note says what each is)."""
+    `form` (default `FORM`; the module note says what each is). plus: [N, H] in x's dtype added to the result
+    in the weighted sum's pass (the shared expert's output: one pass over [N, H] fewer than torch's add after),
+    with the bits of `result + plus`."""
     from lingls.kernels.shared import INTERPRET
 
     form = form or FORM
@@ -483,8 +491,11 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
             act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn,
             BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-    _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights.float().contiguous(), out, H=hidden, TOP_K=k,
-                                                            BLOCK=COMBINE_BLOCK, num_warps=4)
+    if plus is not None and (plus.shape != out.shape or plus.dtype != out.dtype):
+        raise ValueError(f"plus must be [{n}, {hidden}] in {out.dtype}, not {list(plus.shape)} in {plus.dtype}")
+    _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
+        y, weights.float().contiguous(), plus.contiguous() if plus is not None else out, out, H=hidden, TOP_K=k,
+        PLUS=plus is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
     return out
 
 

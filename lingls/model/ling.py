@@ -360,23 +360,26 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, inter))
 
-    def forward(self, x, weights, idx):
-        """x: [N, hidden]; weights, idx: [N, k]. Sum over the chosen experts of weight * expert(x)."""
+    def forward(self, x, weights, idx, plus=None):
+        """x: [N, hidden]; weights, idx: [N, k]. Sum over the chosen experts of weight * expert(x), + plus ([N,
+        hidden], the shared expert's output) when given: folded into the grouped kernels' weighted sum."""
         n, k = idx.shape
+        n_exp = self.gate_up_proj.shape[0]
         if n <= GATHER_EXPERTS_MAX_TOKENS:
             gu = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[idx])
             act = ref.swiglu(gu[..., : self.inter], gu[..., self.inter:], self.limit)
             y = torch.einsum("nki,nkhi->nkh", act, self.down_proj[idx])
-            return (y.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
-        n_exp = self.gate_up_proj.shape[0]
+            out = (y.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         # on a CPU the dense form's 1/top_k-useful arithmetic costs more than grouping: ling-nano's 512-token
         # prefill piece, one MoE layer, one thread: dense 22.1 ms, grouped 9.8 ms (2-core AVX2 VM)
-        if n_exp <= DENSE_EXPERTS_MAX and x.is_cuda:
-            return self._dense(x, weights, idx)
-        if prefill_kernels(x):  # the grouped Triton kernels (kernels/prefill_moe.py)
+        elif n_exp <= DENSE_EXPERTS_MAX and x.is_cuda:
+            out = self._dense(x, weights, idx)
+        elif prefill_kernels(x):  # the grouped Triton kernels (kernels/prefill_moe.py)
             return prefill_moe.moe_prefill_triton(x, weights, idx, self.gate_up_proj, self.down_proj, self.inter,
-                                                  self.limit)
-        return self._grouped(x, weights, idx)
+                                                  self.limit, plus=plus)
+        else:
+            out = self._grouped(x, weights, idx)
+        return out if plus is None else out + plus
 
     def _grouped(self, x, weights, idx):
         """The (token, expert) pairs sorted by expert, each expert's rows one group of torch's grouped matrix
@@ -420,8 +423,8 @@ class MoE(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         weights, idx = self.gate(flat)
-        y = self.experts(flat, weights, idx).view_as(x)
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        return self.experts(flat, weights, idx, shared).view_as(x)
 
 
 # ---------------------------------------------------------------------------------------------------------

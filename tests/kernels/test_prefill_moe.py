@@ -59,6 +59,28 @@ def test_grouped_expert_kernels_equal_reference(poisoned, form, n, k, e, h, inte
     assert rel(got, want) < (1e-5 if DEV == "cpu" else 1e-2)
 
 
+@RUNS
+def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned, monkeypatch):
+    """`plus` (the shared expert's output) folded into the weighted sum's pass: the bits of `result + plus`; the
+    block form's gate/up with the by-expert down (`DOWN_FORM`) gives the bits of the block form."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, e, h, inter = 37, 3, 12, 64, 24
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    gate_up, down = weights(gen, e, h, inter, dtype)
+    w, idx = ragged_routing(gen, n, k, e, crowded=1)
+    x = torch.randn(n, h, generator=gen).to(DEV, dtype)
+    plus = torch.randn(n, h, generator=gen).to(DEV, dtype)
+    w, idx = w.to(DEV), idx.to(DEV)
+    alone = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block")
+    assert torch.equal(pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block",
+                                             plus=plus), alone + plus)
+    monkeypatch.setattr(pm, "DOWN_FORM", "by_expert")
+    mixed = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block")
+    assert rel(mixed, alone) < (1e-6 if DEV == "cpu" else 1e-2)
+    with pytest.raises(ValueError, match="plus must be"):
+        pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, plus=plus[:-1])
+
+
 def test_unknown_form_is_named():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="by_expert"):
