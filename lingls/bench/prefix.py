@@ -462,8 +462,9 @@ def _use(path: PrefillPath) -> ModelRunner:
 def _moe_settings() -> dict:
     from lingls.kernels import prefill_moe
 
-    return {name: getattr(prefill_moe, name) for name in ("GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
-                                                           "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK")}
+    return {name: getattr(prefill_moe, name) for name in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG",
+                                                           "GATE_UP_BY_EXPERT", "DOWN_BY_EXPERT", "DOWN_FORM",
+                                                           "COMBINE_BLOCK")}
 
 
 _MOE_SETTINGS = _moe_settings()  # the shipped launch settings, which a path without its own runs with

@@ -448,7 +448,7 @@ def down_chunks(inter: int) -> tuple[int, int]:
     return block_k, -(-inter // block_k)
 
 
-def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int = BLOCK_M,
+def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int | None = None,
                        form: str | None = None, plus: torch.Tensor | None = None):
     """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), in
     `form` (default `FORM`; the module note says what each is). plus: [N, H] in x's dtype added to the result
@@ -456,7 +456,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     with the bits of `result + plus`."""
     from lingls.kernels.shared import INTERPRET
 
-    form = form or FORM
+    form, block_m = form or FORM, block_m or BLOCK_M
     if form not in FORMS:
         raise ValueError(f"unknown expert kernels' form {form!r}: one of {FORMS}")
     n, k = idx.shape
