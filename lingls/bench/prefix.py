@@ -10,7 +10,7 @@ edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is t
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
 the kernels before, graphed on a runner of its own: the KDA recurrence's inputs in fp32
 (`prefill_kda.PREVIOUS_FP32_INPUTS`, its state pass then as `prefill_kda_state.FP32_COLUMNS` says) and the routed
-experts' form (`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the
+experts' form (`prefill_moe.PREVIOUS_FORM`, the down kernel's too); `--tune` first chooses how the runtime runs the
 state pass (`tune_kda_state_pass`). `--profile N` adds, for the paths `--profile-paths` names, the N
 largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
 listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
@@ -431,7 +431,7 @@ class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
     its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
-    pass (`prefill_kda_state.COLUMNS`), the routed experts' kernels (`prefill_moe.FORM`) and whether the KDA
+    pass (`prefill_kda_state.COLUMNS`), the routed experts' gate/up form (`prefill_moe.FORM`) and whether the KDA
     recurrence takes fp32 inputs (`prefill_kda.FP32_INPUTS`) while it runs."""
     runner: ModelRunner
     step: object
@@ -644,12 +644,12 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the kernels before (KDA's inputs in fp32), graphed on a runner of its own: a graph bakes
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # in its kernels (the same
-        previous.fused = runner.fused  # fused step: one copy of its weight layouts)
+    if a.previous:  # the kernels before (KDA on fp32 inputs, the block form's down), on a runner of its own:
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # a graph bakes in its
+        previous.fused = runner.fused  # kernels (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
                                         kda_table, prefill_moe.PREVIOUS_FORM,
-                                        prefill_kda.PREVIOUS_FP32_INPUTS)
+                                        prefill_kda.PREVIOUS_FP32_INPUTS, {"DOWN_FORM": prefill_moe.PREVIOUS_FORM})
     for name, settings in json.loads(a.experts_variants or "{}").items():  # other expert settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused
@@ -782,9 +782,10 @@ def main(argv: list[str]) -> int:
                    help="first time the KDA state pass (fla's, and the narrow pass at several value columns) at each "
                         "size's bucket (prefill_kda_state) and run with the fastest that agrees with the torch form")
     p.add_argument("--experts-form", choices=("by_expert", "by_block"),
-                   help="the routed experts' kernels of the runtime path (default: prefill_moe.FORM)")
+                   help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
+                        "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the kernels before (the KDA recurrence on fp32 inputs), "
+                   help="also time the kernels before (the KDA recurrence on fp32 inputs, the block form's down), "
                         "graphed on a runner of its own (path previous)")
     p.add_argument("--experts-variants", default="", metavar="JSON",
                    help='also time the routed experts with other launch settings in place, each on a runner of its '

@@ -27,9 +27,13 @@ routing weight), so the kernels compute what `moe_prefill_reference` computes.
 Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole expert shard crosses HBM once per
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
 
-Why a second form (`"by_expert"`; `FORM` stays `"by_block"` until `lingls bench prefix --experts-form by_expert
---previous` times the two in place). At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives
-each expert ~128 pairs, 2-3 blocks of 64 rows. In the block form the down kernel ran a program per (block,
+Why a second form (`"by_expert"`). What runs: the block form's gate/up and the by-expert down (`FORM`,
+`DOWN_FORM`), as measured in place (`lingls bench prefix --experts-variants`, bit-identical outputs): the by-expert
+down against the block form's, whole cold prefill on one H100 at 512 / 1,536 / 8,192 tokens 37.5 / 44.2 / 101.7 ms
+against 37.7 / 44.9 / 105.4 (down alone at 8,192: 16.3 against 20.6 ms; on an H200 in an earlier run 14.5 against
+15.8); the by-expert gate/up level with the block form's at 8,192 tokens and slower below.
+At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives each expert ~128 pairs, 2-3 blocks
+of 64 rows. In the block form the down kernel ran a program per (block,
 128-column tile): ~1,300 live blocks x 20 tiles = ~26,000 programs of a 3-step K loop (K = 192), each reading its
 expert's [128, 192] weight tile (48 KB) and its block's act rows (24 KB) for 3 MFLOP: every block re-read its
 expert's weights (~1.3 GB a layer through L2 for 0.5 GB of weights) and every block's act rows were read by 20
@@ -47,8 +51,7 @@ expert, a program per (column tile, expert), the column tiles of an expert adjac
 tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the weights read half as often (a run of 2-3 blocks takes 1-2
 tiles; rows past its end are masked and their x never read), ~2.5 GB a layer by the same count. The block form's
 kernels (`_grouped_gate_up_kernel`, `_grouped_down_kernel`) remain for wider experts (down: INTER > 256) and for the
-comparison. These are counts of bytes, not measurements: `lingls bench prefix --previous` times the two forms in
-place.
+comparison. These are counts of bytes; the timings above are the measurements.
 """
 
 from __future__ import annotations
@@ -60,11 +63,10 @@ from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
 FORMS = ("by_expert", "by_block")
-FORM = "by_block"  # the kernels' form (module note); the prefill graphs bake in the form they were captured with
-PREVIOUS_FORM = "by_block"  # the form before (`lingls bench prefix --previous` times it on a runner of its own)
-DOWN_FORM = None  # the down kernel's form where it is not FORM's (by expert under the block form's gate/up), or None
-# by_expert is exact on the H200 (bit-equal to by_block at a rank's shapes) but not yet timed there: it becomes FORM
-# when `lingls bench prefix --experts-form by_expert --previous` shows it faster inside the whole prefill
+# the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
+FORM = "by_block"
+DOWN_FORM = "by_expert"
+PREVIOUS_FORM = "by_block"  # both kernels' form before (`lingls bench prefix --previous` times it on its own runner)
 
 
 def moe_prefill_reference(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):
@@ -449,16 +451,18 @@ def down_chunks(inter: int) -> tuple[int, int]:
 
 
 def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0, block_m: int | None = None,
-                       form: str | None = None, plus: torch.Tensor | None = None):
+                       form: str | None = None, down_form: str | None = None, plus: torch.Tensor | None = None):
     """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), in
-    `form` (default `FORM`; the module note says what each is). plus: [N, H] in x's dtype added to the result
+    `form` for gate/up and `down_form` for down (default `FORM`, `DOWN_FORM`; the module note says what each
+    is). plus: [N, H] in x's dtype added to the result
     in the weighted sum's pass (the shared expert's output: one pass over [N, H] fewer than torch's add after),
     with the bits of `result + plus`."""
     from lingls.kernels.shared import INTERPRET
 
-    form, block_m = form or FORM, block_m or BLOCK_M
-    if form not in FORMS:
-        raise ValueError(f"unknown expert kernels' form {form!r}: one of {FORMS}")
+    form, down_form, block_m = form or FORM, down_form or DOWN_FORM, block_m or BLOCK_M
+    for f in (form, down_form):
+        if f not in FORMS:
+            raise ValueError(f"unknown expert kernels' form {f!r}: one of {FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
     by_expert = form == "by_expert"
@@ -479,7 +483,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
             LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps,
             num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    if (DOWN_FORM or form) == "by_expert" and n_exp <= MAX_GRID_Y and inter <= DOWN_BY_EXPERT_MAX_INTER:
+    if down_form == "by_expert" and n_exp <= MAX_GRID_Y and inter <= DOWN_BY_EXPERT_MAX_INTER:
         bn, warps, stages = DOWN_BY_EXPERT
         bk, chunks = down_chunks(inter)
         _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](

@@ -53,16 +53,16 @@ def test_grouped_expert_kernels_equal_reference(poisoned, form, n, k, e, h, inte
     w, idx = w.to(DEV), idx.to(DEV)
     counts = torch.bincount(idx.flatten().cpu(), minlength=e)
     assert counts[-3:].sum() == 0 and counts.max() > block_m  # empty experts and a run of several blocks
-    got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form=form)
+    got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form=form, down_form=form)
     want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
     # fp32 under the interpreter; on a GPU bf16 operands, products rounded where the definition rounds them
     assert rel(got, want) < (1e-5 if DEV == "cpu" else 1e-2)
 
 
 @RUNS
-def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned, monkeypatch):
+def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned):
     """`plus` (the shared expert's output) folded into the weighted sum's pass: the bits of `result + plus`; the
-    block form's gate/up with the by-expert down (`DOWN_FORM`) gives the bits of the block form."""
+    block form's gate/up with the by-expert down (the shipped forms) computes what the block form computes."""
     gen = torch.Generator().manual_seed(11)
     n, k, e, h, inter = 37, 3, 12, 64, 24
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
@@ -71,11 +71,11 @@ def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned, monkeypatch):
     x = torch.randn(n, h, generator=gen).to(DEV, dtype)
     plus = torch.randn(n, h, generator=gen).to(DEV, dtype)
     w, idx = w.to(DEV), idx.to(DEV)
-    alone = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block")
+    alone = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block", down_form="by_block")
     assert torch.equal(pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block",
-                                             plus=plus), alone + plus)
-    monkeypatch.setattr(pm, "DOWN_FORM", "by_expert")
-    mixed = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block")
+                                             down_form="by_block", plus=plus), alone + plus)
+    mixed = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block",
+                                  down_form="by_expert")
     assert rel(mixed, alone) < (1e-6 if DEV == "cpu" else 1e-2)
     with pytest.raises(ValueError, match="plus must be"):
         pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, plus=plus[:-1])
@@ -109,7 +109,8 @@ def test_expert_forms_agree_at_rank_shapes(inter):
     x = torch.randn(n, h, generator=gen, device=DEV).to(torch.bfloat16)
     w, idx = w.to(DEV), idx.to(DEV)
     want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter)
-    got = {form: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=form) for form in pm.FORMS}
+    got = {form: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=form, down_form=form)
+           for form in pm.FORMS}
     for form, out in got.items():
         assert rel(out, want) < 1e-2, form
     by_expert, by_block = got["by_expert"], got["by_block"]
