@@ -789,7 +789,7 @@ def main(argv: list[str]) -> int:
                         "graphed on a runner of its own (path previous)")
     p.add_argument("--experts-variants", default="", metavar="JSON",
                    help='also time the routed experts with other launch settings in place, each on a runner of its '
-                        'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "DOWN_FORM": "by_expert", ...}, ...} '
+                        'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "DOWN_FORM": "by_block", ...}, ...} '
                         "(prefill_moe's names; FORM too)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)

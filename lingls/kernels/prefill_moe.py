@@ -32,26 +32,26 @@ Why a second form (`"by_expert"`). What runs: the block form's gate/up and the b
 down against the block form's, whole cold prefill on one H100 at 512 / 1,536 / 8,192 tokens 37.5 / 44.2 / 101.7 ms
 against 37.7 / 44.9 / 105.4 (down alone at 8,192: 16.3 against 20.6 ms; on an H200 in an earlier run 14.5 against
 15.8); the by-expert gate/up level with the block form's at 8,192 tokens and slower below.
-At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives each expert ~128 pairs, 2-3 blocks
-of 64 rows. In the block form the down kernel ran a program per (block,
-128-column tile): ~1,300 live blocks x 20 tiles = ~26,000 programs of a 3-step K loop (K = 192), each reading its
-expert's [128, 192] weight tile (48 KB) and its block's act rows (24 KB) for 3 MFLOP: every block re-read its
-expert's weights (~1.3 GB a layer through L2 for 0.5 GB of weights) and every block's act rows were read by 20
-programs ~1,500 programs apart in launch order (between them ~57 MB of weight tiles and act rows passed through a 50
-MB L2). Its bytes to HBM were near gate/up's although it holds half of their weights and FLOPs: weights 0.50 GB + y
-0.34 GB written (then read by the weighted sum) + act re-reads. In the by_expert form a program per (column tile,
-expert), the tiles of an expert adjacent in launch order: the weights are read once (0.50 GB), the act rows of an
-expert by 20 programs running at the same time (from HBM once), and each program has 2-3 iterations over rows with
-its weight tile resident (sm_90: ~104 KB of shared memory, two programs an SM). The gate/up kernel's tiles were a
-block of 64 rows by 64 columns of gate and of up, K = 2,560 in 64-wide steps: 24 KB from L2 a step for 1 MFLOP (x 8
-KB, weights 16 KB), ~3.5 GB a layer at 8,192 tokens in ~0.44 ms (~8 TB/s, an L2's rate rather than HBM's, by count);
-each block re-read its expert's weight tiles, and the programs of a block's 3 column tiles ran ~1,500 programs apart
-(its 64 gathered x rows, 5 KB each, read again after the weights of ~1,300 blocks had streamed through L2). By
-expert, a program per (column tile, expert), the column tiles of an expert adjacent in launch order, its run in
-tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the weights read half as often (a run of 2-3 blocks takes 1-2
-tiles; rows past its end are masked and their x never read), ~2.5 GB a layer by the same count. The block form's
-kernels (`_grouped_gate_up_kernel`, `_grouped_down_kernel`) remain for wider experts (down: INTER > 256) and for the
-comparison. These are counts of bytes; the timings above are the measurements.
+At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives each expert ~128 pairs, 2-3 blocks of
+64 rows. In the block form the down kernel ran a program per (block, 128-column tile): ~1,300 live blocks x 20 tiles
+= ~26,000 programs of a 3-step K loop (K = 192), each reading its expert's [128, 192] weight tile (48 KB) and its
+block's act rows (24 KB) for 3 MFLOP: every block re-read its expert's weights (~1.3 GB a layer through L2 for 0.5
+GB of weights) and every block's act rows were read by 20 programs ~1,500 programs apart in launch order (between
+them ~57 MB of weight tiles and act rows passed through a 50 MB L2). Its bytes to HBM were near gate/up's although
+it holds half of their weights and FLOPs: weights 0.50 GB + y 0.34 GB written (then read by the weighted sum) + act
+re-reads. In the by_expert form a program per (column tile, expert), the tiles of an expert adjacent in launch
+order: the weights are read once (0.50 GB), the act rows of an expert by 20 programs running at the same time (from
+HBM once), and each program has 2-3 iterations over rows with its weight tile resident (sm_90: ~104 KB of shared
+memory, two programs an SM). The gate/up kernel's tiles were a block of 64 rows by 64 columns of gate and of up, K =
+2,560 in 64-wide steps: 24 KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.5 GB a layer at 8,192 tokens in
+~0.44 ms (~8 TB/s, an L2's rate rather than HBM's, by count); each block re-read its expert's weight tiles, and the
+programs of a block's 3 column tiles ran ~1,500 programs apart (its 64 gathered x rows, 5 KB each, read again after
+the weights of ~1,300 blocks had streamed through L2). By expert, a program per (column tile, expert), the column
+tiles of an expert adjacent in launch order, its run in tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the
+weights read half as often (a run of 2-3 blocks takes 1-2 tiles; rows past its end are masked and their x never
+read), ~2.5 GB a layer by the same count. The block form's kernels (`_grouped_gate_up_kernel`,
+`_grouped_down_kernel`) remain for wider experts (down: INTER > 256) and for the comparison. These are counts of
+bytes; the timings above are the measurements.
 """
 
 from __future__ import annotations
@@ -454,9 +454,8 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
                        form: str | None = None, down_form: str | None = None, plus: torch.Tensor | None = None):
     """`moe_prefill_reference` by the grouped kernels (any device Triton runs on; the interpreter on a CPU), in
     `form` for gate/up and `down_form` for down (default `FORM`, `DOWN_FORM`; the module note says what each
-    is). plus: [N, H] in x's dtype added to the result
-    in the weighted sum's pass (the shared expert's output: one pass over [N, H] fewer than torch's add after),
-    with the bits of `result + plus`."""
+    is). plus: [N, H] in x's dtype added to the result in the weighted sum's pass (the shared expert's output: one
+    pass over [N, H] fewer than torch's add after), with the bits of `result + plus`."""
     from lingls.kernels.shared import INTERPRET
 
     form, down_form, block_m = form or FORM, down_form or DOWN_FORM, block_m or BLOCK_M
