@@ -28,10 +28,10 @@ import torch
 from lingls.kernels import jit, tl, triton
 
 BLOCK = (16, 4)  # (tokens of one head per program, warps) of `prologue` and `gated_norm`
-# q, k and v enter the chunked recurrence in the activation dtype (bf16 in a bf16 model), as fla-core's chunk_kda
-# takes them in transformers' BailingHybrid, where fp32 copies made fla's intra-chunk and output stages run tf32
-# products over twice the bytes; the gate, beta and the state stay fp32. True: fp32 (the form before, which
-# `lingls bench prefix --previous` times).
+# q, k and v enter the chunked recurrence in the activation dtype (bf16 in a bf16 model), as SGLang's KDA prefill
+# hands fla-core's chunk_kda the short convolution's outputs, where fp32 copies made fla's intra-chunk and output
+# stages run tf32 products over twice the bytes; the gate, beta and the state stay fp32. True: fp32 (the form
+# before, which `lingls bench prefix --previous` times).
 FP32_INPUTS = False
 PREVIOUS_FP32_INPUTS = True
 

@@ -402,7 +402,7 @@ def test_chunk_kda_with_the_narrow_state_pass_computes_what_fla_does(t, columns,
 @pytest.mark.parametrize("t", [200, 1000])
 def test_bf16_prefill_hands_the_recurrence_bf16_inputs(t, monkeypatch):
     """A bf16 model's KDA layer in a prefill: q, k and v reach the chunked recurrence in bf16 (as fla's chunk_kda
-    takes them in transformers' model), and the layer's output, conv state and recurrent state stay within bf16's
+    takes them in SGLang's KDA prefill), and the layer's output, conv state and recurrent state stay within bf16's
     rounding of the fp32-input form (`prefill_kda.FP32_INPUTS`) and of the torch form."""
     model = build(num_hidden_layers=2, head_dim=32, hidden_size=128).to("cuda", torch.bfloat16)
     attn = model.model.layers[0].attention
