@@ -8,13 +8,12 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the kernels before, graphed on a runner of its own: the KDA recurrence's inputs in fp32
-(`prefill_kda.PREVIOUS_FP32_INPUTS`, its state pass then as `prefill_kda_state.FP32_COLUMNS` says) and the routed
-experts' form (`prefill_moe.PREVIOUS_FORM`, the down kernel's too); `--tune` first chooses how the runtime runs the
-state pass (`tune_kda_state_pass`). `--profile N` adds, for the paths `--profile-paths` names, the N
-largest ops and kernels of one cold prefill (the prefill alone; device time: kernels inside a graph replay are
-listed by name) and its kernel time summed by kind (`kernel_kinds`). Time to first token through `lingls serve`
-at the same sizes: `python -m bench.serve_ttft`.
+the path before, graphed on a runner of its own: a cold prompt's last 8 tokens as a staged step after its first
+piece (`ModelRunner.tail_free` off) and the routed experts' down kernel in the block form
+(`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the state pass (`tune_kda_state_pass`).
+`--profile N` adds, for the paths `--profile-paths` names, the N largest ops and kernels of one cold prefill (the
+prefill alone; device time: kernels inside a graph replay are listed by name) and its kernel time summed by kind
+(`kernel_kinds`). Time to first token through `lingls serve` at the same sizes: `python -m bench.serve_ttft`.
 
 With `--model DIR` (`--model nano`: the embedded ling-nano) it measures a real model instead, on the CPU by
 default, at the language server's prompt budget (1,536 tokens): a real Python file is cut at a cursor after a
@@ -235,6 +234,8 @@ KERNEL_KINDS = (
     ("experts: weighted sum", r"_combine_kernel"),
     ("experts: routing and sort", r"_route_kernel|_count_kernel|_offsets_kernel|_scatter_kernel|_block_expert"),
     ("KDA: fla state pass (chunk_gated_delta_rule_fwd_kernel_h)", r"delta_rule_fwd_kernel_h"),
+    ("KDA: state pass (prefill_kda_state)", r"_state_pass_kernel"),
+    ("KDA: tail snapshots (prefill_kda_state)", r"_snapshot_kernel"),
     ("KDA: fla, other kernels", r"chunk|kda|solve_tril|recompute_w_u|cumsum|fwd_o"),
     ("KDA: prologue, conv state, gated norm", r"_prologue_kernel|_conv_state_kernel|_gated_norm_kernel"),
     ("MLA: flash attention", r"flash|fmha|attention"),
@@ -431,29 +432,29 @@ class PrefillPath(NamedTuple):
     """A way to prefill, timed beside the others: the runner it runs on (a graph bakes in the kernels it was
     captured with, so a path with other expert kernels has a runner, and graphs, of its own), its prefill step,
     its chunk (piece size and snapshot spacing), whether a cold prompt's pieces replay graphs, the KDA state
-    pass (`prefill_kda_state.COLUMNS`), the routed experts' gate/up form (`prefill_moe.FORM`) and whether the KDA
-    recurrence takes fp32 inputs (`prefill_kda.FP32_INPUTS`) while it runs."""
+    pass (`prefill_kda_state.COLUMNS`), the routed experts' gate/up form (`prefill_moe.FORM`) and whether a cold
+    prompt's tail snapshots come out of its one piece (`ModelRunner.tail_free`) while it runs."""
     runner: ModelRunner
     step: object
     chunk: int
     graphs: bool
     kda_columns: dict
     experts: str
-    kda_fp32: bool = False
+    tail_free: bool = True
     expert_settings: dict | None = None  # prefill_moe's launch settings by name (`--experts-variants`), or its own
 
 
 def _use(path: PrefillPath) -> ModelRunner:
-    """Put a path into its runner, its KDA state pass into `prefill_kda_state`, its KDA inputs' dtype into
-    `prefill_kda` and its experts' kernels into `prefill_moe`; returns the runner."""
-    from lingls.kernels import prefill_kda, prefill_kda_state, prefill_moe
+    """Put a path into its runner, its KDA state pass into `prefill_kda_state` and its experts' kernels into
+    `prefill_moe`; returns the runner."""
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     runner = path.runner
     runner.prefill_step, runner.prefill_chunk, runner.prefill_graphs = path.step, path.chunk, path.graphs
+    runner.tail_free = path.tail_free and path.graphs
     runner.cache.every = path.chunk
     prefill_kda_state.COLUMNS = path.kda_columns
     prefill_moe.FORM = path.experts
-    prefill_kda.FP32_INPUTS = path.kda_fp32
     for name, value in {**_MOE_SETTINGS, **(path.expert_settings or {})}.items():
         setattr(prefill_moe, name, tuple(value) if isinstance(value, list) else value)
     return runner
@@ -516,10 +517,11 @@ def _timed_cold(runner: ModelRunner, prompt: list[int], reps: int) -> tuple[floa
 
 
 def _first_piece_graph_ms(runner: ModelRunner, prompt: list[int], reps: int = 3) -> float | None:
-    """Device time of the graph a cold `prompt`'s first piece replays (its tokens before the tail snapshot at
-    end-8), by CUDA events around replays alone; None where that piece has no graph."""
-    bucket = runner.prefill_bucket(len(prompt) - 8)
-    graph = runner.piece_graphs.graphs.get(bucket)
+    """Device time of the graph a cold `prompt`'s first piece replays (the whole prompt with its tail snapshots
+    where the runner is `tail_free`, else its tokens before the tail snapshot at end-8), by CUDA events around
+    replays alone; None where that piece has no graph."""
+    n = len(prompt) - (0 if runner.tail_free else 8)
+    graph = runner.piece_graphs.graphs.get((runner.prefill_bucket(n), runner.tail_free))
     if graph is None:
         return None
     ms = median_ms(graph.replay, reps, warm=0)
@@ -569,8 +571,10 @@ def _compare(new: dict, old: dict) -> dict:
 
 def _padded_graph_exact(runner: ModelRunner, prompt: list[int]) -> dict | None:
     """The padded first piece's graph replay against the same padded step run eagerly (same shapes and kernels:
-    the graph must reproduce it bit for bit), on the first len(prompt) - 8 tokens of `prompt`."""
-    n = len(prompt) - 8
+    the graph must reproduce it bit for bit), on the tokens of `prompt` a cold prefill's first piece takes (with
+    the tail snapshots where the runner is `tail_free`, else the first len(prompt) - 8)."""
+    n = len(prompt) if runner.tail_free else len(prompt) - 8
+    ends = (n - 8, n - 1) if runner.tail_free else ()
     bucket = runner.prefill_bucket(n)
     if bucket is None or not runner.use_graphs:
         return None
@@ -581,14 +585,17 @@ def _padded_graph_exact(runner: ModelRunner, prompt: list[int]) -> dict | None:
             runner.cache.reset()
             runner.use_graphs = graphs
             try:
-                h = runner._padded_piece(ids, n, bucket).float().clone()
+                h = runner._padded_piece(ids, n, bucket, ends).float().clone()
             finally:
                 runner.use_graphs = True
-            results.append((h, runner.state.kda.clone(), runner.state.conv.clone(), runner.state.latent[:, :n].clone()))
+            snaps = runner._tail_snapshots() if ends else None
+            results.append((h, runner.state.kda.clone(), runner.state.conv.clone(), runner.state.latent[:, :n].clone(),
+                            *((snaps.kda.clone(), snaps.conv.clone()) if ends else ())))
     runner.cache.reset()
-    (gh, gk, gc, gl), (eh, ek, ec, el) = results
-    return {"tokens": n, "bucket": bucket, "hidden_bitwise_equal": bool(torch.equal(gh, eh)),
-            "states_bitwise_equal": bool(torch.equal(gk, ek) and torch.equal(gc, ec) and torch.equal(gl, el)),
+    (gh, *graphed), (eh, *eager) = results
+    return {"tokens": n, "bucket": bucket, "tail_snapshots": list(ends),
+            "hidden_bitwise_equal": bool(torch.equal(gh, eh)),
+            "states_bitwise_equal": all(torch.equal(g, e) for g, e in zip(graphed, eager)),
             "hidden_max_abs_diff": float((gh - eh).abs().max())}
 
 
@@ -623,7 +630,7 @@ def flash_prefill(a) -> int:
     runtime's path, its eager form and (with the baseline) the one before issue 39, beside the floor; the paths'
     results compared; then prefix reuse after the runtime's path."""
     from lingls.bench import floor as fl
-    from lingls.kernels import prefill_kda, prefill_kda_state, prefill_moe
+    from lingls.kernels import prefill_kda_state, prefill_moe
 
     sizes = [a.tokens] if a.tokens else [int(x) for x in a.sizes.split(",")]
     prefill_moe.FORM = a.experts_form or prefill_moe.FORM  # before the warm-up captures the runtime's graphs
@@ -633,7 +640,8 @@ def flash_prefill(a) -> int:
     a.chunk = runner.prefill_chunk
     kda_table, tuning = prefill_kda_state.COLUMNS, None
     if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass
-        kda_table, tuning = tune_kda_state_pass(model, sorted({runner.prefill_bucket(t - 8) or t for t in sizes}))
+        first = [t if runner.tail_free else t - 8 for t in sizes]  # a cold prompt's first piece
+        kda_table, tuning = tune_kda_state_pass(model, sorted({runner.prefill_bucket(t) or t for t in first}))
         prefill_kda_state.COLUMNS = kda_table
     t0 = time.perf_counter()
     runner.warmup(greedy_only=True)  # its prefill fits the capacity it was given (the old warm-up here did not)
@@ -644,17 +652,17 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the kernels before (KDA on fp32 inputs, the block form's down), on a runner of its own:
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # a graph bakes in its
-        previous.fused = runner.fused  # kernels (the same fused step: one copy of its weight layouts)
+    if a.previous:  # the path before (the staged tail, the block form's down), on a runner of its own: a graph
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # bakes in its kernels
+        previous.fused = runner.fused  # (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        kda_table, prefill_moe.PREVIOUS_FORM,
-                                        prefill_kda.PREVIOUS_FP32_INPUTS, {"DOWN_FORM": prefill_moe.PREVIOUS_FORM})
+                                        kda_table, prefill_moe.PREVIOUS_FORM, False,
+                                        {"DOWN_FORM": prefill_moe.PREVIOUS_FORM})
     for name, settings in json.loads(a.experts_variants or "{}").items():  # other expert settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused
         paths[f"experts_{name}"] = PrefillPath(other, other.prefill_step, a.chunk, other.prefill_graphs, kda_table,
-                                               settings.pop("FORM", form), False, settings)
+                                               settings.pop("FORM", form), True, settings)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
                                          kda_table, form)  # as two pieces, each a weight stream
@@ -785,8 +793,8 @@ def main(argv: list[str]) -> int:
                    help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
                         "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the kernels before (the KDA recurrence on fp32 inputs, the block form's down), "
-                        "graphed on a runner of its own (path previous)")
+                   help="also time the path before (the staged 8-token tail, the block form's down), graphed on a "
+                        "runner of its own (path previous)")
     p.add_argument("--experts-variants", default="", metavar="JSON",
                    help='also time the routed experts with other launch settings in place, each on a runner of its '
                         'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "DOWN_FORM": "by_block", ...}, ...} '

@@ -31,9 +31,8 @@ BLOCK = (16, 4)  # (tokens of one head per program, warps) of `prologue` and `ga
 # q, k and v enter the chunked recurrence in the activation dtype (bf16 in a bf16 model), as SGLang's KDA prefill
 # hands fla-core's chunk_kda the short convolution's outputs, where fp32 copies made fla's intra-chunk and output
 # stages run tf32 products over twice the bytes; the gate, beta and the state stay fp32. True: fp32 (the form
-# before, which `lingls bench prefix --previous` times).
+# before: 103.6 against 92.1 ms for a cold 8,192-token prefill of a TP=4 rank on an H200, docs/kernel-log.md).
 FP32_INPUTS = False
-PREVIOUS_FP32_INPUTS = True
 
 
 def recurrence_dtype(activation: torch.dtype) -> torch.dtype:
@@ -105,7 +104,8 @@ if triton is not None:
                            K: tl.constexpr, BLOCK: tl.constexpr):
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = cols < C
-        end = tl.load(end_ptr)
+        end = tl.load(end_ptr + tl.program_id(1))
+        new_ptr += tl.program_id(1) * 3 * C * (K - 1)
         _state_rows(q_ptr, sx, state_ptr, new_ptr, end, cols, m, K)
         _state_rows(k_ptr, sx, state_ptr + C * (K - 1), new_ptr + C * (K - 1), end, cols, m, K)
         _state_rows(v_ptr, sx, state_ptr + 2 * C * (K - 1), new_ptr + 2 * C * (K - 1), end, cols, m, K)
@@ -145,13 +145,16 @@ def prologue(q, k, v, f, b, conv_state, conv_w, a_log, dt_bias, valid, lower_bou
     return (*outs, beta)
 
 
-def conv_states(q, k, v, conv_state, end: torch.Tensor):
-    """The new conv state [3, C, K-1] after the first `end` (device scalar) of the T inputs q, k, v [T, C]."""
+def conv_states(q, k, v, conv_state, end: torch.Tensor, out: torch.Tensor | None = None):
+    """The new conv state [3, C, K-1] after the first `end` (device scalar) of the T inputs q, k, v [T, C]; for
+    ends [S], the S states after each [S, 3, C, K-1] (into `out` when given)."""
     c, km1 = conv_state.shape[-2:]
-    new = torch.empty(3, c, km1, dtype=conv_state.dtype, device=q.device)
+    shape = (*end.shape, 3, c, km1)
+    new = torch.empty(shape, dtype=conv_state.dtype, device=q.device) if out is None else out
+    assert new.shape == shape and new.is_contiguous(), (new.shape, shape)
     block = 1024
-    _conv_state_kernel[(triton.cdiv(c, block),)](q, k, v, q.stride(0), conv_state.contiguous(), end, new, C=c,
-                                                  K=km1 + 1, BLOCK=block, num_warps=4)
+    _conv_state_kernel[(triton.cdiv(c, block), end.numel())](q, k, v, q.stride(0), conv_state.contiguous(), end, new,
+                                                             C=c, K=km1 + 1, BLOCK=block, num_warps=4)
     return new
 
 

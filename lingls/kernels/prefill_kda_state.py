@@ -72,14 +72,19 @@ def columns_for(t: int, d: int, dtype: torch.dtype = torch.bfloat16) -> tuple[in
     return (columns, stages) if columns and d >= 16 and d & (d - 1) == 0 and d % columns == 0 else (0, 0)
 
 
-def chunk_kda(q, k, v, g, beta, initial_state, columns: int, stages: int = 3):
+def chunk_kda(q, k, v, g, beta, initial_state, columns: int, stages: int = 3, ends: torch.Tensor | None = None,
+              snapshot_out: torch.Tensor | None = None):
     """fla's `chunk_kda(q, k, v, g, beta, scale=1.0, initial_state, output_final_state=True)` of one sequence
-    ([1, T, H, D] inputs, fp32 state [1, H, D, D]) with the state pass of `state_pass`.
+    ([1, T, H, D] inputs, fp32 state [1, H, D, D]) with the state pass of `state_pass`; with snapshot `ends` ([S]
+    int64 on the device), also the states after the first ends[s] tokens into `snapshot_out` [S, H, D, D] fp32
+    (`snapshots`: a cold prompt's tail snapshots out of its one chunked recurrence).
     Returns (o [1, T, H, D] in q's dtype, final state [1, H, D, D] fp32)."""
     f = _fla()
     g = f["cumsum"](g=g, scale=f["rcp_ln2"], chunk_size=CHUNK)
     w, u, _qg, kg, aqk, _akk = f["intra"](q=q, k=k, v=v, gk=g, beta=beta, scale=1.0, chunk_size=CHUNK)
-    h, v_new, final = state_pass(kg, w, u, g, initial_state, columns, stages)
+    h, v_new, final, *entering = state_pass(kg, w, u, g, initial_state, columns, stages, ends)
+    if ends is not None:
+        snapshots(k, g, v_new, entering[0], ends, snapshot_out, columns)
     o = f["fwd_o"](q=q, v=v_new, g=g, A=aqk, h=h, scale=1.0, chunk_size=CHUNK)
     return o.to(q.dtype), final
 
@@ -142,10 +147,20 @@ if triton is not None:
         return _dot_bf16((n_t - n_hi.to(tl.float32)).to(tl.bfloat16), k_hi, state, INTERPRETED)
 
     @jit
-    def _state_pass_kernel(k_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, h_ptr, v_new_ptr, ht_ptr, T,
-                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                           STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
-        """One head's BV value columns of the state pass, every chunk in order (see the module's docstring)."""
+    def _keep_entering(ends_ptr, entering_ptr, state, c, vk, HKV: tl.constexpr, BT: tl.constexpr,
+                       S: tl.constexpr):
+        """Store the fp32 state entering chunk c for each snapshot whose last token lies in chunk c (predicated
+        stores, no branch in the pipelined loop)."""
+        for s in tl.static_range(S):
+            hit = (vk * 0 + c) == (tl.load(ends_ptr + s) - 1) // BT
+            tl.store(entering_ptr + s * HKV + vk, state, mask=hit)
+
+    @jit
+    def _state_pass_kernel(k_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, h_ptr, v_new_ptr, ht_ptr, ends_ptr, entering_ptr,
+                           T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                           BV: tl.constexpr, STAGES: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One head's BV value columns of the state pass, every chunk in order (see the module's docstring); with
+        S snapshot ends, also the fp32 state entering each one's chunk (`snapshots` finishes them)."""
         i_v = tl.program_id(0)
         i_h = tl.program_id(1)
         o_k = tl.arange(0, K)
@@ -157,19 +172,50 @@ if triton is not None:
         if INTERPRETED:  # the interpreter's trip count is a one-element array, which range() refuses (NumPy 2.4)
             c = 0
             while c < chunks:
+                _keep_entering(ends_ptr, entering_ptr, state, c, vk, H * K * V, BT, S)
                 state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
                                     H, K, V, BT, INTERPRETED)
                 c += 1
         else:  # the chunks' loads pipelined STAGES deep under the products
             for c in tl.range(0, chunks, num_stages=STAGES):
+                _keep_entering(ends_ptr, entering_ptr, state, c, vk, H * K * V, BT, S)
                 state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
                                     H, K, V, BT, INTERPRETED)
         tl.store(ht_ptr + vk, state)
 
+    @jit
+    def _snapshot_kernel(k_ptr, gk_ptr, v_new_ptr, entering_ptr, ends_ptr, out_ptr, H: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+        """Snapshot s of one head's BV value columns: the state after the first ends[s] tokens, from the state
+        entering the chunk of its last token p (S_c, fp32) and that chunk's rows up to p (the intra-chunk system is
+        lower-triangular, so they do not depend on the rows after p):
+        S_p = diag(2^gk[p]) S_c + sum over rows r <= p of (k[r] 2^(gk[p] - gk[r]))^T v_new[r]."""
+        i_v = tl.program_id(0)
+        i_h = tl.program_id(1)
+        s = tl.program_id(2)
+        last = tl.load(ends_ptr + s) - 1
+        rows = (last // BT) * BT + tl.arange(0, BT)
+        live = (rows <= last)[:, None]
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        rk = rows.to(tl.int64)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        g_last = tl.load(gk_ptr + last.to(tl.int64) * (H * K) + i_h * K + o_k).to(tl.float32)
+        gk = tl.load(gk_ptr + rk, mask=live, other=0.0).to(tl.float32)
+        kw = tl.where(live, tl.load(k_ptr + rk, mask=live, other=0.0).to(tl.float32) * tl.exp2(g_last[None, :] - gk),
+                      0.0)
+        vn = tl.load(v_new_ptr + rows.to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :], mask=live,
+                     other=0.0).to(tl.float32)
+        kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # [K, BV]
+        entering = tl.load(entering_ptr + s * (H * K * V) + kv)
+        state = tl.dot(tl.trans(kw), vn, entering * tl.exp2(g_last)[:, None], input_precision="ieee")
+        tl.store(out_ptr + s * (H * K * V) + kv, state)
 
-def state_pass(kg, w, u, gk, h0, columns: int = 16, stages: int = 3):
+
+def state_pass(kg, w, u, gk, h0, columns: int = 16, stages: int = 3, ends: torch.Tensor | None = None):
     """The state pass of one sequence in programs of `columns` value columns of a head (`_state_pass_kernel`),
-    the next chunks' loads `stages` deep; arguments and results as `state_pass_reference`."""
+    the next chunks' loads `stages` deep; arguments and results as `state_pass_reference`. With snapshot `ends`
+    ([S] int64 on the device, each in 1..T), also the fp32 states entering their last tokens' chunks
+    [S, H, K, V] (`snapshots`' input), as a fourth result."""
     _, t, heads, d = kg.shape
     dv = u.shape[-1]
     assert dv % columns == 0 and d & (d - 1) == 0, (d, dv, columns)
@@ -177,8 +223,36 @@ def state_pass(kg, w, u, gk, h0, columns: int = 16, stages: int = 3):
     h = kg.new_empty(1, chunks, heads, d, dv)
     v_new = torch.empty_like(u)
     final = torch.empty(1, heads, d, dv, device=kg.device, dtype=torch.float32)
-    _state_pass_kernel[(dv // columns, heads)](kg, w, u, gk, h0.float().contiguous(), h, v_new, final, t,
-                                               H=heads, K=d, V=dv, BT=CHUNK, BV=columns, STAGES=stages,
+    n = 0 if ends is None else ends.shape[0]
+    entering = torch.empty(n, heads, d, dv, device=kg.device, dtype=torch.float32)
+    _state_pass_kernel[(dv // columns, heads)](kg, w, u, gk, h0.float().contiguous(), h, v_new, final,
+                                               final if ends is None else ends, entering, t,
+                                               H=heads, K=d, V=dv, BT=CHUNK, BV=columns, STAGES=stages, S=n,
                                                INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
                                                num_warps=WARPS)
-    return h, v_new, final
+    return (h, v_new, final) if ends is None else (h, v_new, final, entering)
+
+
+def snapshots(k, gk, v_new, entering, ends, out: torch.Tensor | None = None, columns: int = 16) -> torch.Tensor:
+    """The states after the first ends[s] tokens [S, H, K, V] fp32 (into `out` when given), from a state pass's
+    `entering` states and v_new, with the recurrence's keys k [1, T, H, K] (not chunk-gated) and the chunk-local
+    gate cumsums gk (log2): one masked product over the chunk of each end's last token (`_snapshot_kernel`)."""
+    _, _, heads, d = k.shape
+    dv = v_new.shape[-1]
+    out = torch.empty_like(entering) if out is None else out
+    _snapshot_kernel[(dv // columns, heads, ends.shape[0])](k, gk, v_new, entering, ends, out, H=heads, K=d, V=dv,
+                                                             BT=CHUNK, BV=columns, num_warps=WARPS)
+    return out
+
+
+def snapshots_reference(k, gk, v_new, entering, ends) -> torch.Tensor:
+    """`snapshots` by its formula in torch (ends read on the host: a test's reference)."""
+    out = []
+    for s, end in enumerate(ends.tolist()):
+        last = end - 1
+        first = last // CHUNK * CHUNK
+        g_last = gk[0, last].float()  # [H, K]
+        kw = k[0, first:end].float() * torch.exp2(g_last[None] - gk[0, first:end].float())  # [R, H, K]
+        vn = v_new[0, first:end].float()  # [R, H, V]
+        out.append(entering[s] * torch.exp2(g_last)[:, :, None] + torch.einsum("rhk,rhv->hkv", kw, vn))
+    return torch.stack(out)

@@ -97,6 +97,17 @@ class InferenceState:
         self.latent[:, :n].copy_(other.latent[:, :n])
 
 
+@dataclass
+class Snapshots:
+    """The KDA states a prefill step also leaves after its first ends[s] tokens (a cold prompt's tail snapshots,
+    taken inside its one piece instead of by a staged step of its last tokens): ends [S] int64 on the device (a
+    graph's input), kda [n_kda, S, H, Dk, Dv] fp32 and conv [n_kda, S, 3, C, K-1], written by the step."""
+
+    ends: torch.Tensor
+    kda: torch.Tensor
+    conv: torch.Tensor
+
+
 def prefill_kernels(x: torch.Tensor) -> bool:
     """Whether a prefill's many tokens run the prefill kernels (`kernels.prefill_moe`, `kernels.prefill_kda`):
     on CUDA with Triton, unless LINGLS_KERNELS=0 (the torch ops everywhere, as for the fused step)."""
@@ -123,21 +134,24 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound, self.safe_gate, self.eps = cfg.kda_lower_bound, cfg.kda_safe_gate, cfg.rms_norm_eps
         self.par = par
 
-    def forward(self, x, conv_state=None, state=None, valid=None):
+    def forward(self, x, conv_state=None, state=None, valid=None, snapshots=None):
         """x: [B, T, hidden]. conv_state: [B, 3, C, K-1] or None; state: [B, H, D, D] fp32 or None; valid: [T]
         bool (device) for inputs padded after their first n steps: padded steps neither decay nor write the
         state, and the conv state is taken after step n, so the states are those of the n real steps.
+        snapshots (B = 1, states given): (ends [S] on the device, kda [S, H, D, D], conv [S, 3, C, K-1]), into
+        which the states after the first ends[s] steps are written (`Snapshots`, one layer's share).
 
         Returns (out [B, T, hidden] partial over TP ranks, new conv state, new recurrent state)."""
         b, t, _ = x.shape
         if (b == 1 and t > MLA_ABSORBED_MAX_TOKENS and state is not None and conv_state is not None
                 and self.safe_gate and prefill_kernels(x)):
-            return self._prefill(x[0], conv_state[0], state, valid)
+            return self._prefill(x[0], conv_state[0], state, valid, snapshots)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        qkv, new_conv = [], []
+        qkv, new_conv, projected = [], [], []
         end = None if valid is None else valid.sum()
         for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, cs = ref.causal_conv_silu(proj(x), conv.weight.squeeze(1),
+            projected.append(proj(x))
+            y, cs = ref.causal_conv_silu(projected[-1], conv.weight.squeeze(1),
                                          None if conv_state is None else conv_state[:, i], end)
             qkv.append(y.view(b, t, self.heads, self.d))
             new_conv.append(cs)
@@ -152,12 +166,29 @@ class KimiDeltaAttention(nn.Module):
             beta = beta * valid[:, None]
         if state is None:
             state = x.new_zeros(b, self.heads, self.d, self.d, dtype=torch.float32)
+        if snapshots is not None:
+            ends, kda_out, conv_out = snapshots
+            self._rerun_snapshots(q, k, v, g, beta, state, ends, kda_out, self.lower_bound if self.safe_gate else None)
+            for j in range(ends.shape[0]):
+                conv_out[j].copy_(torch.stack([ref.causal_conv_silu(p, c.weight.squeeze(1), conv_state[:, i],
+                                                                    ends[j])[1][0]
+                                               for i, (p, c) in enumerate(zip(projected, convs))]))
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
         o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)
         return self.dense(o.to(x.dtype).reshape(b, t, -1)), torch.stack(new_conv, 1), state
 
+    @staticmethod
+    def _rerun_snapshots(q, k, v, g, beta, state, ends, out, lower_bound):
+        """The recurrent states after the first ends[j] steps into out[j], each by the recurrence rerun with the
+        steps from ends[j] on padded (no decay, no write): the snapshots of the paths without the narrow state
+        pass's (`prefill_kda_state.snapshots`), which a runner uses only where it must (`ModelRunner.tail_free`)."""
+        steps = torch.arange(q.shape[1], device=q.device)
+        for j in range(ends.shape[0]):
+            keep = steps < ends[j]
+            out[j].copy_(delta_rule(q, k, v, g * keep[:, None, None], beta * keep[:, None], state, lower_bound)[1][0])
 
-    def _prefill(self, x, conv_state, state, valid):
+
+    def _prefill(self, x, conv_state, state, valid, snapshots=None):
         """`forward` of one sequence's many tokens x [T, hidden] through the prefill kernels: the projections, one
         launch for the convolutions, norms, gate and beta (`prefill_kda.prologue`), one for the new conv state,
         the chunked recurrence, one for the gated output norm; the torch form's outputs, to the rounding of q, k
@@ -173,10 +204,16 @@ class KimiDeltaAttention(nn.Module):
                                                    dtype if columns else torch.float32)
         end = valid.sum() if valid is not None else torch.full((), t, dtype=torch.long, device=x.device)
         new_conv = prefill_kda.conv_states(q, k, v, conv_state, end)
-        if columns:  # fla's chunked recurrence with the state pass in narrow value columns
+        ends, kda_out, conv_out = snapshots if snapshots is not None else (None, None, None)
+        if snapshots is not None:
+            prefill_kda.conv_states(q, k, v, conv_state, ends, out=conv_out)
+        if columns:  # fla's chunked recurrence with the state pass in narrow value columns (and the snapshots)
             o, state = prefill_kda_state.chunk_kda(q_[None], k_[None], v_[None], g[None], beta[None], state, columns,
-                                                   stages)
+                                                   stages, ends, kda_out)
         else:
+            if snapshots is not None:
+                self._rerun_snapshots(q_[None], k_[None], v_[None], g[None], beta[None], state, ends, kda_out,
+                                      self.lower_bound)
             o, state = delta_rule(q_[None], k_[None], v_[None], g[None], beta[None], state, self.lower_bound)
         o = prefill_kda.gated_norm(o[0], self.g_proj(x), self.o_norm.weight, self.eps, x.dtype)
         return self.dense(o)[None], new_conv[None], state
@@ -542,7 +579,8 @@ class LingForCausalLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, state: InferenceState, positions: torch.Tensor,
              kv_len: int | None = None, normed: bool = False, prefill: bool = False,
-             valid: torch.Tensor | None = None, keep: tuple[int, ...] | None = None):
+             valid: torch.Tensor | None = None, keep: tuple[int, ...] | None = None,
+             snapshots: Snapshots | None = None):
         """Advance `state` by T tokens at `positions` [T]; returns the hidden states [T, hidden] (pre-norm), and
         with `normed` also their final norm, the head's input: (hidden, normed). The fused step makes both in
         one launch; here the pair keeps the two steps' contracts the same.
@@ -555,14 +593,16 @@ class LingForCausalLM(nn.Module):
         KDA states end as after the n real tokens, and the padded tokens' MLA rows (positions past them) are
         written like any row past the sequence, masked until overwritten. `keep` (may be empty) names layers whose
         outputs (the residual stream after them, a drafter's features) come back after the hidden states, as the
-        fused step returns them: (hidden, {layer: [T, hidden]}[, normed]).
+        fused step returns them: (hidden, {layer: [T, hidden]}[, normed]). `snapshots` (a prefill's): the KDA and
+        conv states after its first `snapshots.ends` tokens are also written there.
         """
         h = self.model.word_embeddings(input_ids)
         kv_len = state.capacity if kv_len is None else kv_len
         kept = {} if keep is not None else None
         if prefill:
-            h = self._prefill_layers(h, state, positions, kv_len, valid, keep, kept)
+            h = self._prefill_layers(h, state, positions, kv_len, valid, keep, kept, snapshots)
         else:
+            assert snapshots is None, "snapshots are a prefill's"
             for i, layer in enumerate(self.decoder_layers):
                 h = self._layer_step(i, layer, h, state, positions, kv_len, prefill, valid)
                 if keep and i in keep:
@@ -571,7 +611,8 @@ class LingForCausalLM(nn.Module):
         return out if len(out) > 1 else h
 
     def _prefill_layers(self, h, state: InferenceState, positions, kv_len: int, valid=None,
-                        keep: tuple[int, ...] | None = None, kept: dict | None = None):
+                        keep: tuple[int, ...] | None = None, kept: dict | None = None,
+                        snapshots: Snapshots | None = None):
         """The decoder layers of a prefill step: `_layer_step`'s arithmetic with each residual add and the norm
         after it as one launch on a GPU (`norm.add_rms_norm`: the same bits as `h + a` then the RMSNorm), where
         torch spends about eight elementwise launches over [T, hidden] per norm. h is updated in place, so the
@@ -579,7 +620,7 @@ class LingForCausalLM(nn.Module):
         layers, eps = self.decoder_layers, self.config.rms_norm_eps
         x, h = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
-            a = self._attend(i, layer, x, state, positions, kv_len, True, valid)
+            a = self._attend(i, layer, x, state, positions, kv_len, True, valid, snapshots)
             x, h = norm.add_rms_norm(self.par.all_reduce(a), h, layer.post_attention_layernorm.weight, eps)
             m = self.par.all_reduce(layer.mlp(x))
             if i + 1 < len(layers):
@@ -596,11 +637,12 @@ class LingForCausalLM(nn.Module):
         return layer._mlp(h + self.par.all_reduce(a))
 
     def _attend(self, i, layer: DecoderLayer, x, state: InferenceState, positions, kv_len, prefill=False,
-                valid=None):
+                valid=None, snapshots: Snapshots | None = None):
         """Layer i's attention of its normed input x over the state (updated): this rank's partial output."""
         if layer.kind == KDA:
             s = self.kda_slot[i]
-            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid)
+            snap = None if snapshots is None else (snapshots.ends, snapshots.kda[s], snapshots.conv[s])
+            a, conv, rec = layer.attention(x[None], state.conv[s:s + 1], state.kda[s:s + 1], valid, snap)
             state.conv[s].copy_(conv[0])
             state.kda[s].copy_(rec[0])
             return a[0]

@@ -70,15 +70,16 @@ class PrefixCache:
         points = {p for p in range(self.every, end, self.every)} | {end - k for k in self.tail}
         return sorted(p for p in points if start < p < end and p not in self._slots)
 
-    def snapshot(self, position: int) -> None:
-        """Remember the KDA + conv state as of `position` consumed tokens (== len(self.tokens))."""
+    def snapshot(self, position: int, kda: torch.Tensor | None = None, conv: torch.Tensor | None = None) -> None:
+        """Remember the KDA + conv state as of `position` consumed tokens: the live state's (position ==
+        len(self.tokens)), or the given states of an earlier position (a prefill piece's tail snapshots)."""
         slot = self._slots.pop(position, None)
         if slot is None:
             if len(self._slots) == self._kda.shape[0]:  # full: forget the oldest-taken snapshot
                 del self._slots[next(iter(self._slots))]
             slot = min(set(range(self._kda.shape[0])) - set(self._slots.values()))
-        self._kda[slot].copy_(self.state.kda)
-        self._conv[slot].copy_(self.state.conv)
+        self._kda[slot].copy_(self.state.kda if kda is None else kda)
+        self._conv[slot].copy_(self.state.conv if conv is None else conv)
         self._slots[position] = slot
 
     def reset(self) -> None:

@@ -30,8 +30,8 @@ from typing import Iterator
 
 import torch
 
-from lingls.kernels import accept, kda
-from lingls.model.ling import LingForCausalLM
+from lingls.kernels import accept, kda, prefill_kda_state
+from lingls.model.ling import LingForCausalLM, Snapshots
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
 from lingls.runtime.fused_step import FusedStep
@@ -99,7 +99,7 @@ class ModelRunner:
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
                  max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False,
-                 scores: bool = False):
+                 scores: bool = False, tail_free: bool | None = None):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
         8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
         an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
@@ -112,6 +112,13 @@ class ModelRunner:
         replay a graph per (tokens, KV bucket), so the host issues a few replays instead of thousands of
         launches (the eager prefill is bound by those: bench/results/prefix.json). Default: on with CUDA graphs
         (on a CPU, or without graphs, the padded first piece runs eagerly: tests set it to check that path).
+
+        tail_free: a cold prompt that fits one padded piece runs as that piece alone, whose KDA recurrence also
+        leaves the states at the tail snapshots (end-8, end-1: `model.ling.Snapshots`, out of the chunked
+        recurrence by `prefill_kda_state.snapshots`), instead of a piece up to end-8 and a staged step of the
+        last 8 tokens (`_staged_tail`: a second stream of every weight, 4.2 ms of a cold prefill of a Ling-3.0-flash
+        TP=4 rank on an H200). Default: with prefill graphs where the narrow state pass serves (elsewhere the
+        snapshots rerun the recurrence: `KimiDeltaAttention._rerun_snapshots`), and on a CPU (tests).
 
         lean_cpu: decode steps and short prefill pieces of an fp32 model on a CPU run `cpu_step.CpuStep` (the
         model's step regrouped into few large ops; speculative decoding needs the model's own step there).
@@ -148,6 +155,10 @@ class ModelRunner:
         # decode and verify steps by (T, KV bucket, greedy?); an attached round's phases share their memory pool
         self.graphs = GraphSet()
         self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
+        if tail_free is None:
+            tail_free = self.prefill_graphs and (self.device.type != "cuda" or prefill_kda_state.available())
+        self.tail_free = tail_free
+        self._snapshots: Snapshots | None = None  # a tail-free piece's snapshot ends and states (`_tail_snapshots`)
         # a prompt's pieces, in a pool of their own (their hidden states are read after the replay): a cold first
         # piece's padded step by its bucket, a short piece's by (tokens, KV bucket, staged?)
         self.piece_graphs = GraphSet()
@@ -181,25 +192,46 @@ class ModelRunner:
             return None
         return next((b for b in PREFILL_BUCKETS if n <= b <= min(self.prefill_chunk, self.capacity)), None)
 
-    def _padded_body(self, bucket: int) -> torch.Tensor:
+    def _padded_body(self, bucket: int, snapshots: bool = False) -> torch.Tensor:
         """The fixed-shape prefill of the bucket's ids buffer at positions 0..bucket-1, of which the first
         `real_tokens` are the prompt's (the rest pad it: they leave the KDA states alone, and their MLA rows lie
-        past the sequence). Returns the hidden states [bucket, hidden]."""
+        past the sequence); with `snapshots`, also the states after the first `_tail_snapshots().ends` tokens.
+        Returns the hidden states [bucket, hidden]."""
         ids = self._prefill_ids(bucket)
         positions = self.arange_prefill[:bucket]
         valid = positions < self.real_tokens
-        return self.model.step(ids, self.state, positions, kv_len=bucket, prefill=True, valid=valid)
+        return self.model.step(ids, self.state, positions, kv_len=bucket, prefill=True, valid=valid,
+                               snapshots=self._tail_snapshots() if snapshots else None)
 
-    def _padded_piece(self, ids: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
+    def _padded_piece(self, ids: torch.Tensor, n: int, bucket: int, ends: tuple[int, ...] = ()) -> torch.Tensor:
         """A cold prompt's first n tokens (ids [n] on the device) through the bucket's padded step: a graph
-        replay on CUDA with graphs (captured on first use), else eagerly. Returns the n real hidden states."""
+        replay on CUDA with graphs (captured on first use), else eagerly; with `ends` (one or two positions in
+        1..n), the states after them go to `_tail_snapshots()`. Returns the n real hidden states."""
         buf = self._prefill_ids(bucket)
         buf[:n].copy_(ids)
         buf[n:].zero_()
         self.real_tokens.fill_(n)
+        if ends:
+            snapshot_ends = self._tail_snapshots().ends
+            for j in range(snapshot_ends.shape[0]):  # fills, not a copy from pageable memory (which would wait)
+                snapshot_ends[j].fill_(ends[min(j, len(ends) - 1)])
+        key = (bucket, bool(ends))
         if not self.use_graphs:
-            return self._padded_body(bucket)[:n]
-        return self.piece_graphs.run(bucket, partial(self._padded_body, bucket), self._piece_live())[:n]
+            return self._padded_body(*key)[:n]
+        return self.piece_graphs.run(key, partial(self._padded_body, *key), self._piece_live())[:n]
+
+    def _tail_snapshots(self) -> Snapshots:
+        """The tail-free piece's snapshot buffers (allocated on first use): ends [2] and the KDA and conv states
+        after them, as `Snapshots` holds them."""
+        if self._snapshots is None:
+            kda_state, conv = self.state.kda, self.state.conv
+            self._snapshots = Snapshots(
+                ends=torch.ones(len(self.cache.tail), dtype=torch.long, device=self.device),
+                kda=torch.zeros(kda_state.shape[0], len(self.cache.tail), *kda_state.shape[1:],
+                                dtype=kda_state.dtype, device=self.device),
+                conv=torch.zeros(conv.shape[0], len(self.cache.tail), *conv.shape[1:], dtype=conv.dtype,
+                                 device=self.device))
+        return self._snapshots
 
     def _prefill_ids(self, bucket: int) -> torch.Tensor:
         """The bucket's input ids buffer (the padded step's, and its graph's, input)."""
@@ -346,7 +378,8 @@ class ModelRunner:
         if self.prefill_graphs:
             for bucket in PREFILL_BUCKETS:
                 if bucket <= min(self.prefill_chunk, self.capacity):
-                    self.piece_graphs.capture(bucket, partial(self._padded_body, bucket), self._piece_live())
+                    key = (bucket, self.tail_free)
+                    self.piece_graphs.capture(key, partial(self._padded_body, *key), self._piece_live())
             self.cache.reset()
         b = self.bucket(1)
         while True:
@@ -395,31 +428,42 @@ class ModelRunner:
             ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.arange(start, len(prompt), device=self.device)
             end = len(prompt)
-            # the last piece before the end-1 snapshot and the one token after it as one staged step of the
-            # fused kernels; where every piece must be seen (an attached speculative round's drafter absorbs
-            # each piece's kept layers; a benchmark's swapped-in step), the tail stays two pieces
-            tail = bounds[-3] if len(bounds) >= 3 else start
-            staged_tail = (isinstance(self.fused, FusedStep) and self.spec is None
-                           and self.prefill_step == self._prefill_step
-                           and bounds[-2:] == [end - 1, end] and end - tail <= FUSED_MAX_TOKENS)
-            a = start
-            for b in bounds[:-2] if staged_tail else bounds:
-                bucket = self.prefill_bucket(b) if self.prefill_graphs and a == 0 and self.spec is None else None
-                if bucket is not None:
-                    h = self._padded_piece(ids[:b], b, bucket)
-                else:
-                    h = self.prefill_step(ids[a - start:b - start], self.state, positions[a - start:b - start],
-                                          kv_len=b)
-                cache.tokens.extend(prompt[a:b])
-                cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
-                a = b
-            if staged_tail:
-                h = self._staged_tail(ids[a - start:], positions[a - start:], kv_len=end)
-                cache.tokens.extend(prompt[a:end - 1])
-                cache.snapshot(end - 1)
-                self._commit_last_token(end - a)
-                cache.tokens.append(prompt[-1])
+            own_step = self.prefill_step == self._prefill_step
+            first = self.prefill_bucket(end) if self.prefill_graphs and start == 0 and self.spec is None else None
+            if (self.tail_free and own_step and first is not None
+                    and len(bounds) - 1 <= self._tail_snapshots().ends.shape[0]):
+                # a cold prompt in one padded piece, its tail snapshots taken inside it (`tail_free`)
+                h = self._padded_piece(ids, end, first, tuple(bounds[:-1]))
+                cache.tokens.extend(prompt)
+                snaps = self._tail_snapshots()
+                for j, p in enumerate(bounds[:-1]):
+                    cache.snapshot(p, snaps.kda[:, j], snaps.conv[:, j])
                 cache.snapshot(end)
+            else:
+                # the last piece before the end-1 snapshot and the one token after it as one staged step of the
+                # fused kernels; where every piece must be seen (an attached speculative round's drafter absorbs
+                # each piece's kept layers; a benchmark's swapped-in step), the tail stays two pieces
+                tail = bounds[-3] if len(bounds) >= 3 else start
+                staged_tail = (isinstance(self.fused, FusedStep) and self.spec is None and own_step
+                               and bounds[-2:] == [end - 1, end] and end - tail <= FUSED_MAX_TOKENS)
+                a = start
+                for b in bounds[:-2] if staged_tail else bounds:
+                    bucket = self.prefill_bucket(b) if self.prefill_graphs and a == 0 and self.spec is None else None
+                    if bucket is not None:
+                        h = self._padded_piece(ids[:b], b, bucket)
+                    else:
+                        h = self.prefill_step(ids[a - start:b - start], self.state, positions[a - start:b - start],
+                                              kv_len=b)
+                    cache.tokens.extend(prompt[a:b])
+                    cache.snapshot(b)  # the prompt's end too: the next keystroke usually appends to it
+                    a = b
+                if staged_tail:
+                    h = self._staged_tail(ids[a - start:], positions[a - start:], kv_len=end)
+                    cache.tokens.extend(prompt[a:end - 1])
+                    cache.snapshot(end - 1)
+                    self._commit_last_token(end - a)
+                    cache.tokens.append(prompt[-1])
+                    cache.snapshot(end)
             self.set_sampling(sampling)
             logits = self.model.par.all_gather_last(self.model.head(h[-1:]))
             if allowed is not None:

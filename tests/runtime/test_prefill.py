@@ -174,7 +174,8 @@ def test_sort_pairs_kernels_lay_out_the_pairs_as_the_torch_form():
 def test_kda_prefill_kernels_equal_the_torch_form(padded, block, monkeypatch):
     """The KDA layer of a prefill through `prefill_kda` (convolutions, norms, gate, beta, new conv state, gated
     output norm) == the torch form, from a non-zero state, with and without padded tokens at the end, at several
-    programs' sizes (tokens a program; 37 tokens: a last block only partly filled)."""
+    programs' sizes (tokens a program; 37 tokens: a last block only partly filled); the snapshots after the first
+    1, 9 and n - 1 tokens too (the conv states' kernel at several ends; the recurrence's by reruns on both sides)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(prefill_kda, "BLOCK", block)
     model = build(num_hidden_layers=2).to(dev)
@@ -188,12 +189,73 @@ def test_kda_prefill_kernels_equal_the_torch_form(padded, block, monkeypatch):
     from lingls.model import ling
 
     monkeypatch.setattr(ling, "_FLA", [None])  # the recurrence in torch on both sides: the kernels are the subject
+    ends = torch.tensor([1, 9, (30 if padded else t) - 1], device=dev)
+    snaps = [(ends, torch.zeros(3, attn.heads, attn.d, attn.d, device=dev), torch.zeros(3, 3, c, 3, device=dev))
+             for _ in range(2)]
     with torch.no_grad():
-        got = attn._prefill(x, conv_state[0], state.clone(), valid)
+        got = attn._prefill(x, conv_state[0], state.clone(), valid, snaps[0])
         monkeypatch.setenv("LINGLS_KERNELS", "0")  # the torch form on a GPU too
-        want = attn.forward(x[None], conv_state, state.clone(), valid)
-    for a, b in zip(got, want):
+        want = attn.forward(x[None], conv_state, state.clone(), valid, snaps[1])
+    for a, b in [*zip(got, want), *zip(snaps[0][1:], snaps[1][1:])]:
         assert ((a - b).norm() / b.norm()).item() < (1e-5 if dev == "cpu" else 1e-3)
+
+
+def test_kda_snapshots_are_the_states_after_their_tokens():
+    """The torch form's snapshots (a padded prefill's, by reruns) == the states of a prefill of the first ends[j]
+    tokens alone, recurrent and conv."""
+    model = build(num_hidden_layers=2)
+    attn = model.model.layers[0].attention
+    g = torch.Generator().manual_seed(11)
+    t, c = 90, attn.heads * attn.d
+    x = torch.randn(1, t, 32, generator=g)
+    conv_state = torch.randn(1, 3, c, 3, generator=g)
+    state = torch.randn(1, attn.heads, attn.d, attn.d, generator=g) * 0.1
+    ends = torch.tensor([3, 64, 70, 81])
+    kda_out, conv_out = torch.zeros(4, attn.heads, attn.d, attn.d), torch.zeros(4, 3, c, 3)
+    valid = torch.arange(t) < 82
+    with torch.no_grad():
+        attn.forward(x, conv_state, state.clone(), valid, (ends, kda_out, conv_out))
+        for j, end in enumerate(ends.tolist()):
+            _, conv, rec = attn.forward(x[:, :end], conv_state, state.clone())
+            assert _close(kda_out[j], rec[0]) and _close(conv_out[j], conv[0]), end
+
+
+@pytest.mark.parametrize("prompt", [40, 75])
+def test_tail_free_prefill_leaves_the_staged_tails_states(prompt):
+    """A cold prompt in one padded piece with its end-8 and end-1 snapshots taken inside it (`tail_free`, eager on a
+    CPU): the snapshots, the end states, the latent rows and the first token are those of the staged tail's path
+    (a piece up to end-8, then the last 8 tokens as one staged step), to rounding; an edit of the last token and
+    one a few tokens before it reuse those snapshots and choose what a fresh prefill of the edited prompt chooses."""
+    from lingls.runtime.fused_step import FusedStep
+
+    model = build(num_experts=64, n_group=4, topk_group=2, num_experts_per_tok=4)
+    fused = FusedStep(model, kernels=False)
+    ids = torch.randint(0, 96, (prompt,), generator=torch.Generator().manual_seed(12)).tolist()
+    n = len(ids)
+
+    def runner(tail_free: bool) -> ModelRunner:
+        r = ModelRunner(model, capacity=300, prefill_chunk=512, prefill_graphs=True, tail_free=tail_free)
+        r.fused = fused
+        return r
+
+    new, old = runner(True), runner(False)
+    for r in (new, old):
+        assert r.prefill(ids, Sampling()) == 0 and r.cache.snapshots == [n - 8, n - 1, n]
+    assert list(new._prefill_ids_buf) == [256] and list(old._prefill_ids_buf) == [256]  # n and n - 8 tokens padded
+    assert new._tail_snapshots().ends.tolist() == [n - 8, n - 1] and old._snapshots is None
+    for p in (n - 8, n - 1, n):
+        assert all(_close(x, y) for x, y in zip(_snapshot(new, p), _snapshot(old, p))), p
+    assert _close(new.state.kda, old.state.kda) and _close(new.state.conv, old.state.conv)
+    assert _close(new.state.latent[:, :n], old.state.latent[:, :n]) and new.chosen() == old.chosen()
+    for at, reused in ((n - 1, n - 1), (n - 3, n - 8)):
+        edited = list(ids)
+        edited[at] = (edited[at] + 1) % 96
+        assert new.prefill(edited, Sampling()) == reused
+        fresh = runner(True)
+        fresh.prefill(edited, Sampling())
+        assert new.chosen() == fresh.chosen()
+        assert _close(new.state.kda, fresh.state.kda) and _close(new.state.conv, fresh.state.conv)
+        new.prefill(ids, Sampling())
 
 
 def test_prefill_graphs_follow_cuda_graphs_by_default():
@@ -357,6 +419,38 @@ def test_kda_state_pass_in_columns_is_its_definition(t, heads, d, columns, dtype
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert h.shape == h_ref.shape and v_new.shape == v_ref.shape and final.dtype == torch.float32
     assert rel(h, h_ref) < tol and rel(v_new, v_ref) < tol and rel(final, final_ref) < tol
+
+
+def _chunk_gated(k, gk):
+    """fla's chunk-end-gated keys: k[r] 2^(gk[last] - gk[r]), last the final row of r's 64-token chunk."""
+    t = k.shape[1]
+    last = torch.clamp(torch.arange(t, device=k.device) // 64 * 64 + 63, max=t - 1)
+    return (k.float() * torch.exp2(gk[:, last] - gk)).to(k.dtype)
+
+
+@pytest.mark.skipif(prefill_kda_state.triton is None, reason="needs Triton (its interpreter on a CPU)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("t, ends", [(150, (1, 63, 64, 65, 142, 149, 150)), (37, (29, 36))])
+def test_state_pass_snapshots_are_the_states_after_their_tokens(t, ends):
+    """The narrow state pass with snapshot ends keeps the fp32 state entering each end's chunk, and `snapshots`
+    finishes them: each equals the final state of a state pass over the first ends[s] rows alone (their chunk's
+    keys gated to its new last row; w and u unchanged, the intra-chunk system being lower-triangular), at a chunk's
+    first row, its last, the sequence's end; `snapshots_reference` is the same formula in torch."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, d, columns = 2, 32, 16
+    k, w, u, gk, h0 = _state_pass_inputs(t, heads, d, d, torch.float32, device, seed=t + 1)
+    ends_t = torch.tensor(ends, device=device)
+    h, v_new, final, entering = prefill_kda_state.state_pass(_chunk_gated(k, gk), w, u, gk, h0, columns, 2, ends_t)
+    snaps = prefill_kda_state.snapshots(k, gk, v_new, entering, ends_t, columns=columns)
+    tol = 5e-3 if device == "cuda" else 1e-4
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(snaps, prefill_kda_state.snapshots_reference(k, gk, v_new, entering, ends_t)) < tol
+    for s, end in enumerate(ends):
+        want = prefill_kda_state.state_pass_reference(_chunk_gated(k[:, :end], gk[:, :end]), w[:, :end], u[:, :end],
+                                                      gk[:, :end], h0)[2][0]
+        assert rel(snaps[s], want) < tol, end
+    assert rel(snaps[-1], final[0]) < tol if ends[-1] == t else True
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
