@@ -87,3 +87,24 @@ def test_graphed_mtp_rounds_equal_eager_rounds():
         attach(runner, "mtp", k=4)
         got[graphs] = list(runner.generate(prompt, 40))
     assert got[True] == got[False]
+
+
+def test_tail_free_prefill_equals_the_staged_tail_on_gpu(gpu_model):
+    """A cold prompt as one padded piece whose chunked recurrence also leaves the end-8 and end-1 snapshots (graph
+    replays; the narrow state pass's snapshots where fla-core serves) against the staged tail's path: the same
+    tokens, the snapshots to rounding, and edits that reuse them give a fresh runner's tokens."""
+    prompt = (BASE * 4)[:300]
+    n = len(prompt)
+    runners = [ModelRunner(gpu_model, capacity=512, use_graphs=True, tail_free=free) for free in (True, False)]
+    tokens = [list(r.generate(prompt, 16)) for r in runners]
+    assert tokens[0] == tokens[1]
+    new, old = runners
+    assert new._tail_snapshots().ends.tolist() == [n - 8, n - 1] and old._snapshots is None
+    for p in (n - 8, n - 1):
+        for a, b in zip(*((r.cache._kda[r.cache._slots[p]], r.cache._conv[r.cache._slots[p]]) for r in runners)):
+            assert ((a - b).norm() / b.norm()).item() < 1e-3, p
+    for at in (n - 1, n - 3):
+        edited = list(prompt)
+        edited[at] = (edited[at] + 1) % 100
+        fresh = ModelRunner(gpu_model, capacity=512, use_graphs=True, tail_free=False)
+        assert list(new.generate(edited, 12)) == list(fresh.generate(edited, 12))

@@ -519,3 +519,32 @@ def test_bf16_prefill_hands_the_recurrence_bf16_inputs(t, monkeypatch):
     assert seen == [torch.bfloat16, torch.float32]
     for a, b, w in zip(got, fp32_inputs, want):
         assert a.dtype == b.dtype and rel(a, b) < 2e-2 and rel(a, w) < 3e-2, (rel(a, b), rel(a, w))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not prefill_kda_state.available(),
+                    reason="fla-core 0.6.0's kernels run on a GPU only (not under Triton's interpreter)")
+@pytest.mark.parametrize("t", [1000, 8192])
+def test_chunk_kda_snapshots_are_the_states_after_their_tokens_on_the_gpu(t):
+    """At a TP=4 rank's heads with bf16 inputs: chunk_kda with snapshot ends gives the same output and final state
+    bits as without, and each snapshot is the final state of chunk_kda over the first ends[s] tokens alone (to
+    the rounding of the partial chunk's new values to bf16)."""
+    from lingls.kernels import reference as ref
+
+    heads, d = 8, 128
+    g = torch.Generator(device="cuda").manual_seed(13)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+    q = (ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5).to(torch.bfloat16)
+    k = ref.l2_normalize(rnd(1, t, heads, d)).to(torch.bfloat16)
+    v, gate = rnd(1, t, heads, d).to(torch.bfloat16), slow_gates(rnd(1, t, heads, d), -5.0)
+    beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
+    ends = torch.tensor([t - 8, t - 1, 64, 65, t], device="cuda")
+    out = torch.empty(5, heads, d, d, device="cuda")
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    with torch.inference_mode():
+        o, s = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, 16, 3, ends, out)
+        o1, s1 = prefill_kda_state.chunk_kda(q, k, v, gate, beta, s0, 16, 3)
+        assert torch.equal(o, o1) and torch.equal(s, s1)
+        for j, end in enumerate(ends.tolist()):
+            _, want = prefill_kda_state.chunk_kda(q[:, :end], k[:, :end], v[:, :end], gate[:, :end], beta[:, :end],
+                                                  s0, 16, 3)
+            assert rel(out[j], want[0]) < 5e-3, (end, rel(out[j], want[0]))
