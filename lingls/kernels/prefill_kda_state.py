@@ -76,8 +76,8 @@ def chunk_kda(q, k, v, g, beta, initial_state, columns: int, stages: int = 3, en
               snapshot_out: torch.Tensor | None = None):
     """fla's `chunk_kda(q, k, v, g, beta, scale=1.0, initial_state, output_final_state=True)` of one sequence
     ([1, T, H, D] inputs, fp32 state [1, H, D, D]) with the state pass of `state_pass`; with snapshot `ends` ([S]
-    int64 on the device), also the states after the first ends[s] tokens into `snapshot_out` [S, H, D, D] fp32
-    (`snapshots`: a cold prompt's tail snapshots out of its one chunked recurrence).
+    int64 on the device, ascending), also the states after the first ends[s] tokens into `snapshot_out`
+    [S, H, D, D] fp32 (`snapshots`: a cold prompt's tail snapshots out of its one chunked recurrence).
     Returns (o [1, T, H, D] in q's dtype, final state [1, H, D, D] fp32)."""
     f = _fla()
     g = f["cumsum"](g=g, scale=f["rcp_ln2"], chunk_size=CHUNK)
@@ -147,20 +147,29 @@ if triton is not None:
         return _dot_bf16((n_t - n_hi.to(tl.float32)).to(tl.bfloat16), k_hi, state, INTERPRETED)
 
     @jit
-    def _keep_entering(ends_ptr, entering_ptr, state, c, vk, HKV: tl.constexpr, BT: tl.constexpr,
-                       S: tl.constexpr):
-        """Store the fp32 state entering chunk c for each snapshot whose last token lies in chunk c (predicated
-        stores, no branch in the pipelined loop)."""
-        for s in tl.static_range(S):
-            hit = (vk * 0 + c) == (tl.load(ends_ptr + s) - 1) // BT
-            tl.store(entering_ptr + s * HKV + vk, state, mask=hit)
+    def _chunks(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, first, stop, i_h, T, o_k, o_v, o_t,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+        """Chunks first..stop-1 of one head's columns in order; returns the state after them."""
+        if INTERPRETED:  # the interpreter's trip count is a one-element array, which range() refuses (NumPy 2.4)
+            c = first
+            while c < stop:
+                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
+                                    H, K, V, BT, INTERPRETED)
+                c += 1
+        else:  # the chunks' loads pipelined STAGES deep under the products
+            for c in tl.range(first, stop, num_stages=STAGES):
+                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
+                                    H, K, V, BT, INTERPRETED)
+        return state
 
     @jit
     def _state_pass_kernel(k_ptr, w_ptr, u_ptr, gk_ptr, h0_ptr, h_ptr, v_new_ptr, ht_ptr, ends_ptr, entering_ptr,
                            T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                            BV: tl.constexpr, STAGES: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constexpr):
         """One head's BV value columns of the state pass, every chunk in order (see the module's docstring); with
-        S snapshot ends, also the fp32 state entering each one's chunk (`snapshots` finishes them)."""
+        S snapshot ends (ascending), also the fp32 state entering each one's chunk (`snapshots` finishes them):
+        the chunks run as S + 1 loops split there, so the loop itself gains no work."""
         i_v = tl.program_id(0)
         i_h = tl.program_id(1)
         o_k = tl.arange(0, K)
@@ -168,28 +177,26 @@ if triton is not None:
         o_t = tl.arange(0, BT)
         vk = i_h * K * V + o_v[:, None] + o_k[None, :] * V  # [BV, K]: the state transposed
         state = tl.load(h0_ptr + vk).to(tl.float32)
-        chunks = tl.cdiv(T, BT)
-        if INTERPRETED:  # the interpreter's trip count is a one-element array, which range() refuses (NumPy 2.4)
-            c = 0
-            while c < chunks:
-                _keep_entering(ends_ptr, entering_ptr, state, c, vk, H * K * V, BT, S)
-                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
-                                    H, K, V, BT, INTERPRETED)
-                c += 1
-        else:  # the chunks' loads pipelined STAGES deep under the products
-            for c in tl.range(0, chunks, num_stages=STAGES):
-                _keep_entering(ends_ptr, entering_ptr, state, c, vk, H * K * V, BT, S)
-                state = _chunk_step(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, c, i_h, T, o_k, o_v, o_t,
-                                    H, K, V, BT, INTERPRETED)
+        first = 0
+        for s in tl.static_range(S):
+            stop = (tl.load(ends_ptr + s) - 1) // BT  # the chunk holding snapshot s's last token
+            state = _chunks(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, first, stop, i_h, T, o_k, o_v,
+                            o_t, H, K, V, BT, STAGES, INTERPRETED)
+            tl.store(entering_ptr + s * (H * K * V) + vk, state)
+            first = stop
+        state = _chunks(k_ptr, w_ptr, u_ptr, gk_ptr, h_ptr, v_new_ptr, state, first, tl.cdiv(T, BT), i_h, T, o_k,
+                        o_v, o_t, H, K, V, BT, STAGES, INTERPRETED)
         tl.store(ht_ptr + vk, state)
 
     @jit
     def _snapshot_kernel(k_ptr, gk_ptr, v_new_ptr, entering_ptr, ends_ptr, out_ptr, H: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         """Snapshot s of one head's BV value columns: the state after the first ends[s] tokens, from the state
         entering the chunk of its last token p (S_c, fp32) and that chunk's rows up to p (the intra-chunk system is
         lower-triangular, so they do not depend on the rows after p):
-        S_p = diag(2^gk[p]) S_c + sum over rows r <= p of (k[r] 2^(gk[p] - gk[r]))^T v_new[r]."""
+        S_p = diag(2^gk[p]) S_c + sum over rows r <= p of (k[r] 2^(gk[p] - gk[r]))^T v_new[r], held transposed
+        as the state pass holds it, its product in bf16 halves as the pass's update (about fp32's precision)."""
         i_v = tl.program_id(0)
         i_h = tl.program_id(1)
         s = tl.program_id(2)
@@ -202,19 +209,22 @@ if triton is not None:
         g_last = tl.load(gk_ptr + last.to(tl.int64) * (H * K) + i_h * K + o_k).to(tl.float32)
         gk = tl.load(gk_ptr + rk, mask=live, other=0.0).to(tl.float32)
         kw = tl.where(live, tl.load(k_ptr + rk, mask=live, other=0.0).to(tl.float32) * tl.exp2(g_last[None, :] - gk),
-                      0.0)
-        vn = tl.load(v_new_ptr + rows.to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :], mask=live,
-                     other=0.0).to(tl.float32)
-        kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # [K, BV]
-        entering = tl.load(entering_ptr + s * (H * K * V) + kv)
-        state = tl.dot(tl.trans(kw), vn, entering * tl.exp2(g_last)[:, None], input_precision="ieee")
-        tl.store(out_ptr + s * (H * K * V) + kv, state)
+                      0.0)  # [BT, K]
+        n_t = tl.trans(tl.load(v_new_ptr + rows.to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :], mask=live,
+                               other=0.0).to(tl.float32))  # [BV, BT]
+        vk = i_h * K * V + o_v[:, None] + o_k[None, :] * V  # [BV, K]: the state transposed
+        state = tl.load(entering_ptr + s * (H * K * V) + vk) * tl.exp2(g_last)[None, :]
+        k_hi, n_hi = kw.to(tl.bfloat16), n_t.to(tl.bfloat16)
+        state = _dot_bf16(n_hi, k_hi, state, INTERPRETED)
+        state = _dot_bf16(n_hi, (kw - k_hi.to(tl.float32)).to(tl.bfloat16), state, INTERPRETED)
+        state = _dot_bf16((n_t - n_hi.to(tl.float32)).to(tl.bfloat16), k_hi, state, INTERPRETED)
+        tl.store(out_ptr + s * (H * K * V) + vk, state)
 
 
 def state_pass(kg, w, u, gk, h0, columns: int = 16, stages: int = 3, ends: torch.Tensor | None = None):
     """The state pass of one sequence in programs of `columns` value columns of a head (`_state_pass_kernel`),
     the next chunks' loads `stages` deep; arguments and results as `state_pass_reference`. With snapshot `ends`
-    ([S] int64 on the device, each in 1..T), also the fp32 states entering their last tokens' chunks
+    ([S] int64 on the device, ascending, each in 1..T), also the fp32 states entering their last tokens' chunks
     [S, H, K, V] (`snapshots`' input), as a fourth result."""
     _, t, heads, d = kg.shape
     dv = u.shape[-1]
@@ -241,7 +251,9 @@ def snapshots(k, gk, v_new, entering, ends, out: torch.Tensor | None = None, col
     dv = v_new.shape[-1]
     out = torch.empty_like(entering) if out is None else out
     _snapshot_kernel[(dv // columns, heads, ends.shape[0])](k, gk, v_new, entering, ends, out, H=heads, K=d, V=dv,
-                                                             BT=CHUNK, BV=columns, num_warps=WARPS)
+                                                             BT=CHUNK, BV=columns,
+                                                             INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                                             num_warps=WARPS)
     return out
 
 

@@ -100,8 +100,8 @@ class InferenceState:
 @dataclass
 class Snapshots:
     """The KDA states a prefill step also leaves after its first ends[s] tokens (a cold prompt's tail snapshots,
-    taken inside its one piece instead of by a staged step of its last tokens): ends [S] int64 on the device (a
-    graph's input), kda [n_kda, S, H, Dk, Dv] fp32 and conv [n_kda, S, 3, C, K-1], written by the step."""
+    taken inside its one piece instead of by a staged step of its last tokens): ends [S] int64 on the device,
+    ascending (a graph's input), kda [n_kda, S, H, Dk, Dv] fp32 and conv [n_kda, S, 3, C, K-1], written by the step."""
 
     ends: torch.Tensor
     kda: torch.Tensor

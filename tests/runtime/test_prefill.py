@@ -537,7 +537,7 @@ def test_chunk_kda_snapshots_are_the_states_after_their_tokens_on_the_gpu(t):
     k = ref.l2_normalize(rnd(1, t, heads, d)).to(torch.bfloat16)
     v, gate = rnd(1, t, heads, d).to(torch.bfloat16), slow_gates(rnd(1, t, heads, d), -5.0)
     beta, s0 = torch.sigmoid(rnd(1, t, heads)), rnd(1, heads, d, d) * 0.05
-    ends = torch.tensor([t - 8, t - 1, 64, 65, t], device="cuda")
+    ends = torch.tensor([64, 65, t - 8, t - 1, t], device="cuda")
     out = torch.empty(5, heads, d, d, device="cuda")
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     with torch.inference_mode():
