@@ -441,7 +441,7 @@ class PrefillPath(NamedTuple):
     kda_columns: dict
     experts: str
     tail_free: bool = True
-    expert_settings: dict | None = None  # prefill_moe's launch settings by name (`--experts-variants`), or its own
+    settings: dict | None = None  # kernel launch settings by name (`--variants`: `_KERNEL_SETTINGS`), or the shipped
 
 
 def _use(path: PrefillPath) -> ModelRunner:
@@ -455,20 +455,25 @@ def _use(path: PrefillPath) -> ModelRunner:
     runner.cache.every = path.chunk
     prefill_kda_state.COLUMNS = path.kda_columns
     prefill_moe.FORM = path.experts
-    for name, value in {**_MOE_SETTINGS, **(path.expert_settings or {})}.items():
-        setattr(prefill_moe, name, tuple(value) if isinstance(value, list) else value)
+    for name, value in {**_KERNEL_SETTINGS, **(path.settings or {})}.items():
+        module, _, attr = name.rpartition(".")
+        setattr(_KERNEL_MODULES[module or "prefill_moe"], attr, tuple(value) if isinstance(value, list) else value)
     return runner
 
 
-def _moe_settings() -> dict:
-    from lingls.kernels import prefill_moe
+def _kernel_settings() -> tuple[dict, dict]:
+    """The prefill kernels' modules by name, and their launch settings a `--variants` path may change, as shipped
+    (a plain name is prefill_moe's; "prefill_kda.BLOCK" another module's)."""
+    from lingls.kernels import prefill_kda, prefill_moe
 
-    return {name: getattr(prefill_moe, name) for name in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG",
-                                                           "GATE_UP_BY_EXPERT", "DOWN_BY_EXPERT", "DOWN_FORM",
-                                                           "COMBINE_BLOCK")}
+    modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
+    names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
+                                             "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK", "ROUTE_WARPS")),
+             "prefill_kda.BLOCK"]
+    return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
 
 
-_MOE_SETTINGS = _moe_settings()  # the shipped launch settings, which a path without its own runs with
+_KERNEL_MODULES, _KERNEL_SETTINGS = _kernel_settings()  # what a path without settings of its own runs with
 
 
 def _torch_ops(step):
@@ -657,12 +662,17 @@ def flash_prefill(a) -> int:
         previous.fused = runner.fused  # (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
                                         kda_table, prefill_moe.PREVIOUS_FORM, False,
-                                        {"DOWN_FORM": prefill_moe.PREVIOUS_FORM})
-    for name, settings in json.loads(a.experts_variants or "{}").items():  # other expert settings, in place
+                                        {"prefill_moe.DOWN_FORM": prefill_moe.PREVIOUS_FORM})
+    for name, settings in json.loads(a.variants or "{}").items():  # other kernel settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused
-        paths[f"experts_{name}"] = PrefillPath(other, other.prefill_step, a.chunk, other.prefill_graphs, kda_table,
-                                               settings.pop("FORM", form), True, settings)
+        experts = settings.pop("FORM", form)
+        settings = {(n if "." in n else f"prefill_moe.{n}"): v for n, v in settings.items()}
+        unknown = set(settings) - set(_KERNEL_SETTINGS)
+        if unknown:
+            raise SystemExit(f"--variants: unknown settings {sorted(unknown)} (known: {sorted(_KERNEL_SETTINGS)})")
+        paths[f"variant_{name}"] = PrefillPath(other, other.prefill_step, a.chunk, other.prefill_graphs, kda_table,
+                                               experts, True, settings)
     if runner.fused is not None and "two_tail_pieces" not in a.skip:  # the runner's step swapped in: its tail
         paths["two_tail_pieces"] = PrefillPath(runner, _two_tail_pieces(runner), a.chunk, runner.prefill_graphs,
                                          kda_table, form)  # as two pieces, each a weight stream
@@ -795,10 +805,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--previous", action="store_true",
                    help="also time the path before (the staged 8-token tail, the block form's down), graphed on a "
                         "runner of its own (path previous)")
-    p.add_argument("--experts-variants", default="", metavar="JSON",
-                   help='also time the routed experts with other launch settings in place, each on a runner of its '
-                        'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "DOWN_FORM": "by_block", ...}, ...} '
-                        "(prefill_moe's names; FORM too)")
+    p.add_argument("--variants", default="", metavar="JSON",
+                   help='also time the prefill kernels with other launch settings in place, each on a runner of its '
+                        'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "prefill_kda.BLOCK": [32, 4], ...}, ...} '
+                        "(a plain name is prefill_moe's; FORM too)")
     p.add_argument("--skip", default="", help="paths left out (of two_tail_pieces, eager, eager_torch_ops; a,b,...)")
     a = p.parse_args(argv)
     if a.model:

@@ -28,7 +28,7 @@ Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole e
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
 
 Why a second form (`"by_expert"`). What runs: the block form's gate/up and the by-expert down (`FORM`,
-`DOWN_FORM`), as measured in place (`lingls bench prefix --experts-variants`, bit-identical outputs): the by-expert
+`DOWN_FORM`), as measured in place (`lingls bench prefix --variants`, bit-identical outputs): the by-expert
 down against the block form's, whole cold prefill on one H100 at 512 / 1,536 / 8,192 tokens 37.5 / 44.2 / 101.7 ms
 against 37.7 / 44.9 / 105.4 (down alone at 8,192: 16.3 against 20.6 ms; on an H200 in an earlier run 14.5 against
 15.8); the by-expert gate/up level with the block form's at 8,192 tokens and slower below.
@@ -66,6 +66,7 @@ FORMS = ("by_expert", "by_block")
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
 FORM = "by_block"
 DOWN_FORM = "by_expert"
+ROUTE_WARPS = 4  # warps of a token's routing program (`route`)
 PREVIOUS_FORM = "by_block"  # both kernels' form before (`lingls bench prefix --previous` times it on its own runner)
 
 
@@ -115,7 +116,7 @@ def route(logits, bias, top_k: int, n_group: int, topk_group: int, normalize: bo
     idx = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(n,)](logits.contiguous(), bias.float().contiguous(), weights, idx, float(scale), E=e, G=n_group,
                         TOPK_GROUP=topk_group, TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k),
-                        NORMALIZE=normalize, num_warps=4)
+                        NORMALIZE=normalize, num_warps=ROUTE_WARPS)
     return weights, idx
 
 
