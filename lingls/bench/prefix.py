@@ -641,7 +641,8 @@ def flash_prefill(a) -> int:
     prefill_moe.FORM = a.experts_form or prefill_moe.FORM  # before the warm-up captures the runtime's graphs
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
-    runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
+    # the tail-free cold prefill (`ModelRunner.tail_free`, off by default until timed here against `--previous`)
+    runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk, tail_free=True)
     a.chunk = runner.prefill_chunk
     kda_table, tuning = prefill_kda_state.COLUMNS, None
     if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from lingls.kernels import accept, kda, prefill_kda_state
+from lingls.kernels import accept, kda
 from lingls.model.ling import LingForCausalLM, Snapshots
 from lingls.runtime.cache import PrefixCache
 from lingls.runtime.fused_step import MAX_TOKENS as FUSED_MAX_TOKENS
@@ -99,7 +99,7 @@ class ModelRunner:
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
                  max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False,
-                 scores: bool = False, tail_free: bool | None = None):
+                 scores: bool = False, tail_free: bool = False):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
         8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
         an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
@@ -117,8 +117,10 @@ class ModelRunner:
         leaves the states at the tail snapshots (end-8, end-1: `model.ling.Snapshots`, out of the chunked
         recurrence by `prefill_kda_state.snapshots`), instead of a piece up to end-8 and a staged step of the
         last 8 tokens (`_staged_tail`: a second stream of every weight, 4.2 ms of a cold prefill of a Ling-3.0-flash
-        TP=4 rank on an H200). Default: with prefill graphs where the narrow state pass serves (elsewhere the
-        snapshots rerun the recurrence: `KimiDeltaAttention._rerun_snapshots`), and on a CPU (tests).
+        TP=4 rank on an H200). Where the narrow state pass does not serve, the snapshots rerun the recurrence
+        (`KimiDeltaAttention._rerun_snapshots`). Default off: the kernels' current form has not been timed on a GPU
+        yet (its first form was, and cost more than the tail it saves: docs/kernel-log.md); `lingls bench prefix`
+        times it against the staged tail (`--previous`).
 
         lean_cpu: decode steps and short prefill pieces of an fp32 model on a CPU run `cpu_step.CpuStep` (the
         model's step regrouped into few large ops; speculative decoding needs the model's own step there).
@@ -155,8 +157,6 @@ class ModelRunner:
         # decode and verify steps by (T, KV bucket, greedy?); an attached round's phases share their memory pool
         self.graphs = GraphSet()
         self.prefill_graphs = self.use_graphs if prefill_graphs is None else prefill_graphs
-        if tail_free is None:
-            tail_free = self.prefill_graphs and (self.device.type != "cuda" or prefill_kda_state.available())
         self.tail_free = tail_free
         self._snapshots: Snapshots | None = None  # a tail-free piece's snapshot ends and states (`_tail_snapshots`)
         # a prompt's pieces, in a pool of their own (their hidden states are read after the replay): a cold first
