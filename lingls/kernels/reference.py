@@ -52,14 +52,30 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor 
     """
     b, t, c = x.shape
     k = weight.shape[-1]
+    ext = _conv_inputs(x, state, k)
+    y = F.conv1d(ext.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
+    if end is not None:
+        return F.silu(y).to(x.dtype).transpose(1, 2), _conv_window(ext, end, k)
+    return F.silu(y).to(x.dtype).transpose(1, 2), ext[..., ext.shape[-1] - (k - 1):]
+
+
+def conv_state_after(x: torch.Tensor, state: torch.Tensor | None, end: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The conv state [B, C, K-1] after the first `end` (device scalar) of the inputs x [B, T, C], from `state`
+    (the K-1 inputs before x, or None for zeros): `causal_conv_silu`'s new state without its convolution."""
+    return _conv_window(_conv_inputs(x, state, kernel), end, kernel)
+
+
+def _conv_inputs(x, state, k):
+    """[state | x^T]: [B, C, K-1+T], the inputs a causal conv of K taps reads."""
     xt = x.transpose(1, 2)
     if state is None:
-        state = xt.new_zeros(b, c, k - 1)
-    ext = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
-    y = F.conv1d(ext.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
-    if end is not None:  # ext[..., n : n + K-1], n on the device (no host read)
-        return F.silu(y).to(x.dtype).transpose(1, 2), ext.index_select(-1, end + torch.arange(k - 1, device=x.device))
-    return F.silu(y).to(x.dtype).transpose(1, 2), ext[..., ext.shape[-1] - (k - 1):]
+        state = xt.new_zeros(x.shape[0], x.shape[2], k - 1)
+    return torch.cat([state.to(xt.dtype), xt], dim=-1)
+
+
+def _conv_window(ext, end, k):
+    """ext[..., n : n + K-1], n on the device (no host read)."""
+    return ext.index_select(-1, end + torch.arange(k - 1, device=ext.device))
 
 
 def kda_recurrent(q, k, v, g, beta, state):

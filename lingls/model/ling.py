@@ -170,8 +170,7 @@ class KimiDeltaAttention(nn.Module):
             ends, kda_out, conv_out = snapshots
             self._rerun_snapshots(q, k, v, g, beta, state, ends, kda_out, self.lower_bound if self.safe_gate else None)
             for j in range(ends.shape[0]):
-                conv_out[j].copy_(torch.stack([ref.causal_conv_silu(p, c.weight.squeeze(1), conv_state[:, i],
-                                                                    ends[j])[1][0]
+                conv_out[j].copy_(torch.stack([ref.conv_state_after(p, conv_state[:, i], ends[j], c.weight.shape[-1])[0]
                                                for i, (p, c) in enumerate(zip(projected, convs))]))
         o, state = delta_rule(q, k, v, g, beta, state, self.lower_bound if self.safe_gate else None)
         o = ref.gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(b, t, self.heads, self.d), self.eps)

@@ -376,7 +376,8 @@ class ModelRunner:
         self.prefill([0] * min(self.prefill_chunk + 16, self.capacity - 1), Sampling())
         self.cache.reset()
         if self.prefill_graphs:
-            self._tail_snapshots()  # its buffers before the captures (an allocation in one would be replayed)
+            if self.tail_free:
+                self._tail_snapshots()  # its buffers before the captures (an allocation in one would be replayed)
             for bucket in PREFILL_BUCKETS:
                 if bucket <= min(self.prefill_chunk, self.capacity):
                     key = (bucket, self.tail_free)
