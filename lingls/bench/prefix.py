@@ -9,8 +9,9 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
 the path before, graphed on a runner of its own: a cold prompt's last 8 tokens as a staged step after its first
-piece (`ModelRunner.tail_free` off) and the routed experts' down kernel in the block form
-(`prefill_moe.PREVIOUS_FORM`); `--tune` first chooses how the runtime runs the state pass (`tune_kda_state_pass`).
+piece (`ModelRunner.tail_free` off), the routed experts' down kernel in the block form
+(`prefill_moe.PREVIOUS_FORM`) and routing programs of 4 warps; `--tune` first chooses how the runtime runs the
+state pass (`tune_kda_state_pass`).
 `--profile N` adds, for the paths `--profile-paths` names, the N largest ops and kernels of one cold prefill (the
 prefill alone; device time: kernels inside a graph replay are listed by name) and its kernel time summed by kind
 (`kernel_kinds`). Time to first token through `lingls serve` at the same sizes: `python -m bench.serve_ttft`.
@@ -319,7 +320,10 @@ def tune_kda_state_pass(model, sizes: list[int], reps: int = 10) -> tuple[dict, 
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(13)
     table, rows = {}, []
-    for t in sizes:
+    # the largest first: fla's kernels autotune on their first call, keyed without the token count, so the first
+    # call's length chooses their settings for every length (the server's warm-up is a prefill of a whole chunk;
+    # tuned at 512 tokens, fla's kernels took 10.3 ms of an 8,192-token prefill against 8.2, docs/kernel-log.md)
+    for t in sorted(sizes, reverse=True):
         rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
         dt = prefill_kda.recurrence_dtype(torch.bfloat16)
         q = (ref.l2_normalize(rnd(1, t, heads, d)) * d ** -0.5).to(dt)
@@ -469,7 +473,7 @@ def _kernel_settings() -> tuple[dict, dict]:
     modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
     names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
                                              "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK", "ROUTE_WARPS")),
-             "prefill_kda.BLOCK"]
+             "prefill_kda.BLOCK", "prefill_kda.NORM_BLOCK"]
     return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
 
 
@@ -641,8 +645,7 @@ def flash_prefill(a) -> int:
     prefill_moe.FORM = a.experts_form or prefill_moe.FORM  # before the warm-up captures the runtime's graphs
     model = build_flash(a.layers, tp=a.tp)
     vocab = model.config.vocab_size
-    # the tail-free cold prefill (`ModelRunner.tail_free`, off by default until timed here against `--previous`)
-    runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk, tail_free=True)
+    runner = ModelRunner(model, capacity=max(sizes) + 64, prefill_chunk=a.chunk)
     a.chunk = runner.prefill_chunk
     kda_table, tuning = prefill_kda_state.COLUMNS, None
     if a.tune:  # before the warm-up: its graphs are captured with the chosen state pass
@@ -658,12 +661,13 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the path before (the staged tail, the block form's down), on a runner of its own: a graph
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)  # bakes in its kernels
+    if a.previous:  # the path before, on a runner of its own (a graph bakes in its kernels): the staged tail,
+        # the block form's down, routing programs of 4 warps
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk, tail_free=False)
         previous.fused = runner.fused  # (the same fused step: one copy of its weight layouts)
+        settings = {"prefill_moe.DOWN_FORM": prefill_moe.PREVIOUS_FORM, "prefill_moe.ROUTE_WARPS": 4}
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        kda_table, prefill_moe.PREVIOUS_FORM, False,
-                                        {"prefill_moe.DOWN_FORM": prefill_moe.PREVIOUS_FORM})
+                                        kda_table, prefill_moe.PREVIOUS_FORM, False, settings)
     for name, settings in json.loads(a.variants or "{}").items():  # other kernel settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused

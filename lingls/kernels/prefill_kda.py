@@ -13,12 +13,15 @@ the prompt's end, and after the recurrence the gated RMSNorm of its output. Here
 Each rounds where the torch form rounds (the convolution's and SiLU's outputs to the activation dtype), so the
 results agree to the last bit of those roundings. `KimiDeltaAttention.forward` is the reference.
 
-A program of `prologue` and `gated_norm` takes one head of `BLOCK[0]` tokens (`BLOCK[1]` warps). One token a
-program (the first form) re-read the conv weights, dt_bias and the gate constants for every token: as many bytes
-as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank. A cold 8,192-token
-prefill on an H200 (`lingls bench prefix --profile`): these three kernels 5.00 ms over 35 layers with 16 tokens a
-program, 9.76 ms with one (the same kernel; the first form's one-token kernel was profiled at 7.17 ms in another
-run).
+A program of `prologue` takes one head of `BLOCK[0]` tokens (`BLOCK[1]` warps), one of `gated_norm` `NORM_BLOCK[0]`.
+One token a program (the first form) re-read the conv weights, dt_bias and the gate constants for every token: as
+many bytes as the token's own inputs, over 65,536 one-warp programs a layer at 8,192 tokens of a TP=4 rank. A cold
+8,192-token prefill on an H200 (`lingls bench prefix --profile`): these three kernels 5.00 ms over 35 layers with
+16 tokens a program, 9.76 ms with one. Then the prologue alone at a TP=4 rank's shapes (8,192 tokens, 8 heads; one
+H100, graph replays; its bytes take 51.7 us at the copy rate): 122.5 us with 16 tokens and 4 warps; 113.2 us once a
+block whose taps all fall on inputs (every block but the first) skips the conv state's addresses, masks and selects
+(`_conv_silu_inner`); with that, 103.7 / 83.4 / 101.1 / 79.0 us at (16, 2) / (8, 2) / (8, 1) / (4, 1) tokens and
+warps, 103.1 and 142.4 at (32, 4) and (32, 8). The output norm is at its bytes' time with 16 tokens and 4 warps.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 
 from lingls.kernels import jit, tl, triton
 
-BLOCK = (16, 4)  # (tokens of one head per program, warps) of `prologue` and `gated_norm`
+BLOCK = (4, 1)  # (tokens of one head per program, warps) of `prologue`
+NORM_BLOCK = (16, 4)  # the same of `gated_norm`
 # q, k and v enter the chunked recurrence in the activation dtype (bf16 in a bf16 model), as SGLang's KDA prefill
 # hands fla-core's chunk_kda the short convolution's outputs, where fp32 copies made fla's intra-chunk and output
 # stages run tf32 products over twice the bytes; the gate, beta and the state stay fp32. True: fp32 (the form
@@ -59,6 +63,19 @@ if triton is not None:
         return (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32)
 
     @jit
+    def _conv_silu_inner(x_ptr, sx, w_ptr, t, tmask, cols, K: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+        """`_conv_silu` of a block whose taps all fall on inputs (its first token >= K-1): no conv state read, one
+        row pointer per token and a scalar step per tap (the general form spends a 64-bit address, a masked load and
+        a select per element and tap on the state's columns as well)."""
+        rows = x_ptr + t.to(tl.int64)[:, None] * sx + cols[None, :]
+        acc = tl.zeros((BT, D), tl.float32)
+        for k in tl.static_range(K):
+            v = tl.load(rows - (K - 1 - k) * sx, mask=tmask[:, None], other=0.0)
+            acc += tl.load(w_ptr + cols * K + k).to(tl.float32)[None, :] * v.to(tl.float32)
+        y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    @jit
     def _prologue_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, sx, sb, state_ptr, w_ptr, a_log_ptr, dt_bias_ptr,
                          valid_ptr, q_out, k_out, v_out, g_out, beta_out, T, scale, lower_bound,
                          H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -70,9 +87,15 @@ if triton is not None:
         cols = h * D + tl.arange(0, D)
         out = t.to(tl.int64)[:, None] * C + cols[None, :]
         m = tmask[:, None]
-        q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, tmask, cols, K, BLOCK_T, D)
-        k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, tmask, cols, K, BLOCK_T, D)
-        v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, tmask, cols, K, BLOCK_T, D)
+        if tl.program_id(0) * BLOCK_T >= K - 1:  # every block but the first: no tap reaches the conv state
+            q = _conv_silu_inner(q_ptr, sx, w_ptr, t, tmask, cols, K, BLOCK_T, D)
+            k = _conv_silu_inner(k_ptr, sx, w_ptr + C * K, t, tmask, cols, K, BLOCK_T, D)
+            v = _conv_silu_inner(v_ptr, sx, w_ptr + 2 * C * K, t, tmask, cols, K, BLOCK_T, D)
+        else:
+            q = _conv_silu(q_ptr, sx, state_ptr, w_ptr, t, tmask, cols, K, BLOCK_T, D)
+            k = _conv_silu(k_ptr, sx, state_ptr + C * (K - 1), w_ptr + C * K, t, tmask, cols, K, BLOCK_T, D)
+            v = _conv_silu(v_ptr, sx, state_ptr + 2 * C * (K - 1), w_ptr + 2 * C * K, t, tmask, cols, K, BLOCK_T,
+                           D)
         qkv = q_out.dtype.element_ty
         tl.store(q_out + out, (q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale).to(qkv), mask=m)
         tl.store(k_out + out, (k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]).to(qkv), mask=m)
@@ -162,7 +185,7 @@ def gated_norm(o, gate, weight, eps: float, dtype):
     """RMSNorm over each head's D channels of o [T, H, D], times sigmoid(gate [T, H*D]), as [T, H*D] in dtype."""
     t, h, d = o.shape
     out = torch.empty(t, h * d, dtype=dtype, device=o.device)
-    tokens, warps = BLOCK
+    tokens, warps = NORM_BLOCK
     _gated_norm_kernel[(triton.cdiv(t, tokens), h)](o.contiguous(), gate, gate.stride(0), weight, out, t, float(eps),
                                                     H=h, D=d, BLOCK_T=tokens, num_warps=warps)
     return out

@@ -66,7 +66,10 @@ FORMS = ("by_expert", "by_block")
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
 FORM = "by_block"
 DOWN_FORM = "by_expert"
-ROUTE_WARPS = 4  # warps of a token's routing program (`route`)
+# warps of a token's routing program (`route`): one keeps its eight argmax reductions inside a warp (no shared
+# memory, no barrier); a cold 8,192-token prefill of a TP=4 rank on an H100 took 96.1 / 96.5 / 97.1 ms with 1 / 2 / 4,
+# bit-identical (`lingls bench prefix --variants`)
+ROUTE_WARPS = 1
 PREVIOUS_FORM = "by_block"  # both kernels' form before (`lingls bench prefix --previous` times it on its own runner)
 
 

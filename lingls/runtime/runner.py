@@ -99,7 +99,7 @@ class ModelRunner:
     def __init__(self, model: LingForCausalLM, capacity: int = 4096, use_graphs: bool | None = None,
                  prefill_chunk: int | None = None, verify_sizes: tuple[int, ...] = (), min_bucket: int = 256,
                  max_snapshots: int = 24, prefill_graphs: bool | None = None, lean_cpu: bool = False,
-                 scores: bool = False, tail_free: bool = False):
+                 scores: bool = False, tail_free: bool = True):
         """prefill_chunk: tokens per prefill step, and the spacing of the prefix cache's KDA snapshots. Default
         8192 on a GPU, where a step's fixed cost dominates: eager cold prefills of a Ling-3.0-flash TP=4 rank on
         an H200 took 377 / 717 ms at 4,096 / 8,192 tokens in 2048-token pieces and 181 / 256 ms in one piece
@@ -118,9 +118,9 @@ class ModelRunner:
         recurrence by `prefill_kda_state.snapshots`), instead of a piece up to end-8 and a staged step of the
         last 8 tokens (`_staged_tail`: a second stream of every weight, 4.2 ms of a cold prefill of a Ling-3.0-flash
         TP=4 rank on an H200). Where the narrow state pass does not serve, the snapshots rerun the recurrence
-        (`KimiDeltaAttention._rerun_snapshots`). Default off: the kernels' current form has not been timed on a GPU
-        yet (its first form was, and cost more than the tail it saves: docs/kernel-log.md); `lingls bench prefix`
-        times it against the staged tail (`--previous`).
+        (`KimiDeltaAttention._rerun_snapshots`). On by default: a cold 8,192-token prefill of a TP=4 rank on an
+        H100 took 97.1 ms this way against 105.3 with the staged tail (and the block form's down), its snapshot
+        kernel 0.17 ms of it (`lingls bench prefix --previous`; docs/kernel-log.md).
 
         lean_cpu: decode steps and short prefill pieces of an fp32 model on a CPU run `cpu_step.CpuStep` (the
         model's step regrouped into few large ops; speculative decoding needs the model's own step there).

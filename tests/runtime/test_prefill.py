@@ -170,7 +170,7 @@ def test_sort_pairs_kernels_lay_out_the_pairs_as_the_torch_form():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton kernels run on a GPU or under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("block", [prefill_kda.BLOCK, (4, 1), (1, 1)])
+@pytest.mark.parametrize("block", [prefill_kda.BLOCK, (16, 4), (1, 1)])
 def test_kda_prefill_kernels_equal_the_torch_form(padded, block, monkeypatch):
     """The KDA layer of a prefill through `prefill_kda` (convolutions, norms, gate, beta, new conv state, gated
     output norm) == the torch form, from a non-zero state, with and without padded tokens at the end, at several
