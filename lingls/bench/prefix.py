@@ -8,9 +8,8 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the path before, graphed on a runner of its own: a cold prompt's last 8 tokens as a staged step after its first
-piece (`ModelRunner.tail_free` off), the routed experts' down kernel in the block form
-(`prefill_moe.PREVIOUS_FORM`) and routing programs of 4 warps; `--tune` first chooses how the runtime runs the
+the path before, graphed on a runner of its own: the routed experts' gate/up kernel in its form before
+(`prefill_moe.PREVIOUS_FORM`: a program per block and column tile), the rest as shipped; `--tune` first chooses how the runtime runs the
 state pass (`tune_kda_state_pass`).
 `--profile N` adds, for the paths `--profile-paths` names, the N largest ops and kernels of one cold prefill (the
 prefill alone; device time: kernels inside a graph replay are listed by name) and its kernel time summed by kind
@@ -230,7 +229,7 @@ def model_latency(a) -> int:
 
 # what a prefill kernel is, by its name: (kind, pattern), the first match counts
 KERNEL_KINDS = (
-    ("experts: gate/up (grouped)", r"_grouped_gate_up_kernel"),
+    ("experts: gate/up (grouped)", r"_grouped_gate_up"),
     ("experts: down (grouped)", r"_grouped_down"),
     ("experts: weighted sum", r"_combine_kernel"),
     ("experts: routing and sort", r"_route_kernel|_count_kernel|_offsets_kernel|_scatter_kernel|_block_expert"),
@@ -472,7 +471,8 @@ def _kernel_settings() -> tuple[dict, dict]:
 
     modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
     names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
-                                             "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK", "ROUTE_WARPS")),
+                                             "GATE_UP_WHOLE", "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK",
+                                             "ROUTE_WARPS")),
              "prefill_kda.BLOCK", "prefill_kda.NORM_BLOCK"]
     return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
 
@@ -661,13 +661,11 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the path before, on a runner of its own (a graph bakes in its kernels): the staged tail,
-        # the block form's down, routing programs of 4 warps
-        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk, tail_free=False)
+    if a.previous:  # the path before, on a runner of its own (a graph bakes in its kernels): gate/up's form before
+        previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # (the same fused step: one copy of its weight layouts)
-        settings = {"prefill_moe.DOWN_FORM": prefill_moe.PREVIOUS_FORM, "prefill_moe.ROUTE_WARPS": 4}
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        kda_table, prefill_moe.PREVIOUS_FORM, False, settings)
+                                        kda_table, prefill_moe.PREVIOUS_FORM)
     for name, settings in json.loads(a.variants or "{}").items():  # other kernel settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused
@@ -804,12 +802,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", action="store_true",
                    help="first time the KDA state pass (fla's, and the narrow pass at several value columns) at each "
                         "size's bucket (prefill_kda_state) and run with the fastest that agrees with the torch form")
-    p.add_argument("--experts-form", choices=("by_expert", "by_block"),
+    p.add_argument("--experts-form", choices=("by_expert", "by_block", "whole_block"),
                    help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
                         "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the path before (the staged 8-token tail, the block form's down), graphed on a "
-                        "runner of its own (path previous)")
+                   help="also time the path before (the routed experts' gate/up in prefill_moe.PREVIOUS_FORM), "
+                        "graphed on a runner of its own (path previous)")
     p.add_argument("--variants", default="", metavar="JSON",
                    help='also time the prefill kernels with other launch settings in place, each on a runner of its '
                         'own: {"NAME": {"GATE_UP_CONFIG": [64, 128, 4, 3], "prefill_kda.BLOCK": [32, 4], ...}, ...} '

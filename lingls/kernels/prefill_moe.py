@@ -62,15 +62,16 @@ from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
-FORMS = ("by_expert", "by_block")
+FORMS = ("by_expert", "by_block")  # both kernels'
+GATE_UP_FORMS = (*FORMS, "whole_block")  # gate/up's alone: a program per block and all its columns
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
-FORM = "by_block"
+FORM = "whole_block"
 DOWN_FORM = "by_expert"
 # warps of a token's routing program (`route`): one keeps its eight argmax reductions inside a warp (no shared
 # memory, no barrier); a cold 8,192-token prefill of a TP=4 rank on an H100 took 96.1 / 96.5 / 97.1 ms with 1 / 2 / 4,
 # bit-identical (`lingls bench prefix --variants`)
 ROUTE_WARPS = 1
-PREVIOUS_FORM = "by_block"  # both kernels' form before (`lingls bench prefix --previous` times it on its own runner)
+PREVIOUS_FORM = "by_block"  # gate/up's form before (`lingls bench prefix --previous` times it on its own runner)
 
 
 def moe_prefill_reference(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):
@@ -262,6 +263,11 @@ if triton is not None:
                          other=0.0)
             acc_g = _dot(acc_g, xt, tl.trans(wg), F32_DOT)
             acc_u = _dot(acc_u, xt, tl.trans(wu), F32_DOT)
+        _swiglu_store(act_ptr, m, valid, n, acc_g, acc_u, INTER, LIMIT)
+
+    @jit
+    def _swiglu_store(act_ptr, m, valid, n, acc_g, acc_u, INTER: tl.constexpr, LIMIT: tl.constexpr):
+        """act[m, n] = swiglu of one column tile's gate and up sums, rounded where torch rounds them."""
         g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference's GEMM output
         u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(act_ptr.dtype.element_ty).to(tl.float32)  # silu, rounded as torch's
@@ -269,7 +275,64 @@ if triton is not None:
             s = tl.minimum(s, LIMIT)
             u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
         tl.store(act_ptr + m[:, None].to(tl.int64) * INTER + n[None, :], (s * u).to(act_ptr.dtype.element_ty),
-                 mask=valid[:, None] & nmask[None, :])
+                 mask=valid[:, None] & (n < INTER)[None, :])
+
+    @jit
+    def _weight_tile(w_e, n, k, H: tl.constexpr, INTER: tl.constexpr):
+        """Rows n (< INTER) of gate (or of up, w_e offset by INTER rows) at columns k, transposed: [BLOCK_K, BLOCK_N]."""
+        return tl.trans(tl.load(w_e + n[:, None] * H + k[None, :], mask=(n < INTER)[:, None] & (k < H)[None, :],
+                                other=0.0))
+
+    @jit
+    def _grouped_gate_up_whole_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr,
+                                      E: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                      TILES: tl.constexpr, F32_DOT: tl.constexpr):
+        """A block's whole act rows: every column tile of gate and up (TILES of BLOCK_N, up to 4) in one K loop,
+        so the block's gathered x rows are read once (the block form reads them once per column tile, the
+        programs of one block ~1,500 apart in launch order). Each tile sums the same K steps in the same order as
+        the block form's, so the two give the same bits."""
+        b = tl.program_id(0)
+        e = tl.load(bexp_ptr + b)
+        if e < E:
+            m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(rows_ptr + m)
+            valid = pair >= 0
+            token = tl.where(valid, pair, 0) // TOP_K
+            n = tl.arange(0, BLOCK_N)
+            kk = tl.arange(0, BLOCK_K)
+            w_g = w_ptr + e.to(tl.int64) * (2 * INTER * H)
+            w_u = w_g + INTER * H
+            g0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            u0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            g1 = g0
+            u1 = g0
+            g2 = g0
+            u2 = g0
+            g3 = g0
+            u3 = g0
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + kk
+                xt = tl.load(x_ptr + token[:, None].to(tl.int64) * H + k[None, :],
+                             mask=valid[:, None] & (k < H)[None, :], other=0.0)
+                g0 = _dot(g0, xt, _weight_tile(w_g, n, k, H, INTER), F32_DOT)
+                u0 = _dot(u0, xt, _weight_tile(w_u, n, k, H, INTER), F32_DOT)
+                if TILES > 1:
+                    g1 = _dot(g1, xt, _weight_tile(w_g, n + BLOCK_N, k, H, INTER), F32_DOT)
+                    u1 = _dot(u1, xt, _weight_tile(w_u, n + BLOCK_N, k, H, INTER), F32_DOT)
+                if TILES > 2:
+                    g2 = _dot(g2, xt, _weight_tile(w_g, n + 2 * BLOCK_N, k, H, INTER), F32_DOT)
+                    u2 = _dot(u2, xt, _weight_tile(w_u, n + 2 * BLOCK_N, k, H, INTER), F32_DOT)
+                if TILES > 3:
+                    g3 = _dot(g3, xt, _weight_tile(w_g, n + 3 * BLOCK_N, k, H, INTER), F32_DOT)
+                    u3 = _dot(u3, xt, _weight_tile(w_u, n + 3 * BLOCK_N, k, H, INTER), F32_DOT)
+            _swiglu_store(act_ptr, m, valid, n, g0, u0, INTER, LIMIT)
+            if TILES > 1:
+                _swiglu_store(act_ptr, m, valid, n + BLOCK_N, g1, u1, INTER, LIMIT)
+            if TILES > 2:
+                _swiglu_store(act_ptr, m, valid, n + 2 * BLOCK_N, g2, u2, INTER, LIMIT)
+            if TILES > 3:
+                _swiglu_store(act_ptr, m, valid, n + 3 * BLOCK_N, g3, u3, INTER, LIMIT)
 
     @jit
     def _grouped_gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, act_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
@@ -435,6 +498,10 @@ if triton is not None:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the block form's two kernels
 GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
+# the whole-block gate/up kernel (BLOCK_N, BLOCK_K, num_warps, num_stages): up to 4 column tiles of gate and of up
+# in one program (INTER <= 4 * BLOCK_N; a wider INTER takes the block form's kernel); at a TP=4 rank's INTER 192,
+# 6 accumulators of 64 x 64 fp32 over 8 warps (96 registers a thread) and 56 KB of shared memory a stage
+GATE_UP_WHOLE = (64, 64, 4, 2)
 # the by-expert gate/up kernel: (blocks of rows a tile, BLOCK_N, BLOCK_K, num_warps, num_stages, registers a
 # thread at most); sm_90 at BLOCK_M 64: 128 rows, 8 warps (two warpgroups of 64 rows), 96 KB of shared memory (3
 # stages of 32 KB) and 128 registers without spills (147 uncapped: one program an SM instead of two)
@@ -463,9 +530,10 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     from lingls.kernels.shared import INTERPRET
 
     form, down_form, block_m = form or FORM, down_form or DOWN_FORM, block_m or BLOCK_M
-    for f in (form, down_form):
-        if f not in FORMS:
-            raise ValueError(f"unknown expert kernels' form {f!r}: one of {FORMS}")
+    if form not in GATE_UP_FORMS:
+        raise ValueError(f"unknown gate/up kernel's form {form!r}: one of {GATE_UP_FORMS}")
+    if down_form not in FORMS:
+        raise ValueError(f"unknown down kernel's form {down_form!r}: one of {FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
     by_expert = form == "by_expert"
@@ -479,6 +547,12 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
             x.contiguous(), gate_up, rows, start, end, act, TOP_K=k, H=hidden, INTER=inter, LIMIT=float(limit),
             ROWS=rows_a * block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages,
             maxnreg=regs)
+    elif form == "whole_block" and inter <= 4 * GATE_UP_WHOLE[0]:
+        bn, bk, warps, stages = GATE_UP_WHOLE
+        _grouped_gate_up_whole_kernel[(blocks,)](
+            x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter,
+            LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, TILES=triton.cdiv(inter, bn),
+            F32_DOT=INTERPRET, num_warps=warps, num_stages=stages)
     else:
         bn, bk, warps, stages = GATE_UP_CONFIG
         _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
