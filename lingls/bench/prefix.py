@@ -9,8 +9,8 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
 the path before, graphed on a runner of its own: the routed experts' gate/up kernel in its form before
-(`prefill_moe.PREVIOUS_FORM`: a program per block and column tile), the rest as shipped; `--tune` first chooses how the runtime runs the
-state pass (`tune_kda_state_pass`).
+(`prefill_moe.PREVIOUS_FORM`: a program per block and column tile), the rest as shipped; `--tune` first chooses how
+the runtime runs the state pass (`tune_kda_state_pass`).
 `--profile N` adds, for the paths `--profile-paths` names, the N largest ops and kernels of one cold prefill (the
 prefill alone; device time: kernels inside a graph replay are listed by name) and its kernel time summed by kind
 (`kernel_kinds`). Time to first token through `lingls serve` at the same sizes: `python -m bench.serve_ttft`.
@@ -471,8 +471,8 @@ def _kernel_settings() -> tuple[dict, dict]:
 
     modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
     names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
-                                             "GATE_UP_WHOLE", "DOWN_BY_EXPERT", "DOWN_FORM", "COMBINE_BLOCK",
-                                             "ROUTE_WARPS")),
+                                             "GATE_UP_WHOLE", "DOWN_BY_EXPERT", "DOWN_WHOLE", "DOWN_FORM",
+                                             "COMBINE_BLOCK", "ROUTE_WARPS")),
              "prefill_kda.BLOCK", "prefill_kda.NORM_BLOCK"]
     return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
 

@@ -3,10 +3,13 @@
 The pairs are laid out by expert, each expert's run padded to a multiple of BLOCK_M rows, in a buffer whose size
 is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound (or
 by the expert count) and no count is read back.
+- `_grouped_gate_up_whole_kernel` (what runs): a program takes one block of an expert's run and all of its act
+  columns: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a column in the
+  same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
+- `_grouped_down_whole_kernel`: a program takes one block and all of H, its act rows kept while it streams the
+  expert's down weight (the by-expert down below is what runs until this one is measured faster in place);
 - `_grouped_gate_up_by_expert_kernel`: a program takes one expert and one column tile of INTER and walks the
-  expert's run 128 rows (two blocks) at a time: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by
-  token, gate and up of a column in the same program (the checkpoint's [gate; up] stacking), Ling's optional
-  clamp in the epilogue;
+  expert's run 128 rows (two blocks) at a time;
 - `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H: it loads that tile of
   the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in shared memory
   while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
@@ -27,7 +30,19 @@ routing weight), so the kernels compute what `moe_prefill_reference` computes.
 Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole expert shard crosses HBM once per
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
 
-Why a second form (`"by_expert"`). What runs: the block form's gate/up and the by-expert down (`FORM`,
+Why a third form (`"whole_block"`, gate/up's `FORM`): a program per block of 64 rows over all of its act columns
+(at INTER 192, 3 column tiles of gate and of up in one K loop, 6 accumulators of 64 x 64 fp32), so the block's
+gathered x rows are read once where the block form read them once per column tile, ~1,500 programs apart in
+launch order (after ~1 GB of weights had passed through L2, so from HBM again). Its tiles sum the same K steps in
+the same order: the same bits. Measured alone (one H100, 8,192 tokens, a TP=4 rank's shapes, the gate/up weights'
+byte time 342 us at 2.94 TB/s): the block form 588 us, the same with a block's column tiles adjacent in launch
+order 531, the by-expert form 685, whole blocks at (BLOCK_K, warps, stages) (64, 8, 3) 536, (64, 8, 2) 508,
+**(64, 4, 2) 491** (two programs an SM: 2 x 56 KB of shared memory), (32, 8, 4) 747, (128, 8, 2) 636. In place
+(`lingls bench prefix --previous`, graph replays, bit-identical), whole cold prefill at 512 / 1,536 / 4,096 /
+8,192 tokens 33.6 / 39.5 / 57.7 / 90.5 ms against the block form's 33.3 / 39.7 / 59.1 / 93.7 (gate/up alone at
+8,192: 18.9 against 22.3 ms); at (32, 4, 3) 39.6 / 45.9 / 64.8 / 97.4, at (64, 8, 3) 33.5 / 39.6 / 58.1 / 92.1.
+
+Why a second form (`"by_expert"`). What ran before: the block form's gate/up and the by-expert down (`FORM`,
 `DOWN_FORM`), as measured in place (`lingls bench prefix --variants`, bit-identical outputs): the by-expert
 down against the block form's, whole cold prefill on one H100 at 512 / 1,536 / 8,192 tokens 37.5 / 44.2 / 101.7 ms
 against 37.7 / 44.9 / 105.4 (down alone at 8,192: 16.3 against 20.6 ms; on an H200 in an earlier run 14.5 against
@@ -62,8 +77,7 @@ from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
-FORMS = ("by_expert", "by_block")  # both kernels'
-GATE_UP_FORMS = (*FORMS, "whole_block")  # gate/up's alone: a program per block and all its columns
+FORMS = ("by_expert", "by_block", "whole_block")  # both kernels' (whole_block: a program per block, all its columns)
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
 FORM = "whole_block"
 DOWN_FORM = "by_expert"
@@ -279,7 +293,8 @@ if triton is not None:
 
     @jit
     def _weight_tile(w_e, n, k, H: tl.constexpr, INTER: tl.constexpr):
-        """Rows n (< INTER) of gate (or of up, w_e offset by INTER rows) at columns k, transposed: [BLOCK_K, BLOCK_N]."""
+        """Rows n (< INTER) of gate (or of up: w_e offset by INTER rows) at columns k, transposed: [BLOCK_K,
+        BLOCK_N]."""
         return tl.trans(tl.load(w_e + n[:, None] * H + k[None, :], mask=(n < INTER)[:, None] & (k < H)[None, :],
                                 other=0.0))
 
@@ -476,6 +491,47 @@ if triton is not None:
                                BLOCK_K, K_CHUNKS, F32_DOT)
 
     @jit
+    def _grouped_down_whole_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
+                                   INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr,
+                                   F32_DOT: tl.constexpr):
+        """A block's whole y rows: its act rows ([BLOCK_M, INTER] in K_CHUNKS chunks of BLOCK_K) loaded once and
+        kept while the program streams its expert's down weight BLOCK_N rows at a time over all of H, the next
+        tiles' loads in flight under the current product (STAGES): one long pipelined loop a program, where the
+        by-expert form's programs each walk 2-3 blocks after loading their weight tile. The K chunks are summed
+        in the by-expert form's order, so the two give the same bits."""
+        b = tl.program_id(0)
+        e = tl.load(bexp_ptr + b)
+        if e < E:
+            m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(rows_ptr + m)
+            valid = pair >= 0
+            a0 = _down_act(act_ptr, m, valid, 0, INTER, BLOCK_K)
+            a1 = a0  # chunks past K_CHUNKS are never read
+            a2 = a0
+            a3 = a0
+            if K_CHUNKS > 1:
+                a1 = _down_act(act_ptr, m, valid, 1, INTER, BLOCK_K)
+            if K_CHUNKS > 2:
+                a2 = _down_act(act_ptr, m, valid, 2, INTER, BLOCK_K)
+            if K_CHUNKS > 3:
+                a3 = _down_act(act_ptr, m, valid, 3, INTER, BLOCK_K)
+            w_e = w_ptr + e.to(tl.int64) * (H * INTER)
+            out = y_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * H
+            for n0 in tl.range(0, H, BLOCK_N, num_stages=STAGES):
+                n = n0 + tl.arange(0, BLOCK_N)
+                nmask = n < H
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                acc = _dot(acc, a0, _down_weights(w_e, n, nmask, 0, INTER, BLOCK_K), F32_DOT)
+                if K_CHUNKS > 1:
+                    acc = _dot(acc, a1, _down_weights(w_e, n, nmask, 1, INTER, BLOCK_K), F32_DOT)
+                if K_CHUNKS > 2:
+                    acc = _dot(acc, a2, _down_weights(w_e, n, nmask, 2, INTER, BLOCK_K), F32_DOT)
+                if K_CHUNKS > 3:
+                    acc = _dot(acc, a3, _down_weights(w_e, n, nmask, 3, INTER, BLOCK_K), F32_DOT)
+                tl.store(out + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+    @jit
     def _combine_kernel(y_ptr, w_ptr, plus_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, PLUS: tl.constexpr,
                         BLOCK: tl.constexpr):
         """out[t] = sum over j < TOP_K of w[t, j] * y[t * TOP_K + j], in fp32 in the order of j, rounded once;
@@ -500,7 +556,7 @@ GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
 # the whole-block gate/up kernel (BLOCK_N, BLOCK_K, num_warps, num_stages): up to 4 column tiles of gate and of up
 # in one program (INTER <= 4 * BLOCK_N; a wider INTER takes the block form's kernel); at a TP=4 rank's INTER 192,
-# 6 accumulators of 64 x 64 fp32 over 8 warps (96 registers a thread) and 56 KB of shared memory a stage
+# 6 accumulators of 64 x 64 fp32 and 56 KB of shared memory a stage: two programs an SM (module note: measured)
 GATE_UP_WHOLE = (64, 64, 4, 2)
 # the by-expert gate/up kernel: (blocks of rows a tile, BLOCK_N, BLOCK_K, num_warps, num_stages, registers a
 # thread at most); sm_90 at BLOCK_M 64: 128 rows, 8 warps (two warpgroups of 64 rows), 96 KB of shared memory (3
@@ -511,6 +567,9 @@ GATE_UP_BY_EXPERT = (2, 64, 64, 8, 3, 128)
 # chunks of at most 64: the weight tile stays <= 64 KB); a wider INTER takes the block form's down kernel
 DOWN_BY_EXPERT = (128, 4, 2)
 DOWN_BY_EXPERT_MAX_INTER = 256
+# the whole-block down kernel (BLOCK_N, num_warps, num_stages over the column tiles); it takes what the by-expert
+# form takes (INTER <= DOWN_BY_EXPERT_MAX_INTER), the block form's kernel a wider INTER
+DOWN_WHOLE = (64, 4, 3)
 COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
 MAX_GRID_Y = 65535
 
@@ -530,10 +589,9 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     from lingls.kernels.shared import INTERPRET
 
     form, down_form, block_m = form or FORM, down_form or DOWN_FORM, block_m or BLOCK_M
-    if form not in GATE_UP_FORMS:
-        raise ValueError(f"unknown gate/up kernel's form {form!r}: one of {GATE_UP_FORMS}")
-    if down_form not in FORMS:
-        raise ValueError(f"unknown down kernel's form {down_form!r}: one of {FORMS}")
+    for f in (form, down_form):
+        if f not in FORMS:
+            raise ValueError(f"unknown expert kernels' form {f!r}: one of {FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
     by_expert = form == "by_expert"
@@ -566,6 +624,12 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
         _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](
             act, down, rows, start, end, y, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
             K_CHUNKS=chunks, STAGES=stages, F32_DOT=INTERPRET, num_warps=warps)
+    elif down_form == "whole_block" and inter <= DOWN_BY_EXPERT_MAX_INTER:
+        bn, warps, stages = DOWN_WHOLE
+        bk, chunks = down_chunks(inter)
+        _grouped_down_whole_kernel[(blocks,)](
+            act, down, rows, block_expert, y, E=n_exp, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn,
+            BLOCK_K=bk, K_CHUNKS=chunks, STAGES=stages, F32_DOT=INTERPRET, num_warps=warps)
     else:
         bn, bk, warps, stages = DOWN_CONFIG
         _grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](
