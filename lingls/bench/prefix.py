@@ -470,9 +470,9 @@ def _kernel_settings() -> tuple[dict, dict]:
     from lingls.kernels import prefill_kda, prefill_moe
 
     modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
-    names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_BY_EXPERT",
-                                             "GATE_UP_WHOLE", "DOWN_BY_EXPERT", "DOWN_WHOLE", "DOWN_FORM",
-                                             "COMBINE_BLOCK", "ROUTE_WARPS")),
+    names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_WHOLE",
+                                             "DOWN_BY_EXPERT", "DOWN_WHOLE", "DOWN_FORM", "COMBINE_BLOCK",
+                                             "ROUTE_WARPS")),
              "prefill_kda.BLOCK", "prefill_kda.NORM_BLOCK"]
     return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
 
@@ -802,7 +802,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", action="store_true",
                    help="first time the KDA state pass (fla's, and the narrow pass at several value columns) at each "
                         "size's bucket (prefill_kda_state) and run with the fastest that agrees with the torch form")
-    p.add_argument("--experts-form", choices=("by_expert", "by_block", "whole_block"),
+    p.add_argument("--experts-form", choices=("whole_block", "by_block"),
                    help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
                         "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",

@@ -3,16 +3,12 @@
 The pairs are laid out by expert, each expert's run padded to a multiple of BLOCK_M rows, in a buffer whose size
 is an upper bound known on the host (N*k + E*(BLOCK_M - 1) rows): the launch grids are fixed by that bound (or
 by the expert count) and no count is read back.
-- `_grouped_gate_up_whole_kernel` (what runs): a program takes one block of an expert's run and all of its act
-  columns: act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a column in the
-  same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
-- `_grouped_down_whole_kernel`: a program takes one block and all of H, its act rows kept while it streams the
-  expert's down weight (the by-expert down below is what runs until this one is measured faster in place);
-- `_grouped_gate_up_by_expert_kernel`: a program takes one expert and one column tile of INTER and walks the
-  expert's run 128 rows (two blocks) at a time;
-- `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H: it loads that tile of
-  the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in shared memory
-  while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
+- `_grouped_gate_up_whole_kernel`: a program takes one block of an expert's run and all of its act columns
+  (`"whole_block"`): act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a column
+  in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
+- `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H (`"by_expert"`): it loads
+  that tile of the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in
+  shared memory while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
   (token-major, [N*k, H]), so the weighted sum over a token's k experts is a plain reduction afterwards, in a
   fixed order;
 (named apart from the fused decode step's `_gate_up_kernel` and `_down_kernel`, so a profile tells them apart);
@@ -30,43 +26,27 @@ routing weight), so the kernels compute what `moe_prefill_reference` computes.
 Where a short prompt touches every expert (1,536 tokens x 8 of 512), the whole expert shard crosses HBM once per
 layer: ~1.5 GB at a TP=4 rank of Ling-3.0-flash, which bounds a layer at ~0.37 ms whatever the arithmetic.
 
-Why a third form (`"whole_block"`, gate/up's `FORM`): a program per block of 64 rows over all of its act columns
-(at INTER 192, 3 column tiles of gate and of up in one K loop, 6 accumulators of 64 x 64 fp32), so the block's
-gathered x rows are read once where the block form read them once per column tile, ~1,500 programs apart in
-launch order (after ~1 GB of weights had passed through L2, so from HBM again). Its tiles sum the same K steps in
-the same order: the same bits. Measured alone (one H100, 8,192 tokens, a TP=4 rank's shapes, the gate/up weights'
-byte time 342 us at 2.94 TB/s): the block form 588 us, the same with a block's column tiles adjacent in launch
-order 531, the by-expert form 685, whole blocks at (BLOCK_K, warps, stages) (64, 8, 3) 536, (64, 8, 2) 508,
-**(64, 4, 2) 491** (two programs an SM: 2 x 56 KB of shared memory), (32, 8, 4) 747, (128, 8, 2) 636. In place
-(`lingls bench prefix --previous`, graph replays, bit-identical), whole cold prefill at 512 / 1,536 / 4,096 /
-8,192 tokens 33.6 / 39.5 / 57.7 / 90.5 ms against the block form's 33.3 / 39.7 / 59.1 / 93.7 (gate/up alone at
-8,192: 18.9 against 22.3 ms); at (32, 4, 3) 39.6 / 45.9 / 64.8 / 97.4, at (64, 8, 3) 33.5 / 39.6 / 58.1 / 92.1.
-
-Why a second form (`"by_expert"`). What ran before: the block form's gate/up and the by-expert down (`FORM`,
-`DOWN_FORM`), as measured in place (`lingls bench prefix --variants`, bit-identical outputs): the by-expert
-down against the block form's, whole cold prefill on one H100 at 512 / 1,536 / 8,192 tokens 37.5 / 44.2 / 101.7 ms
-against 37.7 / 44.9 / 105.4 (down alone at 8,192: 16.3 against 20.6 ms; on an H200 in an earlier run 14.5 against
-15.8); the by-expert gate/up level with the block form's at 8,192 tokens and slower below.
+The forms (`FORM` for gate/up, `DOWN_FORM` for down; each a setting `lingls bench prefix --variants` times in place).
 At a TP=4 rank (H 2,560, INTER 192, 512 experts) an 8,192-token prefill gives each expert ~128 pairs, 2-3 blocks of
-64 rows. In the block form the down kernel ran a program per (block, 128-column tile): ~1,300 live blocks x 20 tiles
-= ~26,000 programs of a 3-step K loop (K = 192), each reading its expert's [128, 192] weight tile (48 KB) and its
-block's act rows (24 KB) for 3 MFLOP: every block re-read its expert's weights (~1.3 GB a layer through L2 for 0.5
-GB of weights) and every block's act rows were read by 20 programs ~1,500 programs apart in launch order (between
-them ~57 MB of weight tiles and act rows passed through a 50 MB L2). Its bytes to HBM were near gate/up's although
-it holds half of their weights and FLOPs: weights 0.50 GB + y 0.34 GB written (then read by the weighted sum) + act
-re-reads. In the by_expert form a program per (column tile, expert), the tiles of an expert adjacent in launch
-order: the weights are read once (0.50 GB), the act rows of an expert by 20 programs running at the same time (from
-HBM once), and each program has 2-3 iterations over rows with its weight tile resident (sm_90: ~104 KB of shared
-memory, two programs an SM). The gate/up kernel's tiles were a block of 64 rows by 64 columns of gate and of up, K =
-2,560 in 64-wide steps: 24 KB from L2 a step for 1 MFLOP (x 8 KB, weights 16 KB), ~3.5 GB a layer at 8,192 tokens in
-~0.44 ms (~8 TB/s, an L2's rate rather than HBM's, by count); each block re-read its expert's weight tiles, and the
-programs of a block's 3 column tiles ran ~1,500 programs apart (its 64 gathered x rows, 5 KB each, read again after
-the weights of ~1,300 blocks had streamed through L2). By expert, a program per (column tile, expert), the column
-tiles of an expert adjacent in launch order, its run in tiles of 128 rows (8 warps): 32 KB a step for 2 MFLOP, the
-weights read half as often (a run of 2-3 blocks takes 1-2 tiles; rows past its end are masked and their x never
-read), ~2.5 GB a layer by the same count. The block form's kernels (`_grouped_gate_up_kernel`,
-`_grouped_down_kernel`) remain for wider experts (down: INTER > 256) and for the comparison. These are counts of
-bytes; the timings above are the measurements.
+64 rows, and its expert weights are 1.5 GB a layer: the kernels are bound by bytes, so what matters is that each
+weight and each gathered x row crosses HBM once, with enough loads in flight.
+- gate/up by whole blocks (runs): a block's 3 column tiles of gate and of up in one K loop (6 accumulators of 64 x
+  64 fp32), so its gathered x rows are read once; the block form (`"by_block"`, `_grouped_gate_up_kernel`: a
+  program per block and column tile) read them once per tile, the tiles ~1,500 programs apart in launch order,
+  after ~1 GB of weights had passed through the 50 MB L2. The same K steps in the same order: the same bits.
+  Alone (one H100, 8,192 tokens; the weights' byte time 342 us at 2.94 TB/s): the block form 588 us, whole blocks
+  at (BLOCK_K, warps, stages) (64, 8, 3) 536, (64, 8, 2) 508, **(64, 4, 2) 491** (two programs an SM), (32, 8, 4)
+  747, (128, 8, 2) 636; a program per expert and column tile walking the expert's run (the by-expert gate/up
+  form, since removed) 685. In place, bit-identical, the whole cold prefill at 512 / 1,536 / 4,096 / 8,192 tokens:
+  33.6 / 39.5 / 57.7 / 90.5 ms against the block form's 33.3 / 39.7 / 59.1 / 93.7.
+- down by expert (runs): a program per (column tile, expert), the tiles of an expert adjacent in launch order, so
+  the weights are read once (0.5 GB a layer) and an expert's act rows by 20 programs running at the same time. The
+  block form (`_grouped_down_kernel`, a program per block and column tile) re-read an expert's weights for every
+  block: 16.3 against 20.6 ms at 8,192 tokens on an H100 (whole prefill 101.7 against 105.4), bit-identical.
+  The block form's kernels remain for wider experts (down: INTER > 256, gate/up: INTER > 4 x 64).
+- down by whole blocks (`_grouped_down_whole_kernel`): a block's act rows kept while the program streams its
+  expert's down weight over all of H in one pipelined loop, where a by-expert program walks only 2-3 blocks after
+  loading its weight tile. Exact (the by-expert form's bits at the same tile width); not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -77,7 +57,8 @@ from lingls.kernels import jit, tl, triton
 from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
-FORMS = ("by_expert", "by_block", "whole_block")  # both kernels' (whole_block: a program per block, all its columns)
+GATE_UP_FORMS = ("whole_block", "by_block")  # the module note says what each is
+DOWN_FORMS = ("by_expert", "whole_block", "by_block")
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
 FORM = "whole_block"
 DOWN_FORM = "by_expert"
@@ -362,35 +343,6 @@ if triton is not None:
                           nt * BLOCK_N + tl.arange(0, BLOCK_N), TOP_K, H, INTER, LIMIT, BLOCK_N, BLOCK_K, F32_DOT)
 
     @jit
-    def _grouped_gate_up_by_expert_kernel(x_ptr, w_ptr, rows_ptr, start_ptr, end_ptr, act_ptr, TOP_K: tl.constexpr,
-                                          H: tl.constexpr, INTER: tl.constexpr, LIMIT: tl.constexpr,
-                                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                          F32_DOT: tl.constexpr):
-        """One expert's column tile of act: its padded run [start, end) ROWS rows at a time (ROWS a multiple of
-        the run's block, so one tile covers two blocks: each weight tile read from L2 serves twice the rows of
-        the block form's; rows past the run's end are masked, their x never read), the column tiles of an expert
-        adjacent in launch order (they gather the same x rows). A while loop under the interpreter, as in
-        `_grouped_down_by_expert_kernel`."""
-        nt = tl.program_id(0)
-        e = tl.program_id(1)
-        lo = tl.load(start_ptr + e)
-        hi = tl.load(end_ptr + e)
-        n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_e = w_ptr + e.to(tl.int64) * (2 * INTER * H)
-        if F32_DOT:
-            m0 = lo
-            while m0 < hi:
-                m = m0 + tl.arange(0, ROWS)
-                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
-                              BLOCK_K, F32_DOT)
-                m0 += ROWS
-        else:
-            for m0 in range(lo, hi, ROWS):
-                m = m0 + tl.arange(0, ROWS)
-                _gate_up_rows(x_ptr, w_e, rows_ptr, act_ptr, m, m < hi, n, TOP_K, H, INTER, LIMIT, BLOCK_N,
-                              BLOCK_K, F32_DOT)
-
-    @jit
     def _grouped_down_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                      INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      F32_DOT: tl.constexpr):
@@ -556,12 +508,9 @@ GATE_UP_CONFIG = (64, 64, 4, 3)
 DOWN_CONFIG = (128, 64, 4, 3)
 # the whole-block gate/up kernel (BLOCK_N, BLOCK_K, num_warps, num_stages): up to 4 column tiles of gate and of up
 # in one program (INTER <= 4 * BLOCK_N; a wider INTER takes the block form's kernel); at a TP=4 rank's INTER 192,
-# 6 accumulators of 64 x 64 fp32 and 56 KB of shared memory a stage: two programs an SM (module note: measured)
+# 6 accumulators of 64 x 64 fp32 over 4 warps, sm_90: 255 registers a thread without spills and 112 KB of shared
+# memory (2 stages of 56 KB), so two programs an SM (the module note has the settings measured)
 GATE_UP_WHOLE = (64, 64, 4, 2)
-# the by-expert gate/up kernel: (blocks of rows a tile, BLOCK_N, BLOCK_K, num_warps, num_stages, registers a
-# thread at most); sm_90 at BLOCK_M 64: 128 rows, 8 warps (two warpgroups of 64 rows), 96 KB of shared memory (3
-# stages of 32 KB) and 128 registers without spills (147 uncapped: one program an SM instead of two)
-GATE_UP_BY_EXPERT = (2, 64, 64, 8, 3, 128)
 # the by-expert down kernel: columns a program, warps, pipeline depth over its rows (sm_90 at INTER 192, BLOCK_M
 # 64: 103 registers, ~104 KB of shared memory, so two programs an SM), and the widest INTER it takes (K in up to 4
 # chunks of at most 64: the weight tile stays <= 64 KB); a wider INTER takes the block form's down kernel
@@ -589,23 +538,16 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
     from lingls.kernels.shared import INTERPRET
 
     form, down_form, block_m = form or FORM, down_form or DOWN_FORM, block_m or BLOCK_M
-    for f in (form, down_form):
-        if f not in FORMS:
-            raise ValueError(f"unknown expert kernels' form {f!r}: one of {FORMS}")
+    if form not in GATE_UP_FORMS:
+        raise ValueError(f"unknown gate/up kernel's form {form!r}: one of {GATE_UP_FORMS}")
+    if down_form not in DOWN_FORMS:
+        raise ValueError(f"unknown down kernel's form {down_form!r}: one of {DOWN_FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
-    by_expert = form == "by_expert"
     rows, block_expert, start, end = sort_pairs_runs(idx, n_exp, block_m)
     blocks = block_expert.shape[0]
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
-    by_expert = by_expert and n_exp <= MAX_GRID_Y  # a grid's second dimension holds at most 65,535
-    if by_expert:
-        rows_a, bn, bk, warps, stages, regs = GATE_UP_BY_EXPERT
-        _grouped_gate_up_by_expert_kernel[(triton.cdiv(inter, bn), n_exp)](
-            x.contiguous(), gate_up, rows, start, end, act, TOP_K=k, H=hidden, INTER=inter, LIMIT=float(limit),
-            ROWS=rows_a * block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps, num_stages=stages,
-            maxnreg=regs)
-    elif form == "whole_block" and inter <= 4 * GATE_UP_WHOLE[0]:
+    if form == "whole_block" and inter <= 4 * GATE_UP_WHOLE[0]:
         bn, bk, warps, stages = GATE_UP_WHOLE
         _grouped_gate_up_whole_kernel[(blocks,)](
             x.contiguous(), gate_up, rows, block_expert, act, TOP_K=k, E=n_exp, H=hidden, INTER=inter,

@@ -36,16 +36,19 @@ def weights(gen, e: int, h: int, inter: int, dtype):
     return gate_up.to(DEV, dtype), down.to(DEV, dtype)
 
 
+PAIRS = [(g, d) for g in pm.GATE_UP_FORMS for d in pm.DOWN_FORMS]  # (gate/up's form, down's)
+
+
 @RUNS
-@pytest.mark.parametrize("form", pm.FORMS)
+@pytest.mark.parametrize("form, down_form", PAIRS)
 @pytest.mark.parametrize("n, k, e, h, inter, block_m, limit", [
     (37, 3, 12, 64, 24, 16, 0.0),  # INTER in 2 chunks of 16, the last partly past INTER
     (61, 4, 16, 48, 40, 16, 0.5),  # 3 chunks, the clamp
     (45, 2, 9, 32, 64, 8, 0.0),  # 4 chunks of 16; blocks of 8 rows
     (29, 3, 10, 32, 200, 16, 0.0),  # 4 chunks of 64 (the widest the by-expert down kernel takes)
-    (23, 3, 10, 32, 300, 16, 0.0),  # wider: the block form's down kernel in either form
+    (23, 3, 10, 32, 300, 16, 0.0),  # wider: the block form's kernels in every form
 ])
-def test_grouped_expert_kernels_equal_reference(poisoned, form, n, k, e, h, inter, block_m, limit):
+def test_grouped_expert_kernels_equal_reference(poisoned, form, down_form, n, k, e, h, inter, block_m, limit):
     gen = torch.Generator().manual_seed(n * 1000 + inter)
     gate_up, down = weights(gen, e, h, inter, torch.float32 if DEV == "cpu" else torch.bfloat16)
     w, idx = ragged_routing(gen, n, k, e, crowded=1)
@@ -53,7 +56,8 @@ def test_grouped_expert_kernels_equal_reference(poisoned, form, n, k, e, h, inte
     w, idx = w.to(DEV), idx.to(DEV)
     counts = torch.bincount(idx.flatten().cpu(), minlength=e)
     assert counts[-3:].sum() == 0 and counts.max() > block_m  # empty experts and a run of several blocks
-    got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form=form, down_form=form)
+    got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form=form,
+                                down_form=down_form)
     want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)
     # fp32 under the interpreter; on a GPU bf16 operands, products rounded where the definition rounds them
     assert rel(got, want) < (1e-5 if DEV == "cpu" else 1e-2)
@@ -137,41 +141,47 @@ def test_expert_forms_agree_at_rank_shapes(inter):
     x = torch.randn(n, h, generator=gen, device=DEV).to(torch.bfloat16)
     w, idx = w.to(DEV), idx.to(DEV)
     want = pm.moe_prefill_reference(x, w, idx, gate_up, down, inter)
-    got = {form: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=form, down_form=form)
-           for form in pm.FORMS}
-    for form, out in got.items():
-        assert rel(out, want) < 1e-2, form
-    same = got["by_expert"] if inter <= 256 else got["by_block"]  # the same K order, other tile widths
-    print(f"INTER {inter}: whole_block's bits are the shipped-before forms': {torch.equal(got['whole_block'], same)}")
-    by_expert, by_block = got["by_expert"], got["by_block"]
-    print(f"INTER {inter}: by_expert vs by_block bitwise equal: {torch.equal(by_expert, by_block)}, rel "
-          f"{rel(by_expert, by_block):.2e}; vs the definition {rel(by_expert, want):.2e} / {rel(by_block, want):.2e}")
-    assert rel(by_expert, by_block) < 1e-2
+    got = {pair: pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, form=pair[0], down_form=pair[1])
+           for pair in PAIRS}
+    for pair, out in got.items():
+        assert rel(out, want) < 1e-2, pair
+    shipped = got[pm.FORM, pm.DOWN_FORM]
+    for pair, out in got.items():  # printed: whose bits are the same (the same K order at other tile widths)
+        print(f"INTER {inter}: {pair} bitwise equal to the shipped forms: {torch.equal(out, shipped)}, rel "
+              f"{rel(out, shipped):.2e}; vs the definition {rel(out, want):.2e}")
+        assert rel(out, shipped) < 1e-2, pair
+    assert torch.equal(got["whole_block", "by_expert"], got["by_block", "by_expert"])  # gate/up: the same tiles
 
 
 def test_expert_kernels_compile_for_h200():
-    """The by-expert kernels through the GPU compiler and ptxas for sm_90: down at a TP=4 rank's INTER (192: 3
-    chunks of 64) and at ling-nano's (48: 3 of 16), gate/up at 192 under its register cap. No spills; down's weight
-    tile and two act stages, and gate/up's three stages, in at most ~113 KB of shared memory, and gate/up in at
-    most 128 registers: two programs an SM."""
+    """The shipped forms' kernels and the whole-block down through the GPU compiler and ptxas for sm_90, at their
+    launch settings: the by-expert down at a TP=4 rank's INTER (192: 3 chunks of 64) and at ling-nano's (48: 3
+    of 16), the whole-block gate/up and down at 192. No spills; each in at most ~113 KB of shared memory: two
+    programs an SM."""
     lines = compile_for_sm90("""
         from lingls.kernels import prefill_moe as pm
+        compile_ = triton.compile  # the launch's pipeline depth, which `build` does not pass
+        def with_stages(stages):
+            triton.compile = lambda src, target, options: compile_(src, target=target,
+                                                                   options={**options, "num_stages": stages})
         bn, warps, stages = pm.DOWN_BY_EXPERT
         down = dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", start_ptr="*i32", end_ptr="*i32", y_ptr="*bf16")
         for inter in (192, 48):
             bk, chunks = pm.down_chunks(inter)
             build(pm._grouped_down_by_expert_kernel, down, dict(H=2560, INTER=inter, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
                   BLOCK_K=bk, K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
-        rows, bn, bk, warps, stages, regs = pm.GATE_UP_BY_EXPERT
-        compile_ = triton.compile  # the launch's register cap and pipeline depth, which `build` does not pass
-        triton.compile = lambda src, target, options: compile_(
-            src, target=target, options={**options, "maxnreg": regs, "num_stages": stages})
-        build(pm._grouped_gate_up_by_expert_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32",
-              start_ptr="*i32", end_ptr="*i32", act_ptr="*bf16"), dict(TOP_K=8, H=2560, INTER=192, LIMIT=0.0,
-              ROWS=rows * pm.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=False), warps)
+        bn, bk, warps, stages = pm.GATE_UP_WHOLE
+        with_stages(stages)
+        build(pm._grouped_gate_up_whole_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", bexp_ptr="*i32",
+              act_ptr="*bf16"), dict(TOP_K=8, E=512, H=2560, INTER=192, LIMIT=0.0, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
+              BLOCK_K=bk, TILES=3, F32_DOT=False), warps)
+        bn, warps, stages = pm.DOWN_WHOLE
+        bk, chunks = pm.down_chunks(192)
+        build(pm._grouped_down_whole_kernel, dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", bexp_ptr="*i32",
+              y_ptr="*bf16"), dict(E=512, H=2560, INTER=192, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+              K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
     """)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     for line in lines:
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
         assert int(line.rsplit("SMEM:", 1)[1]) <= 113 * 1024, line
-    assert int(lines[2].split("REG:", 1)[1].split()[0]) <= 128, lines[2]
