@@ -802,7 +802,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", action="store_true",
                    help="first time the KDA state pass (fla's, and the narrow pass at several value columns) at each "
                         "size's bucket (prefill_kda_state) and run with the fastest that agrees with the torch form")
-    p.add_argument("--experts-form", choices=("whole_block", "by_block"),
+    p.add_argument("--experts-form", choices=_KERNEL_MODULES["prefill_moe"].GATE_UP_FORMS,
                    help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
                         "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",

@@ -176,6 +176,7 @@ def test_expert_kernels_compile_for_h200():
               act_ptr="*bf16"), dict(TOP_K=8, E=512, H=2560, INTER=192, LIMIT=0.0, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
               BLOCK_K=bk, TILES=3, F32_DOT=False), warps)
         bn, warps, stages = pm.DOWN_WHOLE
+        with_stages(stages)
         bk, chunks = pm.down_chunks(192)
         build(pm._grouped_down_whole_kernel, dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", bexp_ptr="*i32",
               y_ptr="*bf16"), dict(E=512, H=2560, INTER=192, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
