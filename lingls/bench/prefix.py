@@ -8,9 +8,9 @@ and the time the host takes to issue the prefill. Then the graphed and eager pat
 (last hidden state, last logits, states left behind, first greedy token), and the first token after a one-token
 edit at the end of the longest prompt, with prefix reuse. `eager_torch_ops` is the eager path with the prefill
 kernels off (`LINGLS_KERNELS=0`): their torch reference, timed and compared in the same run. `--previous` times
-the path before, graphed on a runner of its own: the routed experts' gate/up kernel in its form before
-(`prefill_moe.PREVIOUS_FORM`: a program per block and column tile), the rest as shipped; `--tune` first chooses how
-the runtime runs the state pass (`tune_kda_state_pass`).
+the path before, graphed on a runner of its own: the routed experts' kernels in their forms before
+(`prefill_moe.PREVIOUS`: a program per block and column tile, for gate/up and for down), the rest as shipped;
+`--tune` first chooses how the runtime runs the state pass (`tune_kda_state_pass`).
 `--profile N` adds, for the paths `--profile-paths` names, the N largest ops and kernels of one cold prefill (the
 prefill alone; device time: kernels inside a graph replay are listed by name) and its kernel time summed by kind
 (`kernel_kinds`). Time to first token through `lingls serve` at the same sizes: `python -m bench.serve_ttft`.
@@ -471,7 +471,7 @@ def _kernel_settings() -> tuple[dict, dict]:
 
     modules = {"prefill_moe": prefill_moe, "prefill_kda": prefill_kda}
     names = [*(f"prefill_moe.{n}" for n in ("BLOCK_M", "GATE_UP_CONFIG", "DOWN_CONFIG", "GATE_UP_WHOLE",
-                                             "DOWN_BY_EXPERT", "DOWN_WHOLE", "DOWN_FORM", "COMBINE_BLOCK",
+                                             "DOWN_WHOLE", "DOWN_FORM", "COMBINE_BLOCK",
                                              "ROUTE_WARPS")),
              "prefill_kda.BLOCK", "prefill_kda.NORM_BLOCK"]
     return modules, {n: getattr(modules[n.split(".")[0]], n.split(".")[1]) for n in names}
@@ -661,11 +661,12 @@ def flash_prefill(a) -> int:
     prompts = {t: torch.randint(0, vocab, (t,), generator=g).tolist() for t in sizes}
     form = prefill_moe.FORM
     paths = {"runtime": PrefillPath(runner, runner.prefill_step, a.chunk, runner.prefill_graphs, kda_table, form)}
-    if a.previous:  # the path before, on a runner of its own (a graph bakes in its kernels): gate/up's form before
+    if a.previous:  # the path before, on a runner of its own (a graph bakes in its kernels): the experts' forms before
         previous = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         previous.fused = runner.fused  # (the same fused step: one copy of its weight layouts)
         paths["previous"] = PrefillPath(previous, previous.prefill_step, a.chunk, previous.prefill_graphs,
-                                        kda_table, prefill_moe.PREVIOUS_FORM)
+                                        kda_table, prefill_moe.PREVIOUS["FORM"], True,
+                                        {"prefill_moe.DOWN_FORM": prefill_moe.PREVIOUS["DOWN_FORM"]})
     for name, settings in json.loads(a.variants or "{}").items():  # other kernel settings, in place
         other = ModelRunner(model, capacity=runner.capacity, prefill_chunk=a.chunk)
         other.fused = runner.fused
@@ -752,7 +753,8 @@ def flash_prefill(a) -> int:
               "edit_ttft_median_ms": statistics.median(edits), "edit_tokens_reused": reused,
               "append_one_token_ttft_ms": append, "targets_ms": {"1536": 40, "8192": 150},
               "kda_state_columns": {str(n): list(c) for n, c in kda_table.items()},
-              "experts_form": {name: path.experts for name, path in paths.items()},
+              "experts_form": {name: {"gate_up": path.experts, "down": (path.settings or {}).get(
+                  "prefill_moe.DOWN_FORM", _KERNEL_SETTINGS["prefill_moe.DOWN_FORM"])} for name, path in paths.items()},
               **({"kda_state_tuning": tuning} if tuning else {}),
               "serve_ttft": "bench/serve_ttft.py (serve_ttft.json)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), **({"cold_prefill_ops": ops} if ops else {})}
@@ -806,7 +808,7 @@ def main(argv: list[str]) -> int:
                    help="the routed experts' gate/up form of the runtime path (default: prefill_moe.FORM; the "
                         "down kernel's: prefill_moe.DOWN_FORM)")
     p.add_argument("--previous", action="store_true",
-                   help="also time the path before (the routed experts' gate/up in prefill_moe.PREVIOUS_FORM), "
+                   help="also time the path before (the routed experts' kernels in prefill_moe.PREVIOUS's forms), "
                         "graphed on a runner of its own (path previous)")
     p.add_argument("--variants", default="", metavar="JSON",
                    help='also time the prefill kernels with other launch settings in place, each on a runner of its '

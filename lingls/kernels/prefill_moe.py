@@ -6,18 +6,17 @@ by the expert count) and no count is read back.
 - `_grouped_gate_up_whole_kernel`: a program takes one block of an expert's run and all of its act columns
   (`"whole_block"`): act = swiglu(x Wg^T, x Wu^T) of its rows, the x rows gathered by token, gate and up of a column
   in the same program (the checkpoint's [gate; up] stacking), Ling's optional clamp in the epilogue;
-- `_grouped_down_by_expert_kernel`: a program takes one expert and one column tile of H (`"by_expert"`): it loads
-  that tile of the expert's down weight once ([BLOCK_N, INTER], INTER whole: a TP=4 rank's 192) and keeps it in
-  shared memory while it walks the expert's run BLOCK_M rows at a time, y = act Wd^T written to the pair's own row
-  (token-major, [N*k, H]), so the weighted sum over a token's k experts is a plain reduction afterwards, in a
-  fixed order;
+- `_grouped_down_whole_kernel`: a program takes one block and all of H (`"whole_block"`): it loads the block's act
+  rows once and keeps them while it streams its expert's down weight BLOCK_N rows at a time in one pipelined loop,
+  y = act Wd^T written to each pair's own row (token-major, [N*k, H]), so the weighted sum over a token's k experts
+  is a plain reduction afterwards, in a fixed order;
 (named apart from the fused decode step's `_gate_up_kernel` and `_down_kernel`, so a profile tells them apart);
 - `_combine_kernel`: that reduction, sum_j w_j * y_j in fp32 rounded once, in one pass over y (torch's upcast,
   multiply and sum wrote and read fp32 copies of y: ~2 GB a layer at 8,192 tokens).
 Before them, two steps that were a few dozen small torch ops per layer (each a launch and a pass over memory):
 - `route`: the router's grouped top-k (`reference.route_grouped_topk`) as one program per token;
-- `sort_pairs_triton`: the pairs laid out by expert in three launches (counts by atomics, the padded offsets and
-  each block's expert, the scatter), where `sort_pairs` (the torch form) sorts them. A pair's place inside its
+- `sort_pairs_triton`: the pairs laid out by expert in four launches (counts by atomics, the padded offsets, the
+  scatter, each block's expert), where `sort_pairs` (the torch form) sorts them. A pair's place inside its
   expert's run differs between the two, which changes nothing a pair computes: each output row of a block's
   product is its own row's dot products, in the same order.
 Products round to bf16 where torch's grouped GEMM rounds them (gate and up before the activation, y before the
@@ -39,14 +38,17 @@ weight and each gathered x row crosses HBM once, with enough loads in flight.
   747, (128, 8, 2) 636; a program per expert and column tile walking the expert's run (the by-expert gate/up
   form, since removed) 685. In place, bit-identical, the whole cold prefill at 512 / 1,536 / 4,096 / 8,192 tokens:
   33.6 / 39.5 / 57.7 / 90.5 ms against the block form's 33.3 / 39.7 / 59.1 / 93.7.
-- down by expert (runs): a program per (column tile, expert), the tiles of an expert adjacent in launch order, so
-  the weights are read once (0.5 GB a layer) and an expert's act rows by 20 programs running at the same time. The
-  block form (`_grouped_down_kernel`, a program per block and column tile) re-read an expert's weights for every
-  block: 16.3 against 20.6 ms at 8,192 tokens on an H100 (whole prefill 101.7 against 105.4), bit-identical.
+- down by whole blocks: a program streams its expert's down weight over all of H (40 tiles of 64 at a TP=4 rank)
+  with the next tiles' loads in flight, its act rows loaded once. The form before it, a program per (column tile,
+  expert) holding that tile of the weight and walking the expert's 2-3 blocks (`"by_expert"`, since removed), read
+  the weights once too, with fewer loads in flight; the block form (`_grouped_down_kernel`, `"by_block"`) takes a
+  program per block and column tile. All three give the same bits (the
+  same K chunks in the same order). Alone (one H100, 8,192 tokens): by expert 435 us (1.52x its bytes: weights and
+  the pairs' rows it writes). In place, the whole cold prefill at 512 / 1,536 / 4,096 / 8,192 tokens (one H100,
+  bit-identical): whole blocks at (BLOCK_N, warps, stages) **(64, 4, 3)** 32.1 / 37.9 / 55.7 / 87.4 ms, (128, 4, 2)
+  32.9 / 38.8 / 57.6 / 92.9, by expert 33.6 / 39.6 / 57.8 / 90.7; by expert against the block form 16.3 against
+  20.6 ms of down kernels at 8,192 tokens (the session before).
   The block form's kernels remain for wider experts (down: INTER > 256, gate/up: INTER > 4 x 64).
-- down by whole blocks (`_grouped_down_whole_kernel`): a block's act rows kept while the program streams its
-  expert's down weight over all of H in one pipelined loop, where a by-expert program walks only 2-3 blocks after
-  loading its weight tile. Exact (the by-expert form's bits at the same tile width); not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -58,15 +60,16 @@ from lingls.kernels import reference as ref
 
 BLOCK_M = 64  # rows of one expert per program: the pairs of an expert are padded to a multiple of this
 GATE_UP_FORMS = ("whole_block", "by_block")  # the module note says what each is
-DOWN_FORMS = ("by_expert", "whole_block", "by_block")
+DOWN_FORMS = ("whole_block", "by_block")
 # the kernels' forms (module note): gate/up's and down's; the prefill graphs bake in the forms they were captured with
 FORM = "whole_block"
-DOWN_FORM = "by_expert"
+DOWN_FORM = "whole_block"
 # warps of a token's routing program (`route`): one keeps its eight argmax reductions inside a warp (no shared
 # memory, no barrier); a cold 8,192-token prefill of a TP=4 rank on an H100 took 96.1 / 96.5 / 97.1 ms with 1 / 2 / 4,
 # bit-identical (`lingls bench prefix --variants`)
 ROUTE_WARPS = 1
-PREVIOUS_FORM = "by_block"  # gate/up's form before (`lingls bench prefix --previous` times it on its own runner)
+# both kernels' forms before the whole-block forms (`lingls bench prefix --previous` times them on a runner of its own)
+PREVIOUS = {"FORM": "by_block", "DOWN_FORM": "by_block"}
 
 
 def moe_prefill_reference(x, weights, idx, gate_up, down, inter: int, limit: float = 0.0):
@@ -120,14 +123,9 @@ def route(logits, bias, top_k: int, n_group: int, topk_group: int, normalize: bo
 
 
 def sort_pairs_triton(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
-    """`sort_pairs` in three launches (Triton): the same block layout and block experts, each expert's pairs in
-    its run in the order their atomic increments landed (see the module note: that order changes no result)."""
-    rows, block_expert, _, _ = sort_pairs_runs(idx, n_experts, block_m)
-    return rows, block_expert
-
-
-def sort_pairs_runs(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
-    """`sort_pairs_triton`, and where each expert's padded run starts and ends (rows, [E] int32 each)."""
+    """`sort_pairs` in four launches (Triton): the counts by atomics, the padded offsets, the scatter, each block's
+    expert. The same block layout and block experts; each expert's pairs in its run in the order their atomic
+    increments landed (see the module note: that order changes no result)."""
     flat = idx.flatten()
     pairs = flat.numel()
     blocks = -(-(pairs + n_experts * (block_m - 1)) // block_m)
@@ -143,7 +141,7 @@ def sort_pairs_runs(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     block_expert = torch.empty(blocks, dtype=torch.int32, device=idx.device)
     _block_expert_kernel[(triton.cdiv(blocks, 32),)](padded_end, block_expert, blocks, E=n_experts, E_PAD=e_pad,
                                                      BLOCK_M=block_m, BLOCK_B=32, num_warps=4)
-    return rows, block_expert, start, padded_end
+    return rows, block_expert
 
 
 def _interpreting() -> bool:
@@ -383,66 +381,6 @@ if triton is not None:
                        mask=valid[:, None] & (k < INTER)[None, :], other=0.0)
 
     @jit
-    def _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H: tl.constexpr, INTER: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-        """Rows m0..m0+BLOCK_M of an expert's run times its resident weight chunks, to the pairs' rows of y."""
-        m = m0 + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + m)
-        valid = pair >= 0
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc = _dot(acc, _down_act(act_ptr, m, valid, 0, INTER, BLOCK_K), w0, F32_DOT)
-        if K_CHUNKS > 1:
-            acc = _dot(acc, _down_act(act_ptr, m, valid, 1, INTER, BLOCK_K), w1, F32_DOT)
-        if K_CHUNKS > 2:
-            acc = _dot(acc, _down_act(act_ptr, m, valid, 2, INTER, BLOCK_K), w2, F32_DOT)
-        if K_CHUNKS > 3:
-            acc = _dot(acc, _down_act(act_ptr, m, valid, 3, INTER, BLOCK_K), w3, F32_DOT)
-        tl.store(y_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * H + n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
-
-    @jit
-    def _grouped_down_by_expert_kernel(act_ptr, w_ptr, rows_ptr, start_ptr, end_ptr, y_ptr, H: tl.constexpr,
-                                       INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr,
-                                       F32_DOT: tl.constexpr):
-        """One expert's column tile of y = act Wd^T: the weight tile ([BLOCK_N, INTER] in K_CHUNKS chunks of
-        BLOCK_K, up to 4: separate tensors, as Triton's shapes are powers of two and INTER need not be) is loaded
-        once and stays in shared memory (sm_90: one allocation before the loop) while the loop walks the expert's
-        padded run [start, end) BLOCK_M rows at a time, the next rows' act streaming in under the current product
-        (STAGES). Each output row is its own row's dot products with the K chunks summed in order, as in the
-        block form. Under the interpreter (F32_DOT) the same rows go through a while loop: Triton 3.6's
-        interpreter cannot take a loaded scalar as a range bound under numpy 2 (a one-element array)."""
-        nt = tl.program_id(0)
-        e = tl.program_id(1)
-        lo = tl.load(start_ptr + e)
-        hi = tl.load(end_ptr + e)
-        if hi > lo:
-            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = n < H
-            w_e = w_ptr + e.to(tl.int64) * (H * INTER)
-            w0 = _down_weights(w_e, n, nmask, 0, INTER, BLOCK_K)
-            w1 = w0  # chunks past K_CHUNKS are never read
-            w2 = w0
-            w3 = w0
-            if K_CHUNKS > 1:
-                w1 = _down_weights(w_e, n, nmask, 1, INTER, BLOCK_K)
-            if K_CHUNKS > 2:
-                w2 = _down_weights(w_e, n, nmask, 2, INTER, BLOCK_K)
-            if K_CHUNKS > 3:
-                w3 = _down_weights(w_e, n, nmask, 3, INTER, BLOCK_K)
-            if F32_DOT:
-                m0 = lo
-                while m0 < hi:
-                    _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H, INTER, BLOCK_M, BLOCK_N,
-                               BLOCK_K, K_CHUNKS, F32_DOT)
-                    m0 += BLOCK_M
-            else:
-                for m0 in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):
-                    _down_rows(act_ptr, rows_ptr, y_ptr, m0, n, nmask, w0, w1, w2, w3, H, INTER, BLOCK_M, BLOCK_N,
-                               BLOCK_K, K_CHUNKS, F32_DOT)
-
-    @jit
     def _grouped_down_whole_kernel(act_ptr, w_ptr, rows_ptr, bexp_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                                    INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                    BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr,
@@ -511,20 +449,16 @@ DOWN_CONFIG = (128, 64, 4, 3)
 # 6 accumulators of 64 x 64 fp32 over 4 warps, sm_90: 255 registers a thread without spills and 112 KB of shared
 # memory (2 stages of 56 KB), so two programs an SM (the module note has the settings measured)
 GATE_UP_WHOLE = (64, 64, 4, 2)
-# the by-expert down kernel: columns a program, warps, pipeline depth over its rows (sm_90 at INTER 192, BLOCK_M
-# 64: 103 registers, ~104 KB of shared memory, so two programs an SM), and the widest INTER it takes (K in up to 4
-# chunks of at most 64: the weight tile stays <= 64 KB); a wider INTER takes the block form's down kernel
-DOWN_BY_EXPERT = (128, 4, 2)
-DOWN_BY_EXPERT_MAX_INTER = 256
-# the whole-block down kernel (BLOCK_N, num_warps, num_stages over the column tiles); it takes what the by-expert
-# form takes (INTER <= DOWN_BY_EXPERT_MAX_INTER), the block form's kernel a wider INTER
+# the whole-block down kernel (BLOCK_N, num_warps, num_stages over the column tiles; sm_90 at INTER 192, BLOCK_M
+# 64: 62 registers, ~104 KB of shared memory) and the widest INTER it takes (its act rows in up to 4 chunks of at
+# most 64); a wider INTER takes the block form's kernel
 DOWN_WHOLE = (64, 4, 3)
+DOWN_WHOLE_MAX_INTER = 256
 COMBINE_BLOCK = 1024  # columns of one token's weighted sum per program
-MAX_GRID_Y = 65535
 
 
 def down_chunks(inter: int) -> tuple[int, int]:
-    """(BLOCK_K, K_CHUNKS) of the by-expert down kernel: INTER in at most 4 chunks of a power of two >= 16."""
+    """(BLOCK_K, K_CHUNKS) of the whole-block down kernel: INTER in at most 4 chunks of a power of two >= 16."""
     block_k = max(16, triton.next_power_of_2(-(-inter // 4)))
     return block_k, -(-inter // block_k)
 
@@ -544,7 +478,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
         raise ValueError(f"unknown down kernel's form {down_form!r}: one of {DOWN_FORMS}")
     n, k = idx.shape
     n_exp, _, hidden = gate_up.shape
-    rows, block_expert, start, end = sort_pairs_runs(idx, n_exp, block_m)
+    rows, block_expert = sort_pairs_triton(idx, n_exp, block_m)
     blocks = block_expert.shape[0]
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     if form == "whole_block" and inter <= 4 * GATE_UP_WHOLE[0]:
@@ -560,13 +494,7 @@ def moe_prefill_triton(x, weights, idx, gate_up, down, inter: int, limit: float 
             LIMIT=float(limit), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=INTERPRET, num_warps=warps,
             num_stages=stages)
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
-    if down_form == "by_expert" and n_exp <= MAX_GRID_Y and inter <= DOWN_BY_EXPERT_MAX_INTER:
-        bn, warps, stages = DOWN_BY_EXPERT
-        bk, chunks = down_chunks(inter)
-        _grouped_down_by_expert_kernel[(triton.cdiv(hidden, bn), n_exp)](
-            act, down, rows, start, end, y, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-            K_CHUNKS=chunks, STAGES=stages, F32_DOT=INTERPRET, num_warps=warps)
-    elif down_form == "whole_block" and inter <= DOWN_BY_EXPERT_MAX_INTER:
+    if down_form == "whole_block" and inter <= DOWN_WHOLE_MAX_INTER:
         bn, warps, stages = DOWN_WHOLE
         bk, chunks = down_chunks(inter)
         _grouped_down_whole_kernel[(blocks,)](

@@ -45,7 +45,7 @@ PAIRS = [(g, d) for g in pm.GATE_UP_FORMS for d in pm.DOWN_FORMS]  # (gate/up's 
     (37, 3, 12, 64, 24, 16, 0.0),  # INTER in 2 chunks of 16, the last partly past INTER
     (61, 4, 16, 48, 40, 16, 0.5),  # 3 chunks, the clamp
     (45, 2, 9, 32, 64, 8, 0.0),  # 4 chunks of 16; blocks of 8 rows
-    (29, 3, 10, 32, 200, 16, 0.0),  # 4 chunks of 64 (the widest the by-expert down kernel takes)
+    (29, 3, 10, 32, 200, 16, 0.0),  # 4 chunks of 64 (the widest the whole-block down kernel takes)
     (23, 3, 10, 32, 300, 16, 0.0),  # wider: the block form's kernels in every form
 ])
 def test_grouped_expert_kernels_equal_reference(poisoned, form, down_form, n, k, e, h, inter, block_m, limit):
@@ -74,9 +74,10 @@ def test_grouped_expert_kernels_equal_reference(poisoned, form, down_form, n, k,
 def test_whole_block_kernels_are_the_other_forms_bit_for_bit(poisoned, monkeypatch, n, k, e, h, inter, block_m,
                                                              limit):
     """A program per block over all its column tiles sums each tile's K steps in the order of the block form's
-    gate/up and the by-expert down: the same bits (at the same tile widths: a BLAS may block a wider product
-    otherwise), and the definition's result."""
-    monkeypatch.setattr(pm, "DOWN_WHOLE", (pm.DOWN_BY_EXPERT[0], *pm.DOWN_WHOLE[1:]))
+    kernels: the same bits (at the same tile widths and K steps: a BLAS may block a wider product otherwise), and
+    the definition's result."""
+    if inter <= pm.DOWN_WHOLE_MAX_INTER:
+        monkeypatch.setattr(pm, "DOWN_CONFIG", (pm.DOWN_WHOLE[0], pm.down_chunks(inter)[0], *pm.DOWN_CONFIG[2:]))
     gen = torch.Generator().manual_seed(n * 1000 + inter)
     gate_up, down = weights(gen, e, h, inter, torch.float32 if DEV == "cpu" else torch.bfloat16)
     w, idx = ragged_routing(gen, n, k, e, crowded=1)
@@ -85,7 +86,7 @@ def test_whole_block_kernels_are_the_other_forms_bit_for_bit(poisoned, monkeypat
     got = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form="whole_block",
                                 down_form="whole_block")
     block = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, limit, block_m=block_m, form="by_block",
-                                  down_form="by_expert")
+                                  down_form="by_block")
     assert torch.equal(got, block)
     assert rel(got, pm.moe_prefill_reference(x, w, idx, gate_up, down, inter, limit)) < (
         1e-5 if DEV == "cpu" else 1e-2)
@@ -94,7 +95,7 @@ def test_whole_block_kernels_are_the_other_forms_bit_for_bit(poisoned, monkeypat
 @RUNS
 def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned):
     """`plus` (the shared expert's output) folded into the weighted sum's pass: the bits of `result + plus`; the
-    block form's gate/up with the by-expert down (the shipped forms) computes what the block form computes."""
+    the shipped forms compute what the block forms compute."""
     gen = torch.Generator().manual_seed(11)
     n, k, e, h, inter = 37, 3, 12, 64, 24
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
@@ -106,9 +107,8 @@ def test_the_weighted_sum_adds_plus_as_torch_adds_it(poisoned):
     alone = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block", down_form="by_block")
     assert torch.equal(pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block",
                                              down_form="by_block", plus=plus), alone + plus)
-    mixed = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, form="by_block",
-                                  down_form="by_expert")
-    assert rel(mixed, alone) < (1e-6 if DEV == "cpu" else 1e-2)
+    shipped = pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16)
+    assert rel(shipped, alone) < (1e-6 if DEV == "cpu" else 1e-2)
     with pytest.raises(ValueError, match="plus must be"):
         pm.moe_prefill_triton(x, w, idx, gate_up, down, inter, block_m=16, plus=plus[:-1])
 
@@ -150,26 +150,19 @@ def test_expert_forms_agree_at_rank_shapes(inter):
         print(f"INTER {inter}: {pair} bitwise equal to the shipped forms: {torch.equal(out, shipped)}, rel "
               f"{rel(out, shipped):.2e}; vs the definition {rel(out, want):.2e}")
         assert rel(out, shipped) < 1e-2, pair
-    assert torch.equal(got["whole_block", "by_expert"], got["by_block", "by_expert"])  # gate/up: the same tiles
+    assert torch.equal(got["whole_block", "by_block"], got["by_block", "by_block"])  # gate/up: the same tiles
 
 
 def test_expert_kernels_compile_for_h200():
-    """The shipped forms' kernels and the whole-block down through the GPU compiler and ptxas for sm_90, at their
-    launch settings: the by-expert down at a TP=4 rank's INTER (192: 3 chunks of 64) and at ling-nano's (48: 3
-    of 16), the whole-block gate/up and down at 192. No spills; each in at most ~113 KB of shared memory: two
-    programs an SM."""
+    """The whole-block kernels through the GPU compiler and ptxas for sm_90, at their launch settings: gate/up
+    at a TP=4 rank's INTER (192: 3 column tiles of 64), down at 192 (3 chunks of 64) and at ling-nano's INTER (48:
+    3 chunks of 16). No spills; each in at most ~113 KB of shared memory: two programs an SM."""
     lines = compile_for_sm90("""
         from lingls.kernels import prefill_moe as pm
         compile_ = triton.compile  # the launch's pipeline depth, which `build` does not pass
         def with_stages(stages):
             triton.compile = lambda src, target, options: compile_(src, target=target,
                                                                    options={**options, "num_stages": stages})
-        bn, warps, stages = pm.DOWN_BY_EXPERT
-        down = dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", start_ptr="*i32", end_ptr="*i32", y_ptr="*bf16")
-        for inter in (192, 48):
-            bk, chunks = pm.down_chunks(inter)
-            build(pm._grouped_down_by_expert_kernel, down, dict(H=2560, INTER=inter, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
-                  BLOCK_K=bk, K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
         bn, bk, warps, stages = pm.GATE_UP_WHOLE
         with_stages(stages)
         build(pm._grouped_gate_up_whole_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", bexp_ptr="*i32",
@@ -177,12 +170,13 @@ def test_expert_kernels_compile_for_h200():
               BLOCK_K=bk, TILES=3, F32_DOT=False), warps)
         bn, warps, stages = pm.DOWN_WHOLE
         with_stages(stages)
-        bk, chunks = pm.down_chunks(192)
-        build(pm._grouped_down_whole_kernel, dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32", bexp_ptr="*i32",
-              y_ptr="*bf16"), dict(E=512, H=2560, INTER=192, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-              K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
+        for inter in (192, 48):
+            bk, chunks = pm.down_chunks(inter)
+            build(pm._grouped_down_whole_kernel, dict(act_ptr="*bf16", w_ptr="*bf16", rows_ptr="*i32",
+                  bexp_ptr="*i32", y_ptr="*bf16"), dict(E=512, H=2560, INTER=inter, BLOCK_M=pm.BLOCK_M, BLOCK_N=bn,
+                  BLOCK_K=bk, K_CHUNKS=chunks, STAGES=stages, F32_DOT=False), warps)
     """)
-    assert len(lines) == 4, lines
+    assert len(lines) == 3, lines
     for line in lines:
         assert "STACK:0 " in line and "LOCAL:0 " in line, line
         assert int(line.rsplit("SMEM:", 1)[1]) <= 113 * 1024, line
