@@ -17,6 +17,10 @@ Writes JSON (rows, profiles, the fla check, the choice); prints tokens/s, model 
 with the most tokens/s ("32 fla compiled").
 
     python -m bench.train_throughput OUT.json [BATCH ...]    # BATCHes for the compiled form (default 32)
+    python -m bench.train_throughput OUT.json 64 128 256 --config CONFIG.json --compiled-only
+
+`--config` times another model config than ling-nano's (a candidate's size: its tokens/s and utilisation before
+a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms (the compiled form at each batch).
 """
 from __future__ import annotations
 
@@ -59,13 +63,14 @@ def profile_step(step, steps: int = 2) -> dict:
                              "calls": e.count // steps} for e in kernels[:15]]}
 
 
-def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, profiled: bool = False) -> dict:
+def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, profiled: bool = False,
+            config: Path = CONFIG) -> dict:
     """One training-step variant: kda "scan" (torch) or "fla"; form one of FORMS."""
     torch.backends.cuda.matmul.allow_tf32 = True
     fla_kernels.enable(kda == "fla")
     compiled, fused_ce = FORMS[form]["compiled"], FORMS[form]["fused_ce"]
     try:
-        cfg = LingConfig.from_json(CONFIG)
+        cfg = LingConfig.from_json(config)
         model = LingForCausalLM(cfg).cuda()
         model.init_weights(0.02)
         if compiled:
@@ -106,7 +111,7 @@ def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, pr
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def main(out: str, batches: list[int]) -> int:
+def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: bool = False) -> int:
     rows, check = [], None
     t0 = time.perf_counter()
     kda = "scan"
@@ -119,10 +124,11 @@ def main(out: str, batches: list[int]) -> int:
         print({"fla_check": check}, flush=True)
         kda = "fla" if check["ok"] else "scan"
     variants = [(batches[0], "eager", True), (batches[0], "fused_ce", False), (batches[0], "compiled", True)]
+    variants = variants[2:] if compiled_only else variants
     variants += [(b, "compiled", False) for b in batches[1:]]
     for batch, form, profiled in variants:
         try:
-            rows.append(measure(batch, kda, form, profiled=profiled))
+            rows.append(measure(batch, kda, form, profiled=profiled, config=config))
         except Exception as e:  # noqa: BLE001 - a failed variant (out of memory) is reported, the others still run
             rows.append(dict(batch=batch, kda=kda, form=form, error=repr(e)[:300]))
         torch.cuda.empty_cache()
@@ -140,12 +146,21 @@ def main(out: str, batches: list[int]) -> int:
         if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
             best = r
     choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"]}
-    write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows,
-                           fla_check=check, choice=choice))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LingForCausalLM(LingConfig.from_json(config)).parameters())
+    write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=str(config),
+                           parameters=params, rows=rows, fla_check=check, choice=choice))
     print(best["batch"], best["kda"], best["form"])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "train_throughput.json",
-                  [int(b) for b in sys.argv[2:]] or [32]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description="ling-nano training throughput on the GPU")
+    ap.add_argument("out", nargs="?", default="train_throughput.json")
+    ap.add_argument("batches", nargs="*", type=int, default=[32])
+    ap.add_argument("--config", type=Path, default=CONFIG, help="the model config timed (default ling-nano's)")
+    ap.add_argument("--compiled-only", action="store_true", help="only the compiled form, at each batch")
+    a = ap.parse_args()
+    sys.exit(main(a.out, a.batches, a.config, a.compiled_only))
