@@ -6,8 +6,10 @@ batch x 2048, timed over a few steps after warm-up, with TF32 for the fp32 matmu
 - `eager` (the step before 2026-12-03's nineteenth session): every op eager, the heads' logits materialised and
   upcast to fp32 for `F.cross_entropy`;
 - `fused_ce`: eager layers, both heads through `training.linear_ce` (row chunks, no logits kept);
-- `compiled`: that, with every layer's attention, MLP and norms torch.compiled (`training.train.compile_for_training`;
-  the first step's time includes compiling, reported as first_step_s);
+- `compiled_eager_ce`: that, with every layer's attention, MLP and norms torch.compiled
+  (`training.train.compile_for_training`; the first step's time includes compiling, reported as first_step_s);
+- `compiled`: that, with the cross-entropy's chunks compiled too (`training.linear_ce.compile_chunks`), as
+  `compile_for_training` leaves them;
 each with fla-core's Triton chunk_kda once it matches the torch form on fresh random inputs
 (`training.fla_kernels.check_against_torch`, autotuning bounded), else lingls' torch scan (`kda` says which).
 One step of the first and the last form is also profiled (torch.profiler): the top CUDA kernels by time and the
@@ -20,7 +22,8 @@ with the most tokens/s ("32 fla compiled").
     python -m bench.train_throughput OUT.json 64 128 256 --config CONFIG.json --compiled-only
 
 `--config` times another model config than ling-nano's (a candidate's size: its tokens/s and utilisation before
-a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms (the compiled form at each batch).
+a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms (both compiled forms at the first
+batch, `compiled` at the others).
 """
 from __future__ import annotations
 
@@ -32,13 +35,14 @@ import torch
 
 from bench.common import write_result
 from lingls.model import LingConfig, LingForCausalLM
-from training import fla_kernels
+from training import fla_kernels, linear_ce
 from training.train import PEAK_BF16_FLOPS, compile_for_training, losses, model_flops_per_token
 
 CONFIG = Path(__file__).resolve().parents[1] / "training" / "configs" / "ling-nano.json"
 
 
 FORMS = {"eager": dict(compiled=False, fused_ce=False), "fused_ce": dict(compiled=False, fused_ce=True),
+         "compiled_eager_ce": dict(compiled=True, fused_ce=True, compiled_ce=False),
          "compiled": dict(compiled=True, fused_ce=True)}
 
 
@@ -76,6 +80,7 @@ def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, pr
         if compiled:
             torch._dynamo.reset()  # each batch size compiles static shapes, as a training process would (its cache)
             compile_for_training(model)
+        linear_ce.compile_chunks(compiled and FORMS[form].get("compiled_ce", True))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
         x = torch.randint(5, cfg.vocab_size, (batch, 2049), device="cuda")
         torch.cuda.reset_peak_memory_stats()
@@ -123,7 +128,8 @@ def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: boo
         check["seconds_with_first_compile"] = round(time.perf_counter() - t0, 1)
         print({"fla_check": check}, flush=True)
         kda = "fla" if check["ok"] else "scan"
-    variants = [(batches[0], "eager", True), (batches[0], "fused_ce", False), (batches[0], "compiled", True)]
+    variants = [(batches[0], "eager", True), (batches[0], "fused_ce", False),
+                (batches[0], "compiled_eager_ce", False), (batches[0], "compiled", True)]
     variants = variants[2:] if compiled_only else variants
     variants += [(b, "compiled", False) for b in batches[1:]]
     for batch, form, profiled in variants:
@@ -145,7 +151,8 @@ def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: boo
         bigger = r["batch"] > best["batch"]
         if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
             best = r
-    choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"]}
+    choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"],
+              "compile_ce": FORMS[best["form"]].get("compiled_ce", True)}
     with torch.device("meta"):
         params = sum(p.numel() for p in LingForCausalLM(LingConfig.from_json(config)).parameters())
     write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=str(config),

@@ -166,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
     t = mark("ngram", t)
 
-    batch_size, kda, compiled = args.batch_size, "scan", False
+    batch_size, kda, compiled, compiled_ce = args.batch_size, "scan", False, True
     if args.kernel_choice is not None:
         choice = wait_for_choice(args.kernel_choice, args.kernel_wait)
         batch_size, kda = choice.get("batch", batch_size), choice.get("kda", kda)
         compiled = choice.get("compile", False) and args.device.startswith("cuda")
+        compiled_ce = choice.get("compile_ce", True)
         t = mark("kernel_choice_wait", t)
     fla = fla_kernels.enable(kda == "fla" and args.device.startswith("cuda"))
     print(f"training batch {batch_size}, KDA kernel: {'fla-core chunk_kda' if fla else 'torch scan'}, "
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.finish_by is not None:
         train_seconds = max(10.0, min(train_seconds, args.finish_by - args.after_train - time.time()))
     settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr,
-                             compile=compiled)
+                             compile=compiled, compile_ce=compiled_ce)
     compare = None
     if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),

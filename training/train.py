@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from lingls.model import LingConfig, LingForCausalLM, ling
 from lingls.model.ling import MoE
-from training.linear_ce import linear_cross_entropy
+from training.linear_ce import compile_chunks, linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class TrainSettings:
     seed: int = 1234
     tf32: bool = True  # TF32 for the fp32 matmuls left under autocast (the chunked KDA's): bench/train_throughput.py
     compile: bool = False  # compile_for_training (CUDA): bench/train_throughput.py measures both
+    compile_ce: bool = True  # with compile: the cross-entropy's chunks compiled too (linear_ce.compile_chunks)
 
 
 class PackedStream:
@@ -179,7 +180,8 @@ def compile_for_training(model: LingForCausalLM, backend: str = "inductor") -> N
     """torch.compile every layer's attention, MLP (the experts, the shared expert) and norms, so their many small
     elementwise ops (fp32 gates, norms, SwiGLU, the dense experts' weighting) fuse; the KDA recurrence between
     (fla-core's Triton chunk_kda, or lingls' torch forms) runs as it is, outside the compiled graphs, and so do
-    the routers (their forward hooks count expert load for the balancer) and the loss."""
+    the routers (their forward hooks count expert load for the balancer). The loss's chunks are compiled too
+    (`linear_ce.compile_chunks`)."""
     if ling.delta_rule is not _EAGER_DELTA_RULE:  # KimiDeltaAttention.forward looks it up at each call
         ling.delta_rule = _EAGER_DELTA_RULE
     for layer in model.model.layers:
@@ -190,6 +192,7 @@ def compile_for_training(model: LingForCausalLM, backend: str = "inductor") -> N
             mods.append(layer.mlp)
         for m in mods:
             m.compile(backend=backend)
+    compile_chunks(backend=backend)
 
 
 @torch.no_grad()
@@ -259,6 +262,8 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
     model.train()
     if s.compile:
         compile_for_training(model)
+        if not s.compile_ce:
+            compile_chunks(False)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

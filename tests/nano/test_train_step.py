@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lingls.model import LingConfig, LingForCausalLM, ling
+from training import linear_ce
 from training.linear_ce import linear_cross_entropy
 from training.train import ExpertBalancer, compile_for_training, losses
 
@@ -45,6 +46,27 @@ def test_linear_cross_entropy_is_cross_entropy_of_the_logits(rows, chunk):
         torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=chunk), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,chunk", [(37, 8), (50, 1000)])
+def test_compiled_chunks_give_the_eager_chunks_loss_and_gradients(monkeypatch, rows, chunk):
+    """`compile_chunks` (traced through torch.compile with the aot_eager backend: the graph inductor compiles on
+    the GPU, run by torch's kernels) against the eager chunks, values and both gradients."""
+    monkeypatch.setattr(linear_ce, "_chunk", linear_ce._chunk)
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 24, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (rows,), generator=g)
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        linear_ce.compile_chunks(compiled, backend="aot_eager")
+        h.grad = w.grad = None
+        loss = linear_cross_entropy(h, w, t, chunk_rows=chunk)
+        (2 * loss).backward()
+        out[compiled] = (loss.detach(), h.grad.clone(), w.grad.clone())
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_fused_losses_equal_the_eager_heads():
     m = model()
     x = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(1))
@@ -68,6 +90,7 @@ def test_fused_losses_equal_the_eager_heads():
 
 def test_compiled_layers_train_as_the_eager_ones(monkeypatch):
     monkeypatch.setattr(ling, "delta_rule", ling.delta_rule)  # compile_for_training swaps it: restored after
+    monkeypatch.setattr(linear_ce, "_chunk", linear_ce._chunk)  # and compiles the loss's chunks
     monkeypatch.setattr(ling.Experts, "forward",  # the experts' form on CUDA
                         lambda self, x, w, idx, plus=None: self._dense(x, w, idx) + (0 if plus is None else plus))
     torch._dynamo.reset()
