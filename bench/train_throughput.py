@@ -10,20 +10,21 @@ batch x 2048, timed over a few steps after warm-up, with TF32 for the fp32 matmu
   (`training.train.compile_for_training`; the first step's time includes compiling, reported as first_step_s);
 - `compiled`: that, with the cross-entropy's chunks compiled too (`training.linear_ce.compile_chunks`), as
   `compile_for_training` leaves them;
+- `compiled_route`: that, with the routers' choice by the routing kernel (`training.train.route_by_kernel`);
+the first batch in every form, the others in the fastest compiled form at the first;
 each with fla-core's Triton chunk_kda once it matches the torch form on fresh random inputs
 (`training.fla_kernels.check_against_torch`, autotuning bounded), else lingls' torch scan (`kda` says which).
-One step of the first and the last form is also profiled (torch.profiler): the top CUDA kernels by time and the
+One step of the eager form and of the last two is also profiled (torch.profiler): the top CUDA kernels by time and the
 share of the step the GPU was busy.
 Writes JSON (rows, profiles, the fla check, the choice); prints tokens/s, model FLOPs utilisation
 (training.train.model_flops_per_token against the GPU's dense bf16 peak) and peak memory, and last the choice
 with the most tokens/s ("32 fla compiled").
 
-    python -m bench.train_throughput OUT.json [BATCH ...]    # BATCHes for the compiled form (default 32)
+    python -m bench.train_throughput OUT.json [BATCH ...]    # default one batch: 32
     python -m bench.train_throughput OUT.json 64 128 256 --config CONFIG.json --compiled-only
 
 `--config` times another model config than ling-nano's (a candidate's size: its tokens/s and utilisation before
-a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms (both compiled forms at the first
-batch, `compiled` at the others).
+a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms.
 """
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ import torch
 from bench.common import write_result
 from lingls.model import LingConfig, LingForCausalLM
 from training import fla_kernels, linear_ce
-from training.train import PEAK_BF16_FLOPS, compile_for_training, losses, model_flops_per_token
+from training.train import PEAK_BF16_FLOPS, compile_for_training, losses, model_flops_per_token, route_by_kernel
 
 CONFIG = Path(__file__).resolve().parents[1] / "training" / "configs" / "ling-nano.json"
 
 
 FORMS = {"eager": dict(compiled=False, fused_ce=False), "fused_ce": dict(compiled=False, fused_ce=True),
          "compiled_eager_ce": dict(compiled=True, fused_ce=True, compiled_ce=False),
-         "compiled": dict(compiled=True, fused_ce=True)}
+         "compiled": dict(compiled=True, fused_ce=True),
+         "compiled_route": dict(compiled=True, fused_ce=True, kernel_route=True)}
 
 
 def profile_step(step, steps: int = 2) -> dict:
@@ -81,6 +83,7 @@ def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, pr
             torch._dynamo.reset()  # each batch size compiles static shapes, as a training process would (its cache)
             compile_for_training(model)
         linear_ce.compile_chunks(compiled and FORMS[form].get("compiled_ce", True))
+        route_by_kernel(model, FORMS[form].get("kernel_route", False))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
         x = torch.randint(5, cfg.vocab_size, (batch, 2049), device="cuda")
         torch.cuda.reset_peak_memory_stats()
@@ -116,6 +119,21 @@ def measure(batch: int, kda: str, form: str, steps: int = 4, warmup: int = 2, pr
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def _measured(batch: int, kda: str, form: str, profiled: bool, config: Path) -> dict:
+    """`measure`'s row, printed (a failed variant, out of memory say, is a row with its error)."""
+    try:
+        row = measure(batch, kda, form, profiled=profiled, config=config)
+    except Exception as e:  # noqa: BLE001 - the other variants still run
+        row = dict(batch=batch, kda=kda, form=form, error=repr(e)[:300])
+    torch.cuda.empty_cache()
+    print({k: v for k, v in row.items() if k != "profile"}, flush=True)
+    if "profile" in row:
+        print({k: v for k, v in row["profile"].items() if k != "top_kernels"}, flush=True)
+        for k in row["profile"]["top_kernels"]:
+            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['name']}", flush=True)
+    return row
+
+
 def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: bool = False) -> int:
     rows, check = [], None
     t0 = time.perf_counter()
@@ -128,22 +146,14 @@ def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: boo
         check["seconds_with_first_compile"] = round(time.perf_counter() - t0, 1)
         print({"fla_check": check}, flush=True)
         kda = "fla" if check["ok"] else "scan"
-    variants = [(batches[0], "eager", True), (batches[0], "fused_ce", False),
-                (batches[0], "compiled_eager_ce", False), (batches[0], "compiled", True)]
-    variants = variants[2:] if compiled_only else variants
-    variants += [(b, "compiled", False) for b in batches[1:]]
-    for batch, form, profiled in variants:
-        try:
-            rows.append(measure(batch, kda, form, profiled=profiled, config=config))
-        except Exception as e:  # noqa: BLE001 - a failed variant (out of memory) is reported, the others still run
-            rows.append(dict(batch=batch, kda=kda, form=form, error=repr(e)[:300]))
-        torch.cuda.empty_cache()
-        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
-        if "profile" in rows[-1]:
-            prof = rows[-1]["profile"]
-            print({k: v for k, v in prof.items() if k != "top_kernels"}, flush=True)
-            for k in prof["top_kernels"]:
-                print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['name']}", flush=True)
+    first = [("eager", True), ("fused_ce", False), ("compiled_eager_ce", False), ("compiled", True),
+             ("compiled_route", True)]
+    for form, profiled in first[2:] if compiled_only else first:
+        rows.append(_measured(batches[0], kda, form, profiled, config))
+    compiled = [r for r in rows if "tokens_per_s" in r and FORMS[r["form"]]["compiled"]]
+    form = max(compiled, key=lambda r: r["tokens_per_s"])["form"] if compiled else "compiled"
+    for batch in batches[1:]:
+        rows.append(_measured(batch, kda, form, False, config))
     # a larger batch means fewer optimizer steps in the same time: worth it only when clearly faster
     ok = [r for r in rows if "tokens_per_s" in r]
     best = ok[0] if ok else {"batch": batches[0], "kda": kda, "form": "eager", "tokens_per_s": 0}
@@ -152,7 +162,8 @@ def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: boo
         if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
             best = r
     choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"],
-              "compile_ce": FORMS[best["form"]].get("compiled_ce", True)}
+              "compile_ce": FORMS[best["form"]].get("compiled_ce", True),
+              "kernel_route": FORMS[best["form"]].get("kernel_route", False)}
     with torch.device("meta"):
         params = sum(p.numel() for p in LingForCausalLM(LingConfig.from_json(config)).parameters())
     write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=str(config),

@@ -166,12 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
     t = mark("ngram", t)
 
-    batch_size, kda, compiled, compiled_ce = args.batch_size, "scan", False, True
+    batch_size, kda, compiled, compiled_ce, kernel_route = args.batch_size, "scan", False, True, False
     if args.kernel_choice is not None:
         choice = wait_for_choice(args.kernel_choice, args.kernel_wait)
         batch_size, kda = choice.get("batch", batch_size), choice.get("kda", kda)
         compiled = choice.get("compile", False) and args.device.startswith("cuda")
-        compiled_ce = choice.get("compile_ce", True)
+        compiled_ce, kernel_route = choice.get("compile_ce", True), choice.get("kernel_route", False)
         t = mark("kernel_choice_wait", t)
     fla = fla_kernels.enable(kda == "fla" and args.device.startswith("cuda"))
     print(f"training batch {batch_size}, KDA kernel: {'fla-core chunk_kda' if fla else 'torch scan'}, "
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.finish_by is not None:
         train_seconds = max(10.0, min(train_seconds, args.finish_by - args.after_train - time.time()))
     settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr,
-                             compile=compiled, compile_ce=compiled_ce)
+                             compile=compiled, compile_ce=compiled_ce, kernel_route=kernel_route)
     compare = None
     if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                init=init, resume=resume)
         summary["kda_kernel"] = "fla-core chunk_kda" if fla else "torch chunked (parallel-scan carry)"
         summary["layers"] = "torch.compile (training.train.compile_for_training)" if compiled else "eager"
+        summary["routing"] = "routing kernel (training.train.route_by_kernel)" if kernel_route else "torch"
         (res_dir / "train_state.json").write_text(json.dumps(summary["state"], indent=1) + "\n")
         (res_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         t = mark("train", t)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lingls.kernels import prefill_moe
 from lingls.model import LingConfig, LingForCausalLM, ling
-from lingls.model.ling import MoE
+from lingls.model.ling import MoE, Router
 from training.linear_ce import compile_chunks, linear_cross_entropy
 
 
@@ -48,6 +49,7 @@ class TrainSettings:
     tf32: bool = True  # TF32 for the fp32 matmuls left under autocast (the chunked KDA's): bench/train_throughput.py
     compile: bool = False  # compile_for_training (CUDA): bench/train_throughput.py measures both
     compile_ce: bool = True  # with compile: the cross-entropy's chunks compiled too (linear_ce.compile_chunks)
+    kernel_route: bool = False  # the routers' choice by the routing kernel (route_by_kernel), as the benchmark chose
 
 
 class PackedStream:
@@ -173,6 +175,31 @@ def losses(model: LingForCausalLM, x: torch.Tensor, with_mtp: bool = True, fused
     return main, mtp_loss
 
 
+def route_by_kernel(model: LingForCausalLM, on: bool = True) -> None:
+    """Each router's choice of experts by the prefill's routing kernel (`prefill_moe.route`: one launch a
+    router, where the reference's three torch.topk calls took 8.1 ms of a 160 ms batch-64 step on the H200), its
+    weights by torch ops on the chosen experts' scores, so the gradient reaches the router as through the
+    reference (`reference.route_grouped_topk`); on=False gives the routers their own forward back. The kernel
+    chooses by fp32 scores (the reference, under bf16 autocast, by bf16 ones: they differ only at near-ties);
+    where Triton is absent, or off a GPU without its interpreter, `route` is the reference itself."""
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        if on:
+            router.forward = _kernel_routed.__get__(router)
+        else:
+            router.__dict__.pop("forward", None)
+
+
+def _kernel_routed(router: Router, x: torch.Tensor):
+    logits = router.logits(x)
+    with torch.no_grad():
+        _, idx = prefill_moe.route(logits.detach().float(), router.expert_bias, router.top_k, router.n_group,
+                                   router.topk_group, router.normalize, router.scale)
+    weights = logits.sigmoid().gather(1, idx)
+    if router.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * router.scale, idx
+
+
 _EAGER_DELTA_RULE = torch.compiler.disable(ling.delta_rule)
 
 
@@ -264,6 +291,7 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
         compile_for_training(model)
         if not s.compile_ce:
             compile_chunks(False)
+    route_by_kernel(model, s.kernel_route)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -373,16 +373,17 @@ class Router(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.normalize, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
-    def forward(self, x):
-        """x: [N, hidden] -> (weights [N, k] fp32, indices [N, k]).
-
-        The logits are fp32 sums of the exact products of the bf16 inputs either way: on a GPU one bf16 GEMM
-        with fp32 output (as the fused decode kernel computes them) rather than an fp32 GEMM over upcast copies,
-        which took a long prefill's router several times longer."""
+    def logits(self, x):
+        """x: [N, hidden] -> [N, experts]: fp32 sums of the exact products of the bf16 inputs either way: on a GPU
+        one bf16 GEMM with fp32 output (as the fused decode kernel computes them) rather than an fp32 GEMM over
+        upcast copies, which took a long prefill's router several times longer."""
         if x.is_cuda and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
-            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
-        else:
-            logits = F.linear(x.float(), self.weight.float())
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
+
+    def forward(self, x):
+        """x: [N, hidden] -> (weights [N, k] fp32, indices [N, k])."""
+        logits = self.logits(x)
         # a prefill's many tokens: one routing kernel launch on a GPU instead of a dozen torch ops
         many = x.shape[0] > GATHER_EXPERTS_MAX_TOKENS and prefill_kernels(x)
         route = prefill_moe.route if many else ref.route_grouped_topk

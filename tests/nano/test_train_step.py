@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lingls.model import LingConfig, LingForCausalLM, ling
 from training import linear_ce
 from training.linear_ce import linear_cross_entropy
-from training.train import ExpertBalancer, compile_for_training, losses
+from training.train import ExpertBalancer, compile_for_training, losses, route_by_kernel
 
 CFG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
            layer_group_size=3, first_k_dense_replace=1, intermediate_size=64, moe_intermediate_size=16,
@@ -65,6 +65,30 @@ def test_compiled_chunks_give_the_eager_chunks_loss_and_gradients(monkeypatch, r
         out[compiled] = (loss.detach(), h.grad.clone(), w.grad.clone())
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_routing_trains_as_the_reference_routing():
+    """`route_by_kernel`: the routing kernel's choice (Triton's interpreter on a CPU) and torch's weights on it
+    give the reference routing's losses, gradients (the routers' included) and expert counts; off, the routers'
+    own forward is back."""
+    x = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for on in (False, True):
+        m = model(4)
+        route_by_kernel(m, on)
+        bal = ExpertBalancer(m, rate=0.01)
+        main, mtp = losses(m, x)
+        (main + 0.3 * mtp).backward()
+        out[on] = (main.detach(), mtp.detach(), grads(m), [c.clone() for c in bal.counts])
+        route_by_kernel(m, False)
+        assert all("forward" not in r.__dict__ for r in bal.routers)
+    (main0, mtp0, g0, c0), (main1, mtp1, g1, c1) = out[False], out[True]
+    torch.testing.assert_close(main1, main0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mtp1, mtp0, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(c0, c1)) and sum(c.sum() for c in c0) > 0
+    assert g0.keys() == g1.keys() and any(".gate.weight" in n for n in g0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_fused_losses_equal_the_eager_heads():
