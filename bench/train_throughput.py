@@ -24,7 +24,8 @@ with the most tokens/s ("32 fla compiled").
     python -m bench.train_throughput OUT.json 64 128 256 --config CONFIG.json --compiled-only
 
 `--config` times another model config than ling-nano's (a candidate's size: its tokens/s and utilisation before
-a run is spent on it); `--compiled-only` leaves out the eager and fused_ce forms.
+a run is spent on it); `--compiled-only` times only `compiled` and `compiled_route` (what a training call needs:
+each compiled form compiles for ~40-55 s on its first step).
 """
 from __future__ import annotations
 
@@ -134,7 +135,23 @@ def _measured(batch: int, kda: str, form: str, profiled: bool, config: Path) -> 
     return row
 
 
+def choose(rows: list[dict], batches: list[int], kda: str) -> tuple[dict, dict]:
+    """(the best row, the choice training takes from it): the most tokens/s, a larger batch only when clearly
+    faster (it means fewer optimizer steps in the same time)."""
+    ok = [r for r in rows if "tokens_per_s" in r]
+    best = ok[0] if ok else {"batch": batches[0], "kda": kda, "form": "eager", "tokens_per_s": 0}
+    for r in ok[1:]:
+        bigger = r["batch"] > best["batch"]
+        if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
+            best = r
+    form = FORMS[best["form"]]
+    return best, {"batch": best["batch"], "kda": best["kda"], "compile": form["compiled"],
+                  "compile_ce": form.get("compiled_ce", True), "kernel_route": form.get("kernel_route", False)}
+
+
 def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: bool = False) -> int:
+    """The rows and the choice so far are written after every row (`final` false until the last): a training
+    call whose time limit cuts the benchmark still trains with the best form measured."""
     rows, check = [], None
     t0 = time.perf_counter()
     kda = "scan"
@@ -146,28 +163,28 @@ def main(out: str, batches: list[int], config: Path = CONFIG, compiled_only: boo
         check["seconds_with_first_compile"] = round(time.perf_counter() - t0, 1)
         print({"fla_check": check}, flush=True)
         kda = "fla" if check["ok"] else "scan"
-    first = [("eager", True), ("fused_ce", False), ("compiled_eager_ce", False), ("compiled", True),
-             ("compiled_route", True)]
-    for form, profiled in first[2:] if compiled_only else first:
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LingForCausalLM(LingConfig.from_json(config)).parameters())
+
+    def write(final: bool) -> dict:
+        best, choice = choose(rows, batches, kda)
+        write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=str(config),
+                               parameters=params, rows=rows, fla_check=check, choice=choice, final=final))
+        return best
+
+    # compiled only (a training call): the form it would train with, then the one change to try
+    first = [("compiled", True), ("compiled_route", True)]
+    if not compiled_only:
+        first = [("eager", True), ("fused_ce", False), ("compiled_eager_ce", False), *first]
+    for form, profiled in first:
         rows.append(_measured(batches[0], kda, form, profiled, config))
+        write(False)
     compiled = [r for r in rows if "tokens_per_s" in r and FORMS[r["form"]]["compiled"]]
     form = max(compiled, key=lambda r: r["tokens_per_s"])["form"] if compiled else "compiled"
     for batch in batches[1:]:
         rows.append(_measured(batch, kda, form, False, config))
-    # a larger batch means fewer optimizer steps in the same time: worth it only when clearly faster
-    ok = [r for r in rows if "tokens_per_s" in r]
-    best = ok[0] if ok else {"batch": batches[0], "kda": kda, "form": "eager", "tokens_per_s": 0}
-    for r in ok[1:]:
-        bigger = r["batch"] > best["batch"]
-        if r["tokens_per_s"] >= (1.15 if bigger else 1.0) * best["tokens_per_s"]:
-            best = r
-    choice = {"batch": best["batch"], "kda": best["kda"], "compile": FORMS[best["form"]]["compiled"],
-              "compile_ce": FORMS[best["form"]].get("compiled_ce", True),
-              "kernel_route": FORMS[best["form"]].get("kernel_route", False)}
-    with torch.device("meta"):
-        params = sum(p.numel() for p in LingForCausalLM(LingConfig.from_json(config)).parameters())
-    write_result(out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=str(config),
-                           parameters=params, rows=rows, fla_check=check, choice=choice))
+        write(False)
+    best = write(True)
     print(best["batch"], best["kda"], best["form"])
     return 0
 

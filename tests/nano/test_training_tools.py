@@ -74,3 +74,22 @@ def test_the_gate_report_counts_shown_right_and_wrong():
     assert lines["0.3"] == {"shown": 0.3333, "shown_right": 0.3333, "shown_wrong": 0.0,
                             "exact_match_of_shown": 1.0, "edit_similarity_of_shown": 1.0}
     assert report["fim"]["0.0"]["shown_right"] == 1.0 and report["fim"]["0.3"]["shown"] == 0.0
+
+
+def test_the_training_takes_the_benchmarks_final_choice_or_its_best_so_far(tmp_path):
+    """`reproduce.wait_for_choice`: a finished benchmark's choice at once (also a record without `final`, as
+    earlier runs wrote them); a benchmark still running (`final` false) is waited for, and when it does not finish
+    in time its best form so far is taken; no file at all leaves the torch form ({})."""
+    import json
+    import time
+
+    from training.reproduce import wait_for_choice
+
+    path = tmp_path / "choice.json"
+    assert wait_for_choice(path, 0.2) == {}
+    path.write_text(json.dumps({"choice": {"batch": 64, "compile": True}}))
+    assert wait_for_choice(path, 5.0) == {"batch": 64, "compile": True}
+    path.write_text(json.dumps({"choice": {"batch": 64, "kernel_route": False}, "final": False}))
+    t = time.time()
+    assert wait_for_choice(path, 1.5) == {"batch": 64, "kernel_route": False}
+    assert time.time() - t >= 1.5
