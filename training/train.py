@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def route_by_kernel(model: LingForCausalLM, on: bool = True) -> None:
     where Triton is absent, or off a GPU without its interpreter, `route` is the reference itself."""
     for router in (m for m in model.modules() if isinstance(m, Router)):
         if on:
-            router.forward = _kernel_routed.__get__(router)
+            router.forward = types.MethodType(_kernel_routed, router)
         else:
             router.__dict__.pop("forward", None)
 
@@ -192,7 +193,7 @@ def route_by_kernel(model: LingForCausalLM, on: bool = True) -> None:
 def _kernel_routed(router: Router, x: torch.Tensor):
     logits = router.logits(x)
     with torch.no_grad():
-        _, idx = prefill_moe.route(logits.detach().float(), router.expert_bias, router.top_k, router.n_group,
+        _, idx = prefill_moe.route(logits.float(), router.expert_bias, router.top_k, router.n_group,
                                    router.topk_group, router.normalize, router.scale)
     weights = logits.sigmoid().gather(1, idx)
     if router.normalize:
@@ -289,8 +290,8 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
     model.train()
     if s.compile:
         compile_for_training(model)
-        if not s.compile_ce:
-            compile_chunks(False)
+    if not (s.compile and s.compile_ce):  # the chunks' form is module state: set it either way
+        compile_chunks(False)
     route_by_kernel(model, s.kernel_route)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
