@@ -54,13 +54,16 @@ if [ -n "${RESUME_TAR:-}" ]; then  # split parts (PREFIX*) or one .tar.xz; a run
     [ "$into" = /tmp/prev ] && extra=(--resume /tmp/prev)
 fi
 draft_seconds=${DRAFT_SECONDS:-60}
+after_train=$(( 130 + draft_seconds + 40 ))
+train_only=0
+case " $* " in *" --train-only "*) train_only=1; after_train=25 ;; esac  # save and pack: no evaluation, no drafter
 timeout $(( run_seconds - 5 - ($(date +%s) - t0) )) python3 -m training.reproduce --out /tmp/nano \
-    --kernel-choice "$choice" --finish-by $(( t0 + run_seconds - 5 )) --after-train $(( 130 + draft_seconds + 40 )) \
+    --kernel-choice "$choice" --finish-by $(( t0 + run_seconds - 5 )) --after-train $after_train \
     "${extra[@]}" "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 # the drafter for the model just saved, in the time that is left (after the evaluation: beside it, both crawled)
 left=$(( run_seconds - 10 - ($(date +%s) - t0) ))
-if [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
+if [ "$train_only" = 0 ] && [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
     timeout "$left" python3 -m training.draft.distill --target /tmp/nano/ling-nano --out /tmp/nano/ling-nano/draft \
         --fla --seconds $(( left - 40 )) --max-train-bytes 30000000 >"$OUT/distill.txt" 2>&1
     echo "drafter exit $?"
@@ -68,10 +71,15 @@ if [ -f /tmp/nano/ling-nano/generation_config.json ] && [ "$left" -gt 60 ]; then
 fi
 echo "reproduce exit $status, $(( $(date +%s) - t0 ))s"
 tar -C /tmp/nano -cf - . | split -b 15m - "$OUT/nano.tar.part-"
-for cache in triton:"$TRITON_CACHE_DIR" inductor:"$TORCHINDUCTOR_CACHE_DIR"; do
-    tgz="$OUT/${cache%%:*}-cache.tgz"
-    tar -C "${cache#*:}" -czf "$tgz" . && [ "$(stat -c %s "$tgz")" -lt 16000000 ] || rm -f "$tgz"
-done
 cp -f "$choice" "$OUT/train_throughput.json" 2>/dev/null
+# the caches only where they fit what comes back (8 files, 64 MiB): the run's parts come first
+for cache in triton:"$TRITON_CACHE_DIR" inductor:"$TORCHINDUCTOR_CACHE_DIR"; do
+    tgz="/tmp/${cache%%:*}-cache.tgz"
+    tar -C "${cache#*:}" -czf "$tgz" . || continue
+    if [ "$(stat -c %s "$tgz")" -lt 16000000 ] && [ "$(ls "$OUT" | wc -l)" -lt 8 ] \
+        && [ $(( $(du -sb "$OUT" | cut -f1) + $(stat -c %s "$tgz") )) -lt 66000000 ]; then
+        mv "$tgz" "$OUT/"
+    fi
+done
 ls -la "$OUT"
 exit "$status"

@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eval-only", action="store_true",
                     help="keep DIR's trained model, tokenizer and training log; redo the data, evaluation and card")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train and save the model and train_state.json, no evaluation: a segment that a later "
+                         "--resume run goes on from")
     args = ap.parse_args(argv)
 
     torch_ops_only()
@@ -168,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     t = mark("encode", t)
     print(f"training stream {stream.numel()} tokens, held-out {heldout_stream.numel()}", flush=True)
 
-    # the baseline counts the very token stream the model trains on
-    ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
-    t = mark("ngram", t)
+    if not args.train_only:  # the baseline counts the very token stream the model trains on
+        ngram = NGramModel.train(stream, max(NGRAM_ORDERS), device=args.device)
+        t = mark("ngram", t)
 
     batch_size, kda, compiled, compiled_ce, kernel_route = args.batch_size, "scan", False, True, False
     if args.kernel_choice is not None:
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr,
                              compile=compiled, compile_ce=compiled_ce, kernel_route=kernel_route)
     compare = None
-    if args.compare and (args.compare / "model.safetensors").is_file():  # loaded now: --out may be its own dir
+    # loaded now: --out may be its own dir
+    if args.compare and not args.train_only and (args.compare / "model.safetensors").is_file():
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
                    Tokenizer.from_file(str(args.compare / "tokenizer.json")),
                    json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm"))
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(model, model_dir, dtype=torch.bfloat16)
         (model_dir / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
         del model
+        if args.train_only:
+            return 0
     # evaluation in the torch form: its batches shrink step by step, and fla's kernels re-tune for each new batch
     # size (with them, and the drafter distilling beside it, an evaluation did not finish in 160 s on an H200)
     fla_kernels.enable(False)
