@@ -56,8 +56,36 @@ expected accepted drafts per block {last['heldout_expected_accepted']:.2f}, gree
 """
 
 
+def segments(log_path: Path) -> list[dict]:
+    """The training run's segments (one per reproduce call; a resumed call is a new one) from its log: each one's
+    seconds, tokens and peak learning rate."""
+    out, start, peak = [], {"tokens": 0, "seconds": 0.0}, 0.0
+    for line in log_path.read_text().splitlines() if log_path.is_file() else []:
+        rec = json.loads(line)
+        if rec.get("final"):
+            out.append({"seconds": rec["seconds"] - start["seconds"], "tokens": rec["tokens"] - start["tokens"],
+                        "lr": rec.get("peak_lr", peak)})  # older logs: the highest logged rate
+            start, peak = rec, 0.0
+        else:
+            peak = max(peak, rec.get("lr", 0.0))
+    return out
+
+
+def _schedule(s: dict, runs: list[dict]) -> str:
+    per = (f"linear warm-up over {s['warmup']:.0%} of a segment then cosine to {s['min_lr_ratio']}x, on the segment's "
+           "time budget")
+    if len(runs) < 2:
+        return (f"peak learning rate {s['lr']}, linear warm-up over {s['warmup']:.0%} of the run then cosine to "
+                f"{s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget)")
+    parts = ", then ".join(f"{r['seconds']:.0f} s ({r['tokens'] / 1e6:.0f}M tokens) at peak learning rate "
+                           f"{r['lr']:.2g}" for r in runs)
+    return (f"{len(runs)} segments, one per GPU call, each resumed from the one before's bf16 weights with fresh "
+            f"AdamW moments: {parts}; {per}")
+
+
 def model_card(report: dict, package_bytes: dict[str, int], licenses: dict[str, dict],
-               draft_log: dict | None = None) -> str:
+               draft_log: dict | None = None, runs: list[dict] | None = None) -> str:
+    """The card's markdown; `runs`: the training's segments (`segments`), for a run resumed across calls."""
     cfg, data, tr, held, ev = (report["config"], report["data"], report["training"], report["heldout"],
                                report["evaluation"])
     s = tr["settings"]
@@ -84,7 +112,8 @@ says how it compares with two simple baselines. It is no substitute for a real L
 | file | what |
 |---|---|
 | config.json | official Ling-3.0 config keys (`LingConfig.from_json`) |
-| model.safetensors | bf16 weights ({_mb(report['weights_bytes'])}), official tensor names, MTP layer at \
+| model.safetensors.zlib | bf16 weights ({_mb(report['weights_bytes'])}), packed (`lingls.model.packed`), official \
+tensor names, MTP layer at \
 `model.layers.{cfg['num_hidden_layers']}` |
 | tokenizer.json, tokenizer_config.json | byte-level BPE, {cfg['vocab_size']} tokens; the config names the FIM tokens |
 | generation_config.json | greedy; any special token ends a completion |
@@ -135,8 +164,7 @@ tokens, {tr['train_tokens'] / 1e6:.0f}M tokens ({tr['epochs_over_data']} passes 
 {tr['model_flops_per_token'] / 1e6:.0f} MFLOP of model work per
 token: {_mfu(tr)} model FLOPs utilisation; KDA by {tr.get('kda_kernel', 'the torch chunked form')});
 stopped by {tr['stopped_by']}. AdamW (betas 0.9/0.95,
-weight decay {s['weight_decay']}), peak learning rate {s['lr']}, linear warm-up over {s['warmup']:.0%} of the run then
-cosine to {s['min_lr_ratio']}x (the schedule runs on the {s['max_seconds']:.0f} s time budget), \
+weight decay {s['weight_decay']}), {_schedule(s, runs or [])}, \
 gradient clip {s['grad_clip']}, bf16 autocast, seed {s['seed']}. Loss = next-token cross-entropy +
 {s['mtp_weight']} x MTP cross-entropy (token after next). MoE balance without an auxiliary loss: after each step every
 expert's selection bias moves by {s['bias_rate']} towards the mean load. Whole reproduce run (data, tokenizer,
@@ -215,7 +243,8 @@ def render(out: Path) -> str:
     return model_card(json.loads((res / "nano_eval.json").read_text()),
                       json.loads((res / "data_manifest.json").read_text())["train_package_bytes"],
                       json.loads((res / "data_licenses.json").read_text()),
-                      json.loads(draft_log.read_text()) if draft_log.is_file() else None)
+                      json.loads(draft_log.read_text()) if draft_log.is_file() else None,
+                      segments(res / "train_log.jsonl"))
 
 
 if __name__ == "__main__":  # python -m training.card DIR: rewrite DIR/ling-nano/MODEL_CARD.md

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_log = model_dir / "draft" / "distill_log.json"  # a drafter distilled earlier (training.draft.distill)
     (model_dir / "MODEL_CARD.md").write_text(card.model_card(
         report, package_bytes(corpus.train), licenses,
-        json.loads(draft_log.read_text()) if draft_log.is_file() else None))
+        json.loads(draft_log.read_text()) if draft_log.is_file() else None, card.segments(res_dir / "train_log.jsonl")))
     mark("report", t)
     print(summary_table(results), flush=True)
     print("degenerate completions (raw -> shown):", json.dumps(degenerate), flush=True)

@@ -364,7 +364,8 @@ def train(cfg: LingConfig, stream: torch.Tensor, heldout: torch.Tensor, s: Train
                "tokens_per_second": round(tps), "model_flops_per_token": round(flops),
                "mfu": round(flops * tps / peak, 4) if peak else None, "peak_flops": peak,
                "epochs_over_data": round(state["tokens"] / stream.numel(), 3), "settings": asdict(s), "state": state}
-    rec = {"step": state["steps"], "tokens": state["tokens"], "seconds": state["seconds"], "final": True}
+    rec = {"step": state["steps"], "tokens": state["tokens"], "seconds": state["seconds"], "peak_lr": s.lr,
+           "final": True}
     log.write(json.dumps(rec) + "\n")
     log.close()
     return model, summary

@@ -79,9 +79,15 @@ def write_tiny_checkpoint(out_dir: str | Path, tokenizer_dir: str | Path = EMBED
     return out_dir
 
 
+def has_weights(path: Path) -> bool:
+    """Safetensors files, plain or packed (`lingls.model.packed`, as the embedded ling-nano ships), without
+    importing torch."""
+    return any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.zlib"))
+
+
 def default_model_dir() -> Path:
     """The embedded ling-nano when its weights are present, else a random tiny stand-in (cached on disk)."""
-    if (EMBEDDED / "config.json").is_file() and any(EMBEDDED.glob("*.safetensors")):
+    if (EMBEDDED / "config.json").is_file() and has_weights(EMBEDDED):
         return EMBEDDED
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lingls" / "random-tiny-v1"
     if not (cache / "config.json").is_file():
@@ -111,7 +117,7 @@ def check_model_dir(path: Path) -> None:
         raise EngineError(f"model directory {path} does not exist")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
     # a weightless benchmark checkpoint (lingls.model.random_checkpoint) has random_weights.json instead
-    if not any(path.glob("*.safetensors")) and not (path / "random_weights.json").is_file():
+    if not has_weights(path) and not (path / "random_weights.json").is_file():
         missing.append("*.safetensors")
     if missing:
         raise EngineError(f"model directory {path} lacks {', '.join(missing)} (a Ling-3.0 checkpoint in "

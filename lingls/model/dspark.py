@@ -37,12 +37,14 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 
 from lingls.kernels import reference as ref
 from lingls.model.config import LingConfig
 from lingls.model.ling import Parallel, RMSNorm, SwiGLU
 from lingls.model.loader import WEIGHTLESS, CheckpointError, CheckpointReader, shard_range, write_shards
+from lingls.model.packed import PackedFileError, open_tensors
 
 ARCHITECTURE = "DSparkDraftModel"
 IGNORED_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored in the checkpoint, not used
@@ -343,14 +345,15 @@ class _Tensors:
         if tensors is not None:
             self.slices = dict(tensors)
             return
-        from safetensors import safe_open
-
         try:
             files = CheckpointReader._files(path)
         except CheckpointError as e:
             raise DSparkConfigError(str(e)) from None
         for f in files:
-            h = safe_open(str(f), framework="pt")
+            try:
+                h = open_tensors(f)
+            except (SafetensorError, PackedFileError) as e:
+                raise DSparkConfigError(f"{f}: truncated, or not a safetensors file ({e})") from None
             for key in h.keys():
                 name = key.removeprefix("model.")
                 if name in self.slices:

@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 
 from lingls.model.config import LingConfig
 from lingls.model.ling import LingForCausalLM, Parallel
+from lingls.model.packed import SUFFIX as PACKED
+from lingls.model.packed import PackedFileError, open_tensors
 
 FP32_TENSORS = ("A_log", "dt_bias", "expert_bias")
 WEIGHTLESS = "random_weights.json"  # marks a benchmark checkpoint without tensors (lingls.model.random_checkpoint)
@@ -68,10 +70,10 @@ class CheckpointReader:
         self.sources: dict[str, tuple] = {}  # canonical name -> (handle, key, kind, extra)
         for f in self._files(path):
             try:  # reads the header only: names, dtypes, shapes and that the data it describes is all there
-                h = self._handles[f] = safe_open(str(f), framework="pt")
+                h = self._handles[f] = open_tensors(f)
                 for key in h.keys():
                     self._add(h, key)
-            except SafetensorError as e:  # truncated, or a header that is not a safetensors header
+            except (SafetensorError, PackedFileError) as e:  # truncated, or a header that is not a safetensors header
                 raise CheckpointError(f"{f}: truncated, or not a safetensors file ({e})") from None
 
     @staticmethod
@@ -87,7 +89,7 @@ class CheckpointReader:
             if missing:
                 raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
             return files
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*" + PACKED))  # packed: lingls.model.packed
         if not files:
             raise CheckpointError(f"{path}: no model.safetensors, no model.safetensors.index.json, no *.safetensors "
                                   "(only safetensors checkpoints are loaded; pickled .bin files are not)")

@@ -39,8 +39,8 @@ def test_healing_finds_the_cursor_token_in_either_order(tokenizer):
 @pytest.mark.parametrize("how, order", [("psm", "psm"), ("spm", "spm"), ("prefix", None)])
 def test_the_engine_prompts_as_the_card_says(assets, tmp_path, how, order):
     model = tmp_path / "m"
-    shutil.copytree(assets, model, ignore=shutil.ignore_patterns("model.safetensors", "*.png", "draft"))
-    (model / "model.safetensors").symlink_to(assets / "model.safetensors")
+    shutil.copytree(assets, model, ignore=shutil.ignore_patterns("model.safetensors*", "*.png", "draft"))
+    (model / "model.safetensors.zlib").symlink_to(assets / "model.safetensors.zlib")
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "completion_prompt": how}))
     engine = LocalEngine(str(model), device="cpu")

@@ -93,3 +93,42 @@ def test_the_training_takes_the_benchmarks_final_choice_or_its_best_so_far(tmp_p
     t = time.time()
     assert wait_for_choice(path, 1.5) == {"batch": 64, "kernel_route": False}
     assert time.time() - t >= 1.5
+
+
+def test_ship_packs_the_weights_and_copies_the_results(tmp_path):
+    import json
+
+    from lingls.model import load_model, save_checkpoint
+    from training.card import segments
+    from training.ship import MODEL_FILES, ship
+
+    run, assets, results = tmp_path / "run", tmp_path / "assets", tmp_path / "results"
+    model_dir, res = run / "ling-nano", run / "results"
+    res.mkdir(parents=True)
+    results.mkdir()
+    cfg = LingConfig.from_dict(dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    head_dim=16, layer_group_size=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                    qk_rope_head_dim=8, v_head_dim=16, intermediate_size=48,
+                                    moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, n_group=2,
+                                    topk_group=1))
+    model = LingForCausalLM(cfg).eval()
+    model.init_weights()
+    save_checkpoint(model, model_dir)
+    for name in MODEL_FILES[1:-1]:
+        (model_dir / name).write_text("{}")
+    log = [{"step": 1, "tokens": 10, "seconds": 1.0, "lr": 1e-3}, {"step": 2, "tokens": 20, "seconds": 2.0,
+                                                                     "peak_lr": 2e-3, "final": True},
+           {"step": 3, "tokens": 50, "seconds": 5.0, "lr": 4e-4}, {"step": 4, "tokens": 60, "seconds": 6.0,
+                                                                     "final": True}]
+    (res / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    (res / "nano_eval.json").write_text("{}")
+    (assets / "stale").mkdir(parents=True)  # what the model before shipped goes
+    ship(run, assets, results)
+    assert sorted(p.name for p in assets.iterdir()) == sorted([*MODEL_FILES[:-1], "model.safetensors.zlib"])
+    a, b = load_model(assets).state_dict(), load_model(model_dir).state_dict()  # the run's own file stays plain
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((results / "nano_train_log.json").read_text()) == log
+    assert (results / "nano_eval.json").is_file()
+    # the card's segments: the recorded peak rate, else the highest logged one
+    assert segments(res / "train_log.jsonl") == [{"seconds": 2.0, "tokens": 20, "lr": 2e-3},
+                                                {"seconds": 4.0, "tokens": 40, "lr": 4e-4}]

@@ -67,7 +67,7 @@ async def test_serve_with_a_dspark_checkpoint(tmp_path, nano):
     (draft / "config.json").write_text(json.dumps(raw))
     engine = LocalEngine(str(EMBEDDED), device="cpu", draft=str(draft))
     try:
-        with pytest.raises(EngineError, match="hidden_size 128 does not match the target's 256"):
+        with pytest.raises(EngineError, match="hidden_size 128 does not match the target's 320"):
             await engine.start()
     finally:
         await engine.close()
