@@ -35,6 +35,10 @@ def _mfu(tr: dict) -> str:
     return f"{tr['mfu']:.1%} of {tr['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16"
 
 
+def _init(log: dict) -> str:
+    return f", starting from the weights of an earlier distillation (`--init {log['init']}`)" if log.get("init") else ""
+
+
 def draft_section(log: dict) -> str:
     """The drafter's part of the card, from the `distill_log.json` that training.draft.distill writes."""
     cfg, st, last = log["config"], log["settings"], log["log"][-1]
@@ -47,7 +51,8 @@ tokens in one forward (anchor token + mask tokens), through ling-nano's own embe
 rank-{dflash['markov_rank']} Markov bias from the previous token. Distilled from the frozen ling-nano by \
 `python -m training.draft.distill` for
 {last['seconds']:.0f} s ({last['step']} steps of {st['batch_size']} windows of {st['seq_len']} tokens,
-{st['anchors']} blocks each) on the same training files. Loss = KL(ling-nano || drafter) per block slot
+{st['anchors']} blocks each, peak learning rate {st['lr']}){_init(log)} on the same training files.
+Loss = KL(ling-nano || drafter) per block slot
 - {st['accept_weight']} x the expected accepted length / K, where the expected length sums, over the slots, the
 product of the per-slot probabilities that the rejection rule accepts (sum_v min(p_v, q_v)): early slots
 weigh more, since a miss there wastes every slot after it. Held-out at the end: KL {last['heldout_kl']:.3f},
