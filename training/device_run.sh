@@ -14,7 +14,7 @@
 #   RESUME_TAR=path/to/nano.tar.part- or run.tar.xz (optional) unpacks an earlier run and trains on from it
 #   (--resume); with --eval-only among the arguments, unpacks it as this run's own directory and only evaluates
 #   (and distils). RESUME_TAR=shipped trains on from the model the tree ships (nothing more to carry: its state
-#   is bench/results/nano_train_state.json, written by training.ship).
+#   is in bench/results/nano_eval.json, its log bench/results/nano_train_log.json, as training.ship wrote them).
 #   TorchInductor's cache (the compiled layers) comes back as $OUT/inductor-cache.tgz: INDUCTOR_CACHE_TGZ=...
 #   CHOICE=path/to/train_throughput.json (optional) takes an earlier run's choice (batch, kernel, compiled
 #   layers) instead of running the throughput benchmark again.
@@ -46,11 +46,13 @@ fi
 extra=()
 into=/tmp/prev
 case " $* " in *" --eval-only "*) into=/tmp/nano ;; esac  # evaluate the carried run's model, no training
-if [ "${RESUME_TAR:-}" = shipped ]; then  # the model the tree ships (its packed weights, its state in bench/results)
-    mkdir -p /tmp/prev/results && cp -r lingls/assets/ling-nano /tmp/prev/ling-nano \
-        && cp bench/results/nano_train_state.json /tmp/prev/results/train_state.json \
-        && python3 -c "import json; [print(json.dumps(r)) for r in json.load(open('bench/results/nano_train_log.json'))]" \
-            >/tmp/prev/results/train_log.jsonl || { echo "the shipped model cannot be resumed"; exit 1; }
+if [ "${RESUME_TAR:-}" = shipped ]; then  # the model the tree ships: its packed weights, its state and log in bench/results
+    mkdir -p /tmp/prev/results && cp -r lingls/assets/ling-nano /tmp/prev/ling-nano && python3 -c "
+import json
+json.dump(json.load(open('bench/results/nano_eval.json'))['training']['state'], open('/tmp/prev/results/train_state.json', 'w'))
+with open('/tmp/prev/results/train_log.jsonl', 'w') as f:
+    f.writelines(json.dumps(r) + '\\n' for r in json.load(open('bench/results/nano_train_log.json')))
+" || { echo "the shipped model cannot be resumed"; exit 1; }
     extra=(--resume /tmp/prev)
 elif [ -n "${RESUME_TAR:-}" ]; then  # split parts (PREFIX*) or one .tar.xz; a run that cannot resume stops here
     mkdir -p "$into"

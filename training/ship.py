@@ -3,8 +3,8 @@
 RUN_DIR is a `training.reproduce --out` directory (ling-nano/, results/) whose evaluation finished. Its model
 directory replaces lingls/assets/ling-nano/ with the weights packed (`lingls.model.packed`: the repository travels
 to the GPU machine whole, within 64 MiB), and its evaluation, training log, curves, data manifest and licenses
-replace bench/results/nano_* (its train state too: a later run trains on from the shipped model with nothing
-more to carry, `RESUME_TAR=shipped bash training/device_run.sh`). The decision to ship is the training log's
+replace bench/results/nano_* (the evaluation holds the train state, so a later run trains on from the shipped model
+with nothing more to carry: `RESUME_TAR=shipped bash training/device_run.sh`). The decision to ship is the training log's
 (docs/training-log.md), not this step's.
 """
 
@@ -25,8 +25,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 DRAFT_FILES = ("config.json", "distill_log.json", "model.safetensors")
 RESULT_FILES = {"nano_eval.json": "nano_eval.json", "nano_eval.png": "nano_eval.png",
                 "nano_training_curve.png": "nano_training_curve.png", "data_manifest.json": "nano_data_manifest.json",
-                "data_licenses.json": "nano_data_licenses.json",
-                "train_state.json": "nano_train_state.json"}  # what `RESUME_TAR=shipped device_run.sh` goes on from
+                "data_licenses.json": "nano_data_licenses.json"}
 
 
 def ship(run: Path, assets: Path = ASSETS, results: Path = RESULTS) -> list[Path]:
