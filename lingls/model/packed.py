@@ -18,7 +18,6 @@ import struct
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_bytes
@@ -33,30 +32,30 @@ class PackedFileError(ValueError):
     """A packed file that cannot be unpacked (truncated, or not written by `pack`)."""
 
 
-def _split_data(raw: bytes) -> tuple[bytes, np.ndarray]:
+def _split_data(raw: bytes) -> tuple[bytes, bytes]:
     n = struct.unpack("<Q", raw[:8])[0]
-    return raw[: 8 + n], np.frombuffer(raw, dtype=np.uint8, offset=8 + n)
+    return raw[: 8 + n], raw[8 + n:]
 
 
 def pack_bytes(raw: bytes) -> bytes:
     """A safetensors file's bytes -> the packed form."""
     head, data = _split_data(raw)
     even = len(data) - len(data) % 2
-    return zlib.compress(head + data[:even:2].tobytes() + data[1:even:2].tobytes() + data[even:].tobytes(), 9)
+    return zlib.compress(head + data[:even:2] + data[1:even:2] + data[even:], 9)
 
 
 def unpack_bytes(packed: bytes) -> bytes:
-    """The packed form -> the safetensors file's bytes."""
+    """The packed form -> the safetensors file's bytes (byte slicing in C: NumPy is not a dependency)."""
     try:
         raw = zlib.decompress(packed)
         head, planes = _split_data(raw)
     except (zlib.error, struct.error, ValueError) as e:
         raise PackedFileError(f"not a packed safetensors file ({e})") from None
     half = len(planes) // 2
-    data = np.empty(len(planes), dtype=np.uint8)
-    data[: 2 * half: 2], data[1: 2 * half: 2] = planes[:half], planes[half: 2 * half]
+    data = bytearray(len(planes))
+    data[0: 2 * half: 2], data[1: 2 * half: 2] = planes[:half], planes[half: 2 * half]
     data[2 * half:] = planes[2 * half:]
-    return head + data.tobytes()
+    return head + bytes(data)
 
 
 class _Slice:

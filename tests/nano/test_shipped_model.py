@@ -39,6 +39,12 @@ def test_weights_are_bf16_packed_and_small(assets):
         assert "model.layers.1.mlp.gate.expert_bias" in f.keys()
 
 
+def test_is_the_default_model(assets):
+    from lingls.engine.local import default_model_dir
+
+    assert default_model_dir() == assets  # found in its packed form, not replaced by the random stand-in
+
+
 def test_loads_in_under_two_seconds(assets):
     load_model(assets)  # warm the import and file cache, as a resident server would have
     start = time.perf_counter()
