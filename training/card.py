@@ -35,6 +35,14 @@ def _mfu(tr: dict) -> str:
     return f"{tr['mfu']:.1%} of {tr['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16"
 
 
+def _before(ev: dict) -> str:
+    """What the `shipped before` rows are, where the run had the model it replaces at hand (--compare)."""
+    if not any(name.startswith("shipped before") for name in ev["results"]):
+        return (" The model it replaces was not at hand in the run (its weights did not travel with it); "
+                "docs/training-log.md compares the two.")
+    return (" `shipped before` is the ling-nano this one replaces, prompted as its card said, on the same cases.")
+
+
 def _init(log: dict) -> str:
     return f", starting from the weights of an earlier distillation (`--init {log['init']}`)" if log.get("init") else ""
 
@@ -195,9 +203,7 @@ and the completion must agree with its text until a token covers it, because a c
 a word cuts the text where the tokenizer would not); greedy, cut at the
 first newline; then, for every predictor, lingls' own one-line post-processing (the degeneration guard, the end
 that repeats the text after the cursor dropped). lingls prompts it the way that scored best here over all cases:
-**{MODE_NAMES[ev['lingls_mode']]}** (`completion_prompt` in tokenizer_config.json). `shipped before` is the
-ling-nano this one replaces, prompted as its card said, on the same cases (its training data held out files,
-not packages, so some of these packages' files were in its training set: the comparison favours it). \
+**{MODE_NAMES[ev['lingls_mode']]}** (`completion_prompt` in tokenizer_config.json).{_before(ev)} \
 Baselines: the previous non-blank line
 (minus what was typed), and a token n-gram model counted over the same training token stream \
 (greedy with backoff and token

@@ -3,9 +3,9 @@
 RUN_DIR is a `training.reproduce --out` directory (ling-nano/, results/) whose evaluation finished. Its model
 directory replaces lingls/assets/ling-nano/ with the weights packed (`lingls.model.packed`: the repository travels
 to the GPU machine whole, within 64 MiB), and its evaluation, training log, curves, data manifest and licenses
-replace bench/results/nano_* (the evaluation holds the train state, so a later run trains on from the shipped model
-with nothing more to carry: `RESUME_TAR=shipped bash training/device_run.sh`). The decision to ship is the training log's
-(docs/training-log.md), not this step's.
+replace bench/results/nano_* (the evaluation holds the train state, so a later run trains on from the shipped
+model with nothing more to carry: `RESUME_TAR=shipped bash training/device_run.sh`). The decision to ship is the
+training log's (docs/training-log.md), not this step's.
 """
 
 from __future__ import annotations
