@@ -49,8 +49,9 @@ def tiny_config_dict(vocab_size: int) -> dict:
 
 
 def write_tiny_checkpoint(out_dir: str | Path, tokenizer_dir: str | Path = EMBEDDED, seed: int = 0,
-                          std: float = 0.5) -> Path:
-    """A random tiny model with `tokenizer_dir`'s tokenizer, written atomically into `out_dir`.
+                          std: float = 0.5, mtp: bool = False) -> Path:
+    """A random tiny model with `tokenizer_dir`'s tokenizer (and an MTP layer with `mtp`), written atomically into
+    `out_dir`.
 
     `std` is large so that logits are peaked: greedy choices are then far from ties and stable under the
     rounding differences between the step, chunked and full-sequence forms."""
@@ -60,7 +61,7 @@ def write_tiny_checkpoint(out_dir: str | Path, tokenizer_dir: str | Path = EMBED
 
     out_dir = Path(out_dir)
     tok = Tokenizer(tokenizer_dir)
-    cfg = LingConfig.from_dict(tiny_config_dict(tok.vocab_size))
+    cfg = LingConfig.from_dict({**tiny_config_dict(tok.vocab_size), "num_nextn_predict_layers": int(mtp)})
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
     try:
         model = LingForCausalLM(cfg)

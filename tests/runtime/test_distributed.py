@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from lingls.engine.local import EMBEDDED
+from lingls.engine.local import EMBEDDED, write_tiny_checkpoint
 from lingls.engine.protocol import EngineError, GenerateRequest
 from lingls.engine.tokenizer import Tokenizer
 from lingls.model import load_model
@@ -48,17 +48,19 @@ async def test_two_ranks_draft_and_verify_in_step(tiny_dir, tiny_model):
 
 
 async def test_two_ranks_draft_with_a_reduced_head(tmp_path):
-    """--draft mtp --draft-vocab under --tp 2 (ling-nano, which has an MTP layer): each rank copies its shard's
-    rows of the list (rank 1's shard holds none of these ids: it answers with a padding row), the choice crosses
-    the ranks through the all-reduce, and greedy output is still the whole model's."""
+    """--draft mtp --draft-vocab under --tp 2 (a tiny model with an MTP layer; ling-nano's 5 heads do not split in
+    two): each rank copies its shard's rows of the list (rank 1's shard holds none of these ids: it answers with a
+    padding row), the choice crosses the ranks through the all-reduce, and greedy output is still the whole
+    model's."""
     prompt = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    model_dir = write_tiny_checkpoint(tmp_path / "tiny-mtp", mtp=True)
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps(sorted({i for i in Tokenizer(EMBEDDED).encode(prompt * 2) if i < 4096})))
-    engine = TensorParallelEngine(str(EMBEDDED), tp=2, device="cpu", draft="mtp", draft_k=3, draft_vocab=str(vocab))
+    engine = TensorParallelEngine(str(model_dir), tp=2, device="cpu", draft="mtp", draft_k=3, draft_vocab=str(vocab))
     try:
         ids = engine.tokenizer.encode(prompt)
         chunks = [c async for c in engine.stream(GenerateRequest(prompt, max_tokens=12, heal=False))]
-        want = reference_greedy(load_model(EMBEDDED, dtype=torch.float32), ids, 12)
+        want = reference_greedy(load_model(model_dir, dtype=torch.float32), ids, 12)
         cut = next((i for i, t in enumerate(want) if t in engine.tokenizer.eos_ids), len(want))
         assert "".join(c.text for c in chunks) == engine.tokenizer.decode(want[:cut])
         assert engine.runner.spec.stats.rounds > 0 and engine.runner.spec.drafter.vocab is not None
