@@ -40,7 +40,7 @@ def _before(ev: dict) -> str:
     if not any(name.startswith("shipped before") for name in ev["results"]):
         return (" The model it replaces was not at hand in the run (its weights did not travel with it); "
                 "docs/training-log.md compares the two.")
-    return (" `shipped before` is the ling-nano this one replaces, prompted as its card said, on the same cases.")
+    return " `shipped before` is the ling-nano this one replaces, prompted as its card said, on the same cases."
 
 
 def _init(log: dict) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lingls.engine.local import has_weights
 from lingls.model import LingConfig, load_model, save_checkpoint
 from training import card, fla_kernels, plots
 from training.baselines import NGramCompleter, repeat_previous_line
@@ -191,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = TrainSettings(batch_size=batch_size, max_seconds=train_seconds, seed=args.seed, lr=args.lr,
                              compile=compiled, compile_ce=compiled_ce, kernel_route=kernel_route)
     compare = None
-    # loaded now: --out may be its own dir
-    if args.compare and not args.train_only and (args.compare / "model.safetensors").is_file():
+    # loaded now: --out may be its own dir; the shipped model's weights are packed (lingls.model.packed)
+    if args.compare and not args.train_only and has_weights(args.compare):
         compare = (load_model(args.compare, device=args.device, dtype=torch.float32),
                    Tokenizer.from_file(str(args.compare / "tokenizer.json")),
                    json.loads((args.compare / "tokenizer_config.json").read_text()).get("completion_prompt", "psm"))
